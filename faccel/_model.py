@@ -1,0 +1,112 @@
+"""Models: moved, wrapped for precision and DDP, and unwrapped again.
+
+The user's module is never monkey-patched: precision comes from a thin outer
+module whose forward runs the user's forward under autocast, and DDP wraps
+that. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from faccel._state import DistState
+from faccel.errors import PrepareError
+
+__all__ = ["Autocast", "prepare_module", "unwrap_model"]
+
+
+def _to_float32(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.float() if tree.dtype in (torch.float16, torch.bfloat16) else tree
+    if isinstance(tree, tuple):
+        items = [_to_float32(item) for item in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    if isinstance(tree, list):
+        return [_to_float32(item) for item in tree]
+    if isinstance(tree, dict):
+        return type(tree)({key: _to_float32(value) for key, value in tree.items()})
+    return tree
+
+
+class Autocast(nn.Module):
+    """Runs ``module``'s forward under ``torch.autocast`` and returns float32 outputs.
+
+    Float32 outputs keep the loss, computed outside the model, in full
+    precision, as with hand-written autocast code.
+    """
+
+    def __init__(self, module: nn.Module, *, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.module(*args, **kwargs)
+        return _to_float32(out)
+
+
+# Layers that wrap a module and keep it in an attribute: peeled by unwrap_model.
+_WRAPPERS: tuple[tuple[type, str], ...] = (
+    (DistributedDataParallel, "module"),
+    (Autocast, "module"),
+)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside every wrapper that ``prepare`` (or ``torch.compile``) added.
+
+    Example:
+        >>> import torch, faccel
+        >>> net = torch.nn.Linear(2, 1)
+        >>> dist = faccel.DistState.simulated(precision="bf16")
+        >>> faccel.unwrap_model(faccel.prepare(dist, net)) is net
+        True
+    """
+    while True:
+        for kind, attribute in _WRAPPERS:
+            if isinstance(model, kind):
+                model = getattr(model, attribute)
+                break
+        else:
+            original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+            if isinstance(original, nn.Module):
+                model = original
+                continue
+            return model
+
+
+def _check_prepared(dist: DistState, model: nn.Module) -> nn.Module:
+    is_ddp = isinstance(model, DistributedDataParallel)
+    inner = model.module if is_ddp else model
+    dtype = inner.dtype if isinstance(inner, Autocast) else None
+    if is_ddp != dist.distributed or dtype != dist.autocast_dtype:
+        msg = (
+            f"this model was prepared under another DistState (DDP: {is_ddp}, autocast: {dtype}); "
+            f"this one wants DDP: {dist.distributed}, autocast: {dist.autocast_dtype}. "
+            "Prepare the unwrapped model (faccel.unwrap_model(model)) instead"
+        )
+        raise PrepareError(msg)
+    return model
+
+
+def prepare_module(
+    dist: DistState, model: nn.Module, *, ddp_kwargs: Mapping[str, Any] | None = None
+) -> nn.Module:
+    """Move ``model`` to ``dist.device`` (in place) and wrap it for precision and DDP."""
+    if isinstance(model, DistributedDataParallel | Autocast):
+        return _check_prepared(dist, model)
+    model.to(dist.device)  # in place: the optimizer's parameter references stay valid
+    wrapped: nn.Module = model
+    if dist.autocast_dtype is not None:
+        wrapped = Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
+    if dist.distributed:
+        device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(ddp_kwargs or {}))
+    return wrapped

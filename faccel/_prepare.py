@@ -1,0 +1,151 @@
+"""``prepare``: each object made ready for the DistState, returned in the order given."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from faccel._data import PreparedLoader, prepare_loader
+from faccel._model import prepare_module
+from faccel._state import DistState
+from faccel._typecheck import setup_checked
+from faccel.errors import PrepareError
+
+__all__ = ["prepare"]
+
+_Options = Mapping[str, Any]
+
+
+def _module(dist: DistState, obj: Any, options: _Options) -> Any:
+    before = list(obj.parameters())
+    prepared = prepare_module(dist, obj, ddp_kwargs=options["ddp_kwargs"])
+    # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
+    # objects for some devices (meta, XLA); optimizers of this call are pointed at them.
+    for old, new in zip(before, obj.parameters(), strict=True):
+        if old is not new:
+            options["moved"][id(old)] = new
+    return prepared
+
+
+def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
+    # The optimizer holds the same Parameter objects the model moved, so it needs no
+    # wrapper; state loaded earlier (on another device) follows its parameter.
+    moved = options["moved"]
+    if moved:
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        for old in [p for p in optimizer.state if id(p) in moved]:
+            optimizer.state[moved[id(old)]] = optimizer.state.pop(old)
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
+                state[key] = value.to(param.device)
+    return optimizer
+
+
+def _loader(dist: DistState, loader: Any, options: _Options) -> Any:
+    return prepare_loader(dist, loader, even_batches=options["even_batches"])
+
+
+def _prepared_loader(dist: DistState, loader: Any, options: _Options) -> Any:
+    s = loader.sharding
+    if (s.rank, s.world_size, s.seed, loader.device) != (
+        dist.rank,
+        dist.world_size,
+        dist.seed,
+        dist.device,
+    ):
+        msg = (
+            f"this loader was prepared for rank {s.rank} of {s.world_size} (seed {s.seed}, "
+            f"{loader.device}), not for rank {dist.rank} of {dist.world_size} (seed {dist.seed}, "
+            f"{dist.device}); prepare the original DataLoader (loader.dataloader is the rebuilt one)"
+        )
+        raise PrepareError(msg)
+    return loader
+
+
+def _unchanged(dist: DistState, obj: Any, options: _Options) -> Any:
+    return obj
+
+
+# What prepare does with each kind of object: the first matching row wins.
+# LR schedulers pass through unchanged: each scheduler.step() call advances them once,
+# so they advance once per optimizer step whatever the world size.
+_HANDLERS: tuple[tuple[type, Callable[[DistState, Any, _Options], Any]], ...] = (
+    (nn.Module, _module),
+    (torch.optim.Optimizer, _optimizer),
+    (torch.optim.lr_scheduler.LRScheduler, _unchanged),
+    (DataLoader, _loader),
+    (PreparedLoader, _prepared_loader),
+)
+
+
+def _prepare_one(dist: DistState, obj: Any, options: _Options) -> Any:
+    for kind, handler in _HANDLERS:
+        if isinstance(obj, kind):
+            return handler(dist, obj, options)
+    return obj
+
+
+@setup_checked
+def prepare(
+    dist: DistState,
+    *objs: Any,
+    even_batches: bool = True,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """Make models, optimizers, schedulers and loaders ready for ``dist``.
+
+    Returns the objects in the order given: a tuple, or the object itself when
+    given one. Anything that is not a module, optimizer, scheduler or loader is
+    returned unchanged, so ``prepare`` can take the whole list at once.
+
+    * ``nn.Module``: moved to ``dist.device`` *in place*; wrapped so its forward
+      runs under autocast when ``dist.precision`` is not ``'no'``; wrapped in
+      ``DistributedDataParallel`` when there are peer processes. Your module
+      object is not modified otherwise; :func:`unwrap_model` gives it back.
+    * Optimizer: returned as is (it already holds the moved parameters; where a
+      device makes new Parameter objects, optimizers prepared in the same call
+      are pointed at them); state tensors follow their parameter's device.
+    * LR scheduler: returned as is; it advances once per ``scheduler.step()``.
+    * ``DataLoader``: rebuilt as a :class:`PreparedLoader` that reads this
+      rank's shard (see :class:`Sharding`) with the same batch size per process,
+      and delivers batches on ``dist.device``.
+    * Already prepared objects come back unchanged (prepared for another
+      ``DistState``: :class:`~faccel.errors.PrepareError`).
+
+    Args:
+        dist: The run's :class:`DistState`.
+        *objs: The objects to prepare, in any order.
+        even_batches: Pad the last batches (repeating the fewest samples) so that
+            every rank sees the same number of batches; without it, ranks may
+            differ by one batch, which can hang DDP.
+        ddp_kwargs: Keyword arguments for ``DistributedDataParallel``.
+
+    Returns:
+        The prepared objects in the given order (one object: itself).
+
+    Raises:
+        PrepareError: A loader faccel cannot shard, or an object prepared for
+            another ``DistState``.
+
+    Example:
+        >>> import torch, faccel
+        >>> dist = faccel.detect({})
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randn(10, 1))
+        >>> loader = torch.utils.data.DataLoader(data, batch_size=4)
+        >>> model, optimizer, loader, tag = faccel.prepare(dist, model, optimizer, loader, "tag")
+        >>> (len(loader), loader.batch_size, tag)
+        (3, 4, 'tag')
+    """
+    options = {"even_batches": even_batches, "ddp_kwargs": ddp_kwargs, "moved": {}}
+    prepared = tuple(_prepare_one(dist, obj, options) for obj in objs)
+    if len(prepared) == 1:
+        return prepared[0]
+    return prepared

@@ -1,0 +1,132 @@
+"""Which samples each rank sees: a pure function of a few integers.
+
+The global order of an epoch is ``torch.randperm(n)`` seeded with
+``seed + epoch`` (or ``range(n)`` without shuffling), exactly as
+``torch.utils.data.DistributedSampler`` draws it. Positions in that order are
+dealt round-robin: position ``p`` goes to rank ``p % world_size``. Each rank
+cuts its positions into batches of ``batch_size``.
+
+* ``drop_last``: only complete rounds of ``world_size * batch_size`` samples
+  are used, so every rank gets the same number of full batches.
+* ``even_batches`` (without ``drop_last``): the order is extended by wrapping
+  around to its start, by the fewest samples that give every rank the same
+  number of batches. Those repeated samples are the *padding*, reported by
+  :attr:`Sharding.padding` and :meth:`Sharding.is_padding`.
+* neither: no sample is repeated; ranks may differ by one batch.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from faccel.errors import PrepareError
+
+__all__ = ["Sharding"]
+
+
+def _non_negative(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if value < 0:
+        msg = f"{attribute.name} must be >= 0, got {value!r}"
+        raise PrepareError(msg)
+
+
+def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if value < 1:
+        msg = f"{attribute.name} must be >= 1, got {value!r}"
+        raise PrepareError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class Sharding:
+    """How one rank's share of a dataset is drawn, epoch by epoch.
+
+    Every method is a pure function of the fields and its arguments.
+
+    Example:
+        >>> s = Sharding(num_samples=7, batch_size=2, rank=2, world_size=3)
+        >>> s.batches(epoch=0)          # position 8 wraps around to sample 1
+        [[2, 5], [1]]
+        >>> (s.num_batches, s.padding, s.is_padding(8))
+        (2, 2, True)
+    """
+
+    num_samples: int = attrs.field(validator=_non_negative)
+    batch_size: int = attrs.field(validator=_positive)
+    rank: int = attrs.field(default=0, validator=_non_negative)
+    world_size: int = attrs.field(default=1, validator=_positive)
+    shuffle: bool = False
+    drop_last: bool = False
+    even_batches: bool = True
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            msg = f"rank must be in [0, {self.world_size}), got {self.rank!r}"
+            raise PrepareError(msg)
+
+    @property
+    def total(self) -> int:
+        """Positions dealt in an epoch over all ranks, padding included."""
+        n, w, b = self.num_samples, self.world_size, self.batch_size
+        if self.drop_last:
+            return (n // (w * b)) * w * b
+        if not self.even_batches or n == 0:
+            return n
+        rounds = -(-n // (w * b))
+        # The last rank must reach one sample into the last batch: w * ((rounds-1)*b + 1).
+        return max(n, w * ((rounds - 1) * b + 1))
+
+    @property
+    def padding(self) -> int:
+        """Repeated samples added so every rank has the same number of batches."""
+        return max(0, self.total - self.num_samples)
+
+    def _count(self, rank: int) -> int:
+        return max(0, -(-(self.total - rank) // self.world_size))
+
+    @property
+    def num_samples_on_rank(self) -> int:
+        """Samples this rank sees in an epoch, padding included."""
+        return self._count(self.rank)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches this rank sees in an epoch."""
+        return -(-self._count(self.rank) // self.batch_size)
+
+    def order(self, epoch: int = 0) -> torch.Tensor:
+        """The global order of dataset indices in ``epoch`` (before dealing)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def positions(self, rank: int | None = None) -> torch.Tensor:
+        """Global positions dealt to ``rank`` (this rank by default), in order."""
+        r = self.rank if rank is None else rank
+        return torch.arange(r, max(r, self.total), self.world_size)
+
+    def is_padding(self, position: int) -> bool:
+        """Whether a global position repeats a sample (and should not be counted)."""
+        return position >= self.num_samples
+
+    def indices(self, epoch: int = 0) -> list[int]:
+        """Dataset indices this rank sees in ``epoch``, padding included."""
+        if self.num_samples == 0:
+            return []
+        positions = self.positions()
+        return self.order(epoch)[positions % self.num_samples].tolist()
+
+    def batches(self, epoch: int = 0, start: int = 0) -> list[list[int]]:
+        """This rank's batches of dataset indices in ``epoch``, from batch ``start`` on."""
+        if start < 0:
+            msg = f"start must be >= 0, got {start!r}"
+            raise PrepareError(msg)
+        b = self.batch_size
+        if self.num_samples == 0 or start >= self.num_batches:
+            return []
+        positions = self.positions()[start * b :]
+        flat = self.order(epoch)[positions % self.num_samples].tolist()
+        return [flat[i : i + b] for i in range(0, len(flat), b)]

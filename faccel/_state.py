@@ -1,0 +1,335 @@
+"""DistState: the static facts of a run, and ``detect`` that reads them.
+
+``state_from_env`` is pure: it takes the environment and the hardware it may
+use as arguments. ``detect`` is the thin edge that reads the real environment
+and hardware and, for more than one process, starts the process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from faccel._launch import parse_launch
+from faccel._typecheck import setup_checked
+from faccel.errors import LaunchError, PrecisionError
+
+__all__ = ["PRECISIONS", "DistState", "detect", "state_from_env"]
+
+# precision name -> autocast dtype (None: full precision, no autocast).
+PRECISIONS: Mapping[str, torch.dtype | None] = {
+    "no": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+# device type -> default process-group backend.
+_BACKENDS: Mapping[str, str] = {"cuda": "nccl", "cpu": "gloo", "mps": "gloo", "xpu": "xccl"}
+# backend -> device types it can move tensors of.
+_BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
+    "gloo": frozenset({"cpu", "cuda", "mps"}),
+    "nccl": frozenset({"cuda"}),
+    "mpi": frozenset({"cpu", "cuda"}),
+    "xccl": frozenset({"xpu"}),
+}
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _check_precision(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
+    if value not in PRECISIONS:
+        msg = f"precision must be one of {sorted(PRECISIONS)}, got {value!r}"
+        raise PrecisionError(msg)
+
+
+def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if value < 1:
+        msg = f"{attribute.name} must be >= 1, got {value!r}"
+        raise LaunchError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class DistState:
+    """The static facts of a run: where this process sits, what it computes on, how.
+
+    A frozen record: update with ``attrs.evolve``. Two records with different
+    settings can live side by side in one process; the process group they
+    describe is PyTorch's own (one per process), started by :func:`detect`.
+
+    Attributes:
+        rank: This process's index in ``[0, world_size)``.
+        local_rank: Its index among the processes on this node.
+        world_size: Number of processes in the job.
+        local_world_size: Number of processes on this node.
+        node_rank: Index of this node.
+        device: Where models and batches go.
+        backend: The ``torch.distributed`` backend (``gloo``, ``nccl``...).
+        precision: ``'no'``, ``'bf16'`` or ``'fp16'``.
+        accumulation_steps: Micro-batches per optimizer step.
+        seed: Seed of the data order (shuffling is a function of seed and epoch).
+        timeout: How long a collective waits for the other ranks.
+        launcher: Who started the process: ``torchrun``, ``slurm``, ``mpi``,
+            ``none`` (plain ``python``) or ``simulated``.
+        master_addr: Rendezvous host, for more than one process.
+        master_port: Rendezvous port, for more than one process.
+        external_store: Whether the rendezvous store is hosted by the launcher.
+
+    Example:
+        >>> import attrs
+        >>> dist = DistState(precision="bf16")
+        >>> attrs.evolve(dist, accumulation_steps=4).accumulation_steps, dist.accumulation_steps
+        (4, 1)
+    """
+
+    rank: int = attrs.field(default=0)
+    local_rank: int = 0
+    world_size: int = attrs.field(default=1, validator=_positive)
+    local_world_size: int = attrs.field(default=1, validator=_positive)
+    node_rank: int = 0
+    device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
+    backend: str = "gloo"
+    precision: str = attrs.field(default="no", validator=_check_precision)
+    accumulation_steps: int = attrs.field(default=1, validator=_positive)
+    seed: int = 0
+    timeout: datetime.timedelta = _DEFAULT_TIMEOUT
+    launcher: str = "none"
+    master_addr: str | None = None
+    master_port: int | None = None
+    external_store: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            msg = f"rank must be in [0, {self.world_size}), got {self.rank!r}"
+            raise LaunchError(msg)
+        if not 0 <= self.local_rank < self.local_world_size:
+            msg = f"local_rank must be in [0, {self.local_world_size}), got {self.local_rank!r}"
+            raise LaunchError(msg)
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on local rank 0 (one process per node)."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when real peer processes exist (world size > 1 and not simulated)."""
+        return self.world_size > 1 and self.launcher != "simulated"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of ``precision``, or None for full precision."""
+        return PRECISIONS[self.precision]
+
+    @classmethod
+    def simulated(
+        cls,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        local_world_size: int | None = None,
+        device: str | torch.device = "cpu",
+        precision: str = "no",
+        accumulation_steps: int = 1,
+        seed: int = 0,
+    ) -> DistState:
+        """A record for rank ``rank`` of a ``world_size`` job, with no process group.
+
+        For tests and for planning: data sharding, accumulation boundaries and
+        checkpoint layouts behave exactly as on that rank. There are no peers,
+        so ``prepare`` does not wrap models in DDP and collectives are refused.
+
+        Example:
+            >>> s = DistState.simulated(rank=3, world_size=8)
+            >>> (s.rank, s.world_size, s.is_main_process, s.distributed)
+            (3, 8, False, False)
+        """
+        lws = world_size if local_world_size is None else local_world_size
+        return cls(
+            rank=rank,
+            local_rank=rank % lws,
+            world_size=world_size,
+            local_world_size=lws,
+            node_rank=rank // lws,
+            device=torch.device(device),
+            backend=_BACKENDS.get(torch.device(device).type, "gloo"),
+            precision=precision,
+            accumulation_steps=accumulation_steps,
+            seed=seed,
+            launcher="simulated",
+        )
+
+
+def _choose_device(
+    requested: str | torch.device | None, local_rank: int, cuda_count: int, mps_available: bool
+) -> torch.device:
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+        if device.type == "cuda" and device.index is not None and device.index >= cuda_count:
+            msg = (
+                f"device {str(device)!r} was asked for but {cuda_count} CUDA device(s) are visible; "
+                "check CUDA_VISIBLE_DEVICES or pass device='cpu'"
+            )
+            raise LaunchError(msg)
+        return device
+    if cuda_count > 0:
+        if local_rank >= cuda_count:
+            msg = (
+                f"LOCAL_RANK={local_rank} needs a GPU of its own but only {cuda_count} CUDA device(s) "
+                "are visible; start at most that many processes per node, or pass device='cpu'"
+            )
+            raise LaunchError(msg)
+        return torch.device("cuda", local_rank)
+    if mps_available:
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _env_int(env: Mapping[str, str], name: str, given: int | None, default: int) -> int:
+    if given is not None:
+        return given
+    if name not in env:
+        return default
+    try:
+        return int(env[name])
+    except ValueError:
+        msg = f"{name} must be an integer, got {name}={env[name]!r}"
+        raise LaunchError(msg) from None
+
+
+@setup_checked
+def state_from_env(
+    env: Mapping[str, str],
+    *,
+    cuda_count: int = 0,
+    mps_available: bool = False,
+    device: str | torch.device | None = None,
+    precision: str | None = None,
+    backend: str | None = None,
+    accumulation_steps: int | None = None,
+    seed: int = 0,
+    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+) -> DistState:
+    """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
+
+    Options override the environment: ``precision`` over ``FACCEL_PRECISION``,
+    ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``.
+
+    Args:
+        env: The launcher's environment.
+        cuda_count: CUDA devices visible to this process.
+        mps_available: Whether Apple's MPS device can be used.
+        device: Force a device (``'cpu'``, ``'cuda'``, ``'cuda:1'``...).
+        precision: ``'no'``, ``'bf16'`` or ``'fp16'``.
+        backend: Force a ``torch.distributed`` backend.
+        accumulation_steps: Micro-batches per optimizer step.
+        seed: Seed of the data order.
+        timeout: How long collectives wait for the other ranks.
+
+    Raises:
+        LaunchError: The environment is malformed, or the device or backend
+            cannot serve this process.
+        PrecisionError: Unknown precision.
+
+    Example:
+        >>> s = state_from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+        ...                     "MASTER_PORT": "29500"}, precision="bf16")
+        >>> (s.rank, s.world_size, str(s.device), s.backend, s.precision)
+        (1, 2, 'cpu', 'gloo', 'bf16')
+    """
+    info = parse_launch(env)
+    chosen = _choose_device(device, info.local_rank, cuda_count, mps_available)
+    if chosen.type == "mps" and info.world_size > 1:
+        msg = f"MPS supports one process only, got WORLD_SIZE={info.world_size}; pass device='cpu'"
+        raise LaunchError(msg)
+    chosen_backend = backend or _BACKENDS.get(chosen.type, "gloo")
+    if chosen.type not in _BACKEND_DEVICES.get(chosen_backend, frozenset({chosen.type})):
+        msg = (
+            f"backend {chosen_backend!r} cannot serve device {str(chosen)!r}; "
+            f"use backend={_BACKENDS.get(chosen.type, 'gloo')!r}"
+        )
+        raise LaunchError(msg)
+    return DistState(
+        rank=info.rank,
+        local_rank=info.local_rank,
+        world_size=info.world_size,
+        local_world_size=info.local_world_size,
+        node_rank=info.node_rank,
+        device=chosen,
+        backend=chosen_backend,
+        precision=precision if precision is not None else env.get("FACCEL_PRECISION", "no"),
+        accumulation_steps=_env_int(env, "FACCEL_ACCUMULATION_STEPS", accumulation_steps, 1),
+        seed=seed,
+        timeout=timeout,
+        launcher=info.launcher,
+        master_addr=info.master_addr,
+        master_port=info.master_port,
+        external_store=info.external_store,
+    )
+
+
+@setup_checked
+def detect(
+    env: Mapping[str, str] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    precision: str | None = None,
+    backend: str | None = None,
+    accumulation_steps: int | None = None,
+    seed: int = 0,
+    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    start: bool = True,
+) -> DistState:
+    """Read the launcher, the hardware and the options into a :class:`DistState`.
+
+    With more than one process (and ``start=True``) the default process group
+    is started once, with the backend recorded in the state; calling ``detect``
+    again reuses it. Stop it with :func:`faccel.shutdown`.
+
+    Args:
+        env: The environment to read; ``os.environ`` when None.
+        device: Force a device; by default ``cuda:LOCAL_RANK``, else ``mps``, else ``cpu``.
+        precision: ``'no'``, ``'bf16'`` or ``'fp16'``; default ``$FACCEL_PRECISION`` or ``'no'``.
+        backend: Force a backend; default ``nccl`` on CUDA, ``gloo`` elsewhere.
+        accumulation_steps: Micro-batches per optimizer step; default
+            ``$FACCEL_ACCUMULATION_STEPS`` or 1.
+        seed: Seed of the data order, the same on every rank.
+        timeout: How long a collective waits for the other ranks before failing.
+        start: Start the process group when the world has more than one process.
+
+    Returns:
+        The frozen record describing this process.
+
+    Raises:
+        LaunchError: Malformed environment (names the variable and its value).
+        DistributedError: A running process group disagrees with the environment.
+
+    Example:
+        >>> dist = detect({})            # plain `python`: one process
+        >>> (dist.rank, dist.world_size, dist.launcher, dist.precision)
+        (0, 1, 'none', 'no')
+    """
+    state = state_from_env(
+        os.environ if env is None else env,
+        cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        mps_available=torch.backends.mps.is_available(),
+        device=device,
+        precision=precision,
+        backend=backend,
+        accumulation_steps=accumulation_steps,
+        seed=seed,
+        timeout=timeout,
+    )
+    if start and state.distributed:
+        from faccel._process_group import start_process_group
+
+        start_process_group(state)
+    return state

@@ -1,0 +1,39 @@
+"""Runtime type checks for set-up functions, paid for on first call, not at import.
+
+``typeguard.typechecked`` recompiles a function's source, which costs
+milliseconds per function; done at import it would make ``import faccel``
+slow. Here the first call instruments the function and keeps the result on
+the wrapper. The per-step path (backward, loader iteration) is never checked.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from faccel.errors import ArgumentError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def setup_checked(fn: F) -> F:
+    """Check the arguments and return value of ``fn`` against its annotations."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        checked = wrapper.__dict__.get("_checked")
+        if checked is None:
+            from typeguard import typechecked
+
+            checked = typechecked(fn)
+            wrapper.__dict__["_checked"] = checked
+        from typeguard import TypeCheckError
+
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as error:
+            msg = f"{fn.__qualname__}(): {error}"
+            raise ArgumentError(msg) from None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,78 @@
+"""Exceptions raised by faccel.
+
+Every error is a :class:`FaccelError` and also the builtin it refines, so
+``except ValueError`` keeps working for callers that do not know faccel.
+Messages say what was expected, what was received, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArgumentError",
+    "CheckpointError",
+    "DistributedError",
+    "FaccelError",
+    "LaunchError",
+    "PrecisionError",
+    "PrepareError",
+]
+
+
+class FaccelError(Exception):
+    """Base class of every error faccel raises on purpose."""
+
+
+class ArgumentError(FaccelError, TypeError):
+    """A set-up function got an argument of the wrong type.
+
+    Cause: e.g. ``detect(seed="0")`` or ``prepare(dist=None, ...)``.
+    Fix: pass the type the message names (the function's signature shows it).
+    """
+
+
+class LaunchError(FaccelError, ValueError):
+    """The launcher's environment is malformed or contradicts itself.
+
+    Cause: a variable such as ``RANK`` or ``SLURM_NTASKS`` is not an integer,
+    is out of range, is missing a partner (``WORLD_SIZE`` without ``RANK``),
+    or two launchers report different ranks for this process.
+    Fix: correct the variable the message names, or launch with ``torchrun``.
+    """
+
+
+class DistributedError(FaccelError, RuntimeError):
+    """The process group could not be started, or is in a state faccel cannot use.
+
+    Cause: an existing default process group disagrees with the ``DistState``
+    (another rank or world size), or a collective needs a group that is not
+    running. Fix: call :func:`faccel.detect` once per process, before any
+    collective, and :func:`faccel.shutdown` at the end.
+    """
+
+
+class PrepareError(FaccelError, TypeError):
+    """An object given to :func:`faccel.prepare` cannot be prepared as asked.
+
+    Cause: a loader with a custom sampler, a batch size faccel cannot shard,
+    or an object prepared under a different ``DistState``.
+    Fix: follow the message; most cases name the argument to change.
+    """
+
+
+class PrecisionError(FaccelError, ValueError):
+    """A precision setting is unknown or a precision step is missing a piece.
+
+    Cause: ``precision`` not one of ``'no'``, ``'bf16'``, ``'fp16'``, or fp16
+    training without a gradient scaler. Fix: as the message says.
+    """
+
+
+class CheckpointError(FaccelError, ValueError):
+    """A checkpoint or saved model is missing, corrupted, foreign or mismatched.
+
+    Cause: a file is absent, truncated or altered (its checksum differs), the
+    format version is unknown, or the saved keys, shapes or dtypes do not
+    match the objects being restored. Nothing has been modified when this is
+    raised. Fix: restore from another checkpoint, or build the objects with
+    the same architecture as when the checkpoint was written.
+    """

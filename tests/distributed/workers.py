@@ -1,0 +1,65 @@
+"""Functions that the two-process tests run on every rank (module level, so picklable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def seed_task(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed loop's synthetic regression task: y = x @ w + noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    return x, x @ w + 0.01 * torch.randn(n, 1, generator=g)
+
+
+def seed_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def seed_loop(steps_per_epoch_batch: int = 8, epochs: int = 2) -> dict[str, Any]:
+    """The seed loop under faccel; returns the final parameters and what detect saw."""
+    import faccel
+
+    dist = faccel.detect()
+    x, y = seed_task()
+    model = seed_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=steps_per_epoch_batch
+    )
+    model, optimizer, loader, scheduler = faccel.prepare(dist, model, optimizer, loader, scheduler)
+    steps = 0
+    for epoch in range(epochs):
+        for inputs, targets in loader.at(epoch=epoch):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            faccel.backward(dist, loss)
+            optimizer.step()
+            scheduler.step()
+            steps += 1
+    params = [p.detach().flatten().tolist() for p in faccel.unwrap_model(model).parameters()]
+    return {
+        "rank": dist.rank,
+        "world_size": dist.world_size,
+        "launcher": dist.launcher,
+        "wrapped": type(model).__name__,
+        "steps": steps,
+        "last_epoch": scheduler.last_epoch,
+        "params": params,
+    }
+
+
+def barrier_order(path: str) -> int:
+    """main_process_first: the main process writes first, the other appends after."""
+    import faccel
+
+    dist = faccel.detect()
+    with faccel.main_process_first(dist), open(path, "a") as handle:
+        handle.write(str(dist.rank))
+    faccel.wait_for_everyone(dist)
+    return dist.rank

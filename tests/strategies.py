@@ -1,0 +1,83 @@
+"""Hypothesis strategies shared by the test modules."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+world_sizes = st.integers(min_value=1, max_value=1024)
+small_world_sizes = st.integers(min_value=1, max_value=16)
+ints_as_text = st.integers(min_value=0, max_value=4096).map(str)
+
+
+@st.composite
+def shardings(draw: st.DrawFn, *, max_samples: int = 100_000, max_world: int = 1024) -> dict:
+    """Keyword arguments of a faccel.Sharding (without rank)."""
+    return {
+        "num_samples": draw(st.integers(min_value=0, max_value=max_samples)),
+        "batch_size": draw(st.integers(min_value=1, max_value=512)),
+        "world_size": draw(st.integers(min_value=1, max_value=max_world)),
+        "shuffle": draw(st.booleans()),
+        "drop_last": draw(st.booleans()),
+        "even_batches": draw(st.booleans()),
+        "seed": draw(st.integers(min_value=0, max_value=2**31)),
+    }
+
+
+@st.composite
+def torchrun_envs(draw: st.DrawFn) -> dict[str, str]:
+    """A valid torchrun environment, nodes of equal size."""
+    nodes = draw(st.integers(min_value=1, max_value=8))
+    per_node = draw(st.integers(min_value=1, max_value=8))
+    node = draw(st.integers(min_value=0, max_value=nodes - 1))
+    local = draw(st.integers(min_value=0, max_value=per_node - 1))
+    env = {
+        "RANK": str(node * per_node + local),
+        "WORLD_SIZE": str(nodes * per_node),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "GROUP_RANK": str(node),
+        "MASTER_ADDR": draw(st.sampled_from(["127.0.0.1", "node0", "10.1.2.3"])),
+        "MASTER_PORT": str(draw(st.integers(min_value=1, max_value=65535))),
+    }
+    return env
+
+
+@st.composite
+def slurm_envs(draw: st.DrawFn) -> dict[str, str]:
+    nodes = draw(st.integers(min_value=1, max_value=8))
+    per_node = draw(st.integers(min_value=1, max_value=8))
+    node = draw(st.integers(min_value=0, max_value=nodes - 1))
+    local = draw(st.integers(min_value=0, max_value=per_node - 1))
+    return {
+        "SLURM_PROCID": str(node * per_node + local),
+        "SLURM_NTASKS": str(nodes * per_node),
+        "SLURM_LOCALID": str(local),
+        "SLURM_NTASKS_PER_NODE": f"{per_node}(x{nodes})" if nodes > 1 else str(per_node),
+        "SLURM_NODEID": str(node),
+        "SLURM_NODELIST": "gpu[07-09]",
+        "SLURM_JOB_ID": str(draw(st.integers(min_value=1, max_value=10**7))),
+    }
+
+
+@st.composite
+def mpi_envs(draw: st.DrawFn) -> dict[str, str]:
+    nodes = draw(st.integers(min_value=1, max_value=8))
+    per_node = draw(st.integers(min_value=1, max_value=8))
+    node = draw(st.integers(min_value=0, max_value=nodes - 1))
+    local = draw(st.integers(min_value=0, max_value=per_node - 1))
+    return {
+        "OMPI_COMM_WORLD_RANK": str(node * per_node + local),
+        "OMPI_COMM_WORLD_SIZE": str(nodes * per_node),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(per_node),
+        "MASTER_ADDR": "head",
+        "MASTER_PORT": "29400",
+    }
+
+
+# Text that int() refuses (after strip), for malformed-variable tests.
+not_integers = st.one_of(
+    # The last one: a non-ASCII digit, which int() accepts alone, made invalid by the x.
+    st.sampled_from(["", "one", "1.5", "0x2", "2 2", "nan", "-", "١x"]),  # noqa: RUF001
+    st.text(alphabet="abcxyz.-", min_size=1, max_size=5),
+)

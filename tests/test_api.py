@@ -1,0 +1,39 @@
+"""The public surface changes only on purpose."""
+
+from __future__ import annotations
+
+import inspect
+
+
+def test_public_names_are_pinned() -> None:
+    import faccel
+
+    assert sorted(faccel.__all__) == sorted(
+        [
+            "DistState",
+            "LaunchInfo",
+            "PreparedLoader",
+            "Sharding",
+            "backward",
+            "detect",
+            "errors",
+            "is_main_process",
+            "main_process_first",
+            "parse_launch",
+            "prepare",
+            "shutdown",
+            "state_from_env",
+            "to_device",
+            "unwrap_model",
+            "wait_for_everyone",
+        ]
+    )
+
+
+def test_every_public_function_has_a_runnable_example() -> None:
+    import faccel
+
+    for name in faccel.__all__:
+        obj = getattr(faccel, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert obj.__doc__ and ">>>" in obj.__doc__, f"{name} has no >>> example"

@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+class _Indexed(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"index": i, "pair": Pair(torch.tensor([float(i)]), [torch.tensor(i)])}
+
+
+class _Stream(IterableDataset):
+    def __init__(self, n: int, sized: bool = True) -> None:
+        self.n, self.sized = n, sized
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("no length")
+        return self.n
+
+
+def _indices(loader) -> list[list[int]]:
+    return [batch.tolist() for batch in loader]
+
+
+def test_nested_batches_keep_their_structure() -> None:
+    import faccel
+
+    loader = faccel.prepare(faccel.detect({}), DataLoader(_Indexed(5), batch_size=2))
+    batches = list(loader)
+    assert len(batches) == len(loader) == 3
+    first = batches[0]
+    assert first["index"].tolist() == [0, 1]
+    assert isinstance(first["pair"], Pair) and first["pair"].x.shape == (2, 1)
+
+
+def test_to_device_moves_every_leaf() -> None:
+    import faccel
+
+    tree = {"a": (torch.ones(1, dtype=torch.float64), [torch.zeros(2)]), "b": Pair(1, "s")}
+    moved = faccel.to_device(tree, torch.device("meta"))
+    assert moved["a"][0].device.type == "meta" and moved["a"][1][0].device.type == "meta"
+    assert moved["b"] == Pair(1, "s") and isinstance(moved["a"], tuple)
+    assert tree["a"][0].device.type == "cpu"  # the input is not mutated
+
+
+@given(
+    st.integers(0, 200),
+    st.integers(1, 16),
+    st.integers(1, 6),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 3),
+)
+@settings(max_examples=40)
+def test_prepared_loader_yields_the_sharding(n, batch, world, shuffle, drop_last, even, epoch) -> None:
+    import faccel
+
+    data = TensorDataset(torch.arange(n))
+    shuffle = shuffle and n > 0  # torch's RandomSampler refuses an empty dataset itself
+    for rank in range(world):
+        dist = faccel.DistState.simulated(rank=rank, world_size=world, seed=3)
+        loader = faccel.prepare(
+            dist,
+            DataLoader(data, batch_size=batch, shuffle=shuffle, drop_last=drop_last),
+            even_batches=even,
+        )
+        expected = loader.sharding.batches(epoch)
+        assert [b[0].tolist() for b in loader.at(epoch=epoch)] == expected
+        assert len(loader) == len(expected) and loader.batch_size == batch
+
+
+@given(st.integers(0, 120), st.integers(1, 8), st.integers(1, 5), st.booleans(), st.booleans())
+@settings(max_examples=40)
+def test_iterable_dataset_is_dealt_like_a_sequential_map(n, batch, world, drop_last, even) -> None:
+    import faccel
+
+    for rank in range(world):
+        dist = faccel.DistState.simulated(rank=rank, world_size=world)
+        stream = faccel.prepare(
+            dist, DataLoader(_Stream(n), batch_size=batch, drop_last=drop_last), even_batches=even
+        )
+        mapped = faccel.prepare(
+            dist,
+            DataLoader(TensorDataset(torch.arange(n)), batch_size=batch, drop_last=drop_last),
+            even_batches=even,
+        )
+        assert _indices(stream) == [b[0].tolist() for b in mapped]
+        assert len(stream) == len(mapped)
+
+
+def test_iterable_without_length_has_no_len_but_iterates() -> None:
+    import faccel
+
+    dist = faccel.DistState.simulated(rank=1, world_size=2)
+    loader = faccel.prepare(dist, DataLoader(_Stream(7, sized=False), batch_size=2))
+    assert _indices(loader) == [[1, 3], [5]]
+    with pytest.raises(TypeError, match="length is unknown"):
+        len(loader)
+
+
+def test_loader_workers_keep_the_order() -> None:
+    import faccel
+
+    dist = faccel.DistState.simulated(rank=0, world_size=2)
+    plain = faccel.prepare(dist, DataLoader(TensorDataset(torch.arange(40)), batch_size=3, shuffle=True))
+    workers = faccel.prepare(
+        dist,
+        DataLoader(
+            TensorDataset(torch.arange(40)),
+            batch_size=3,
+            shuffle=True,
+            num_workers=2,
+            multiprocessing_context="fork",
+        ),
+    )
+    assert [b[0].tolist() for b in workers.at(epoch=2)] == [b[0].tolist() for b in plain.at(epoch=2)]
+    stream = faccel.prepare(
+        dist, DataLoader(_Stream(23), batch_size=3, num_workers=2, multiprocessing_context="fork")
+    )
+    assert _indices(stream) == Sharding_batches(23, 3, 0, 2)
+
+
+def Sharding_batches(n: int, b: int, rank: int, world: int) -> list[list[int]]:
+    import faccel
+
+    return faccel.Sharding(num_samples=n, batch_size=b, rank=rank, world_size=world).batches(0)
+
+
+def test_views_are_frozen_and_independent() -> None:
+    import faccel
+
+    loader = faccel.prepare(
+        faccel.detect({}), DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True)
+    )
+    first = [b[0].tolist() for b in loader]
+    assert [b[0].tolist() for b in loader] == first  # iterating again: the same epoch
+    later = loader.at(epoch=1, start=1)
+    it_later, it_first = iter(later), iter(loader)
+    assert [b[0].tolist() for b in it_first] == first
+    assert [b[0].tolist() for b in it_later] == [b[0].tolist() for b in loader.at(epoch=1)][1:]
+    assert (loader.epoch, loader.start) == (0, 0)
+    with pytest.raises(faccel.errors.PrepareError):
+        loader.at(epoch=-1)
+
+
+def test_iteration_does_not_consume_the_global_rng() -> None:
+    import faccel
+
+    loader = faccel.prepare(
+        faccel.detect({}), DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True)
+    )
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for _ in loader.at(epoch=4):
+        pass
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_loaders_faccel_cannot_shard_are_refused_clearly() -> None:
+    import faccel
+    from faccel.errors import PrepareError
+
+    dist = faccel.detect({})
+    data = TensorDataset(torch.arange(10))
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 10, 10)
+    with pytest.raises(PrepareError, match="WeightedRandomSampler"):
+        faccel.prepare(dist, DataLoader(data, batch_size=2, sampler=weighted))
+    with pytest.raises(PrepareError, match="batch_size=None"):
+        faccel.prepare(dist, DataLoader(data, batch_size=None))
+    batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 2, False)
+
+    class MyBatches(torch.utils.data.BatchSampler):
+        pass
+
+    with pytest.raises(PrepareError, match="MyBatches"):
+        faccel.prepare(dist, DataLoader(data, batch_sampler=MyBatches(range(10), 2, False)))
+    assert len(faccel.prepare(dist, DataLoader(data, batch_sampler=batches))) == 5
