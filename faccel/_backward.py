@@ -6,21 +6,41 @@ from typing import Any
 
 import torch
 
+from faccel._accumulate import MicroStep
 from faccel._state import DistState
+from faccel.errors import AccumulationError, PrecisionError
 
 __all__ = ["backward"]
 
 
-def backward(dist: DistState, loss: torch.Tensor, **kwargs: Any) -> None:
+def backward(
+    dist: DistState,
+    loss: torch.Tensor,
+    *,
+    micro: MicroStep | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    **kwargs: Any,
+) -> None:
     """Run the backward pass of ``loss`` as ``dist`` requires.
 
-    Under DDP the gradients are averaged across ranks during this call (DDP's
-    own hooks); in one process it is ``loss.backward()``.
+    * Accumulation: with ``micro``, the loss is divided by the micro-step's
+      group size, so the accumulated gradient is the mean over the group
+      (the last, partial group of an epoch included).
+    * fp16: with an active ``scaler`` the loss is scaled before backward.
+    * DDP averages gradients across ranks during this call (its own hooks),
+      except inside ``faccel.accumulate`` on a non-syncing micro-step.
 
     Args:
         dist: The run's :class:`DistState`.
         loss: A scalar tensor.
+        micro: The :class:`MicroStep` of this micro-batch; required when
+            ``dist.accumulation_steps > 1``.
+        scaler: The gradient scaler from :func:`grad_scaler`; required under fp16.
         **kwargs: Passed to ``torch.Tensor.backward`` (``retain_graph``...).
+
+    Raises:
+        AccumulationError: Accumulation without ``micro``.
+        PrecisionError: fp16 without ``scaler``.
 
     Example:
         >>> import torch, faccel
@@ -29,4 +49,21 @@ def backward(dist: DistState, loss: torch.Tensor, **kwargs: Any) -> None:
         >>> w.grad.tolist()
         [3.0, 3.0]
     """
+    if micro is not None:
+        if micro.group_size != 1:
+            loss = loss / micro.group_size
+    elif dist.accumulation_steps != 1:
+        msg = (
+            f"accumulation_steps is {dist.accumulation_steps} but backward() got no micro-step, so "
+            "it cannot scale the loss; iterate faccel.micro_batches(dist, loader) and pass micro="
+        )
+        raise AccumulationError(msg)
+    if scaler is not None and scaler.is_enabled():
+        loss = scaler.scale(loss)
+    elif dist.precision == "fp16":
+        msg = (
+            "fp16 training needs loss scaling: create scaler = faccel.grad_scaler(dist) once and "
+            "pass scaler= to faccel.backward and faccel.optimizer_step"
+        )
+        raise PrecisionError(msg)
     loss.backward(**kwargs)

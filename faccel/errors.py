@@ -8,7 +8,9 @@ Messages say what was expected, what was received, and how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "AccumulationError",
     "ArgumentError",
+    "ArgumentValueError",
     "CheckpointError",
     "DistributedError",
     "FaccelError",
@@ -27,6 +29,15 @@ class ArgumentError(FaccelError, TypeError):
 
     Cause: e.g. ``detect(seed="0")`` or ``prepare(dist=None, ...)``.
     Fix: pass the type the message names (the function's signature shows it).
+    """
+
+
+class ArgumentValueError(FaccelError, ValueError):
+    """An argument has the right type but a value faccel cannot use.
+
+    Cause: e.g. ``reduce(dist, t, op="avg")``, a seed outside NumPy's
+    ``[0, 2**32)``, or dict values of different lengths given to
+    ``split_between_processes``. Fix: pass a value in the range the message names.
     """
 
 
@@ -64,6 +75,16 @@ class PrecisionError(FaccelError, ValueError):
 
     Cause: ``precision`` not one of ``'no'``, ``'bf16'``, ``'fp16'``, or fp16
     training without a gradient scaler. Fix: as the message says.
+    """
+
+
+class AccumulationError(FaccelError, ValueError):
+    """Gradient accumulation was asked for but a piece of it is missing or out of range.
+
+    Cause: ``accumulation_steps > 1`` and ``backward`` called without the
+    micro-step (so it cannot scale the loss), or a micro-step index outside
+    the epoch. Fix: iterate ``faccel.micro_batches(dist, loader)`` and pass
+    ``micro=`` to ``backward``.
     """
 
 

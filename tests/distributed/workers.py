@@ -63,3 +63,40 @@ def barrier_order(path: str) -> int:
         handle.write(str(dist.rank))
     faccel.wait_for_everyone(dist)
     return dist.rank
+
+
+def accumulation_loop(accumulation_steps: int = 2, batch_size: int = 4, epochs: int = 1) -> dict[str, Any]:
+    """The accumulation idiom on DDP, counting the all-reduces DDP really issues."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import faccel
+
+    dist = faccel.detect(accumulation_steps=accumulation_steps)
+    x, y = seed_task(n=56)
+    model = seed_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+    model, optimizer, loader = faccel.prepare(dist, model, optimizer, loader)
+    all_reduces: list[int] = []
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        all_reduces.append(1)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    syncs = 0
+    for epoch in range(epochs):
+        for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=epoch)):
+            with faccel.accumulate(dist, model, micro):
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                faccel.backward(dist, loss, micro=micro)
+            if micro.sync:
+                syncs += 1
+                faccel.optimizer_step(dist, optimizer)
+                optimizer.zero_grad()
+    return {
+        "syncs": syncs,
+        "micro_steps": len(loader) * epochs,
+        "all_reduces": len(all_reduces),
+        "params": [p.detach().flatten().tolist() for p in faccel.unwrap_model(model).parameters()],
+    }

@@ -1,0 +1,134 @@
+"""Gradient accumulation, with the boundary as a pure function of plain integers.
+
+Micro-step ``i`` of an epoch with ``n`` batches and ``k`` accumulation steps
+belongs to group ``i // k``; the group syncs (all-reduces and steps) at its
+last micro-step, and its losses are divided by the group's real size, so the
+last, partial group of an epoch is weighted correctly. No counter is kept
+anywhere: :func:`micro_batches` derives each :class:`MicroStep` from the
+loader's position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from faccel._state import DistState
+from faccel.errors import AccumulationError
+
+__all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step"]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class MicroStep:
+    """Where a micro-batch sits in its accumulation group.
+
+    Attributes:
+        index: The micro-step's index in the epoch (batches consumed before it).
+        sync: Whether this micro-step ends its group: gradients are all-reduced
+            and the optimizer steps after it.
+        group_size: Micro-steps in this group (its losses are divided by it).
+
+    Example:
+        >>> micro_step(9, accumulation_steps=4, num_batches=10)
+        MicroStep(index=9, sync=True, group_size=2)
+    """
+
+    index: int
+    sync: bool
+    group_size: int
+
+
+def micro_step(index: int, *, accumulation_steps: int, num_batches: int | None) -> MicroStep:
+    """The :class:`MicroStep` of micro-batch ``index``. Pure.
+
+    Args:
+        index: Batches consumed in the epoch before this one.
+        accumulation_steps: Micro-batches per optimizer step.
+        num_batches: Batches in the epoch; None when unknown (then every group
+            is taken as full and the caller must say when the data ends).
+
+    Raises:
+        AccumulationError: ``index`` outside ``[0, num_batches)`` or steps < 1.
+
+    Example:
+        >>> [micro_step(i, accumulation_steps=2, num_batches=5).sync for i in range(5)]
+        [False, True, False, True, True]
+    """
+    if accumulation_steps < 1:
+        msg = f"accumulation_steps must be >= 1, got {accumulation_steps!r}"
+        raise AccumulationError(msg)
+    if index < 0 or (num_batches is not None and index >= num_batches):
+        msg = f"micro-step index must be in [0, {num_batches}), got {index!r}"
+        raise AccumulationError(msg)
+    first = index - index % accumulation_steps
+    end = first + accumulation_steps if num_batches is None else min(first + accumulation_steps, num_batches)
+    return MicroStep(index=index, sync=index == end - 1, group_size=end - first)
+
+
+def _groups(iterable: Iterable[Any], size: int, first: int) -> Iterator[list[Any]]:
+    iterator = iter(iterable)
+    while group := list(itertools.islice(iterator, first)):
+        yield group
+        first = size
+
+
+def micro_batches(dist: DistState, loader: Iterable[Any]) -> Iterator[tuple[MicroStep, Any]]:
+    """Pair each batch of ``loader`` with its :class:`MicroStep` under ``dist.accumulation_steps``.
+
+    Indices count from ``loader.start`` for a resumed :class:`PreparedLoader`.
+    For a loader without a length, each group's batches are read before the
+    group starts, so the size of the final, partial group is known and its
+    losses are scaled right.
+
+    Example:
+        >>> import faccel
+        >>> dist = faccel.DistState(accumulation_steps=2)
+        >>> [(m.index, m.sync, m.group_size) for m, _ in faccel.micro_batches(dist, "abc")]
+        [(0, False, 2), (1, True, 2), (2, True, 1)]
+    """
+    k = dist.accumulation_steps
+    start = getattr(loader, "start", 0)
+    try:
+        total: int | None = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    if total is not None:
+        for offset, batch in enumerate(loader):
+            yield micro_step(start + offset, accumulation_steps=k, num_batches=total), batch
+        return
+    # Groups stay aligned to the epoch (index // k) when resuming mid-epoch.
+    index = start
+    for group in _groups(loader, k, k - start % k):
+        size = index % k + len(group)
+        for position, batch in enumerate(group):
+            micro = MicroStep(index=index, sync=position == len(group) - 1, group_size=size)
+            yield micro, batch
+            index += 1
+
+
+def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextlib.AbstractContextManager[Any]:
+    """A context for the forward and backward of ``micro``: DDP's ``no_sync`` unless it syncs.
+
+    Gradients of non-syncing micro-steps stay local (no all-reduce); the
+    syncing micro-step all-reduces the accumulated sum once.
+
+    Example:
+        >>> import torch, faccel
+        >>> dist = faccel.DistState(accumulation_steps=2)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> for micro, x in faccel.micro_batches(dist, [torch.ones(1, 2)] * 2):
+        ...     with faccel.accumulate(dist, model, micro):
+        ...         faccel.backward(dist, model(x).sum(), micro=micro)
+        >>> model.bias.grad.item()
+        1.0
+    """
+    if micro.sync or not isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()

@@ -1,0 +1,113 @@
+"""Gradient clipping that knows about the fp16 scaler and wrapped models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from faccel._model import unwrap_model
+from faccel._state import DistState
+from faccel.errors import PrecisionError
+
+__all__ = ["clip_grad_norm", "clip_grad_value"]
+
+Params = nn.Module | torch.Tensor | Iterable[torch.Tensor]
+
+
+def _params(model_or_params: Params) -> list[torch.Tensor]:
+    if isinstance(model_or_params, nn.Module):
+        return list(unwrap_model(model_or_params).parameters())
+    if isinstance(model_or_params, torch.Tensor):
+        return [model_or_params]
+    return list(model_or_params)
+
+
+def _unscale(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer | None) -> None:
+    if scaler is None or not scaler.is_enabled():
+        return
+    if optimizer is None:
+        msg = (
+            "clipping fp16 gradients needs them unscaled first, and the scaler unscales per "
+            "optimizer: pass optimizer= along with scaler="
+        )
+        raise PrecisionError(msg)
+    scaler.unscale_(optimizer)
+
+
+def clip_grad_norm(
+    dist: DistState,
+    model_or_params: Params,
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients' total norm to ``max_norm`` and return the norm before clipping.
+
+    Call it after the backward of a syncing micro-step and before
+    :func:`optimizer_step`. Under DDP the gradients are already averaged, so
+    every rank computes the same norm. With an active fp16 ``scaler`` the
+    gradients of ``optimizer`` are unscaled first (once per step; the scaler
+    remembers, and ``optimizer_step`` does not unscale again).
+
+    Args:
+        dist: The run's :class:`DistState`.
+        model_or_params: A (prepared) model, a tensor, or an iterable of tensors.
+        max_norm: The largest total norm allowed.
+        norm_type: The p of the p-norm (``inf`` for the max norm).
+        scaler: The fp16 gradient scaler, or None.
+        optimizer: The optimizer whose gradients the scaler must unscale.
+        error_if_nonfinite: Raise if the total norm is NaN or inf.
+        foreach: As for ``torch.nn.utils.clip_grad_norm_``.
+
+    Returns:
+        The total norm of the gradients before clipping.
+
+    Raises:
+        PrecisionError: An active scaler without ``optimizer``.
+        RuntimeError: ``error_if_nonfinite`` and a non-finite norm (torch's).
+
+    Example:
+        >>> import torch, faccel
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> faccel.clip_grad_norm(faccel.DistState(), [w], 1.0).item()
+        5.0
+        >>> [round(g, 4) for g in w.grad.tolist()]
+        [0.6, 0.8]
+    """
+    _unscale(scaler, optimizer)
+    return torch.nn.utils.clip_grad_norm_(
+        _params(model_or_params),
+        max_norm,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+    )
+
+
+def clip_grad_value(
+    dist: DistState,
+    model_or_params: Params,
+    clip_value: float,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (in place).
+
+    Example:
+        >>> import torch, faccel
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> w.grad = torch.tensor([3.0, -0.5])
+        >>> faccel.clip_grad_value(faccel.DistState(), [w], 1.0)
+        >>> w.grad.tolist()
+        [1.0, -0.5]
+    """
+    _unscale(scaler, optimizer)
+    torch.nn.utils.clip_grad_value_(_params(model_or_params), clip_value)
