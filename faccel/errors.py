@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "DistributedError",
     "FaccelError",
+    "FunctionalError",
     "LaunchError",
     "PrecisionError",
     "PrepareError",
@@ -96,4 +97,14 @@ class CheckpointError(FaccelError, ValueError):
     match the objects being restored. Nothing has been modified when this is
     raised. Fix: restore from another checkpoint, or build the objects with
     the same architecture as when the checkpoint was written.
+    """
+
+
+class FunctionalError(FaccelError, ValueError):
+    """A functional-training call (pytrees, pure optimizers) got inconsistent input.
+
+    Cause: gradients, parameters and optimizer state whose tree structures
+    differ, an optimizer hyperparameter out of range, or a class given to
+    ``register_pytree`` that is not an attrs class. Fix: build the state with
+    the same optimizer's ``init(params)`` and pass trees of the same shape.
     """

@@ -1,0 +1,171 @@
+"""Records as pytrees: the one module that touches ``torch.utils._pytree``.
+
+``torch.func`` transforms and ``tree_map`` walk nested containers through
+PyTorch's pytree registry, which is a private API. Every faccel module goes
+through this one, so a change in PyTorch is fixed here only.
+
+A record registered with :func:`register_pytree` flattens to the values of its
+fields, except fields declared with :func:`static_field`: those (a step count,
+hyperparameters) ride in the tree's structure, as flax's
+``pytree_node=False`` does, so transforms never see them as leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import attrs
+import torch.utils._pytree as _pytree
+
+from faccel.errors import FunctionalError
+
+__all__ = [
+    "TreeSpec",
+    "register_pytree",
+    "static_field",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+]
+
+T = TypeVar("T")
+TreeSpec = _pytree.TreeSpec
+
+_STATIC = "faccel.static"
+
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_leaves = _pytree.tree_leaves
+tree_flatten_with_path = _pytree.tree_flatten_with_path
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``).
+
+    PyTorch's own ``tree_map``, re-exported so that user code needs no private
+    import. Registered records (:func:`register_pytree`) are walked field by
+    field; their static fields are carried over unchanged.
+
+    Args:
+        fn: Called with one leaf of each tree.
+        tree: Any nest of tuples, lists, dicts and registered records.
+        *rest: Trees of the same structure as ``tree``.
+
+    Returns:
+        A tree of the same structure holding ``fn``'s results.
+
+    Example:
+        >>> import torch, faccel
+        >>> faccel.tree_map(lambda a, b: a + b, {"w": torch.ones(2)}, {"w": torch.ones(2)})
+        {'w': tensor([2., 2.])}
+    """
+    return _pytree.tree_map(fn, tree, *rest)
+
+
+def static_field(**kwargs: Any) -> Any:
+    """An ``attrs.field`` kept out of the leaves of a :func:`register_pytree` record.
+
+    Static values live in the tree's structure: ``tree_map`` and ``torch.func``
+    transforms pass them through untouched, and two trees whose static values
+    differ have different structures. Use it for step counts, hyperparameters
+    and other Python values; they must be hashable and comparable with ``==``.
+
+    Args:
+        **kwargs: Passed to ``attrs.field`` (``default=``, ``validator=``...).
+
+    Returns:
+        The field definition.
+
+    Example:
+        >>> import attrs, torch, faccel
+        >>> @faccel.register_pytree
+        ... @attrs.frozen(kw_only=True)
+        ... class Counter:
+        ...     total: torch.Tensor
+        ...     step: int = faccel.static_field(default=0)
+        >>> faccel.tree_map(lambda t: t + 1, Counter(total=torch.zeros(1), step=3))
+        Counter(total=tensor([1.]), step=3)
+    """
+    metadata = {**kwargs.pop("metadata", {}), _STATIC: True}
+    return attrs.field(metadata=metadata, **kwargs)
+
+
+def _is_static(field: attrs.Attribute) -> bool:  # type: ignore[type-arg]
+    return bool(field.metadata.get(_STATIC, False))
+
+
+def register_pytree(cls: type[T]) -> type[T]:
+    """Register the attrs class ``cls`` as a pytree node; returns ``cls``.
+
+    Its fields become children in declaration order, except those declared
+    with :func:`static_field`, which are kept in the tree's structure.
+    Unflattening rebuilds an instance without running ``__init__`` (validators
+    and converters are skipped), because transforms put other things than
+    tensors in the leaves (``tree_map(lambda t: t.shape, ...)``, functorch's
+    wrapped tensors). Key paths name the fields (``tree_flatten_with_path``).
+
+    Use it as a decorator above ``@attrs.frozen``. Registering a class twice is
+    a no-op.
+
+    Args:
+        cls: An attrs class.
+
+    Returns:
+        ``cls`` itself.
+
+    Raises:
+        FunctionalError: ``cls`` is not an attrs class.
+
+    Example:
+        >>> import attrs, torch, faccel
+        >>> @faccel.register_pytree
+        ... @attrs.frozen(kw_only=True)
+        ... class Pair:
+        ...     a: torch.Tensor
+        ...     b: torch.Tensor
+        ...     name: str = faccel.static_field(default="pair")
+        >>> import torch.utils._pytree as pytree
+        >>> leaves, spec = pytree.tree_flatten(Pair(a=torch.zeros(1), b=torch.ones(1)))
+        >>> len(leaves), pytree.tree_unflatten(leaves, spec).name
+        (2, 'pair')
+    """
+    if not attrs.has(cls):
+        msg = (
+            f"register_pytree() needs an attrs class, got {cls!r}; "
+            "decorate the class with @attrs.frozen(kw_only=True) below @register_pytree"
+        )
+        raise FunctionalError(msg)
+    if cls in _pytree.SUPPORTED_NODES:
+        return cls
+    fields = attrs.fields(cls)
+    children = tuple(f.name for f in fields if not _is_static(f))
+    statics = tuple(f.name for f in fields if _is_static(f))
+    keys = tuple(_pytree.GetAttrKey(name) for name in children)
+
+    def flatten(obj: Any) -> tuple[list[Any], Any]:
+        return [getattr(obj, n) for n in children], tuple(getattr(obj, n) for n in statics)
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+        values, context = flatten(obj)
+        return list(zip(keys, values, strict=True)), context
+
+    def unflatten(values: Iterable[Any], context: Any) -> Any:
+        obj = object.__new__(cls)
+        # attrs' frozen classes are built the same way: through object.__setattr__.
+        for name, value in zip(children, values, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(statics, context, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    _pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=flatten_with_keys,
+    )
+    return cls
