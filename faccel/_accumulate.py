@@ -19,6 +19,7 @@ import attrs
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._model import is_sharded
 from faccel._state import DistState
 from faccel.errors import AccumulationError
 
@@ -117,7 +118,8 @@ def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextli
     """A context for the forward and backward of ``micro``: DDP's ``no_sync`` unless it syncs.
 
     Gradients of non-syncing micro-steps stay local (no all-reduce); the
-    syncing micro-step all-reduces the accumulated sum once.
+    syncing micro-step all-reduces the accumulated sum once. FSDP2 models get
+    ``set_requires_gradient_sync(False)`` for the block instead.
 
     Example:
         >>> import torch, faccel
@@ -129,6 +131,20 @@ def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextli
         >>> model.bias.grad.item()
         1.0
     """
-    if micro.sync or not isinstance(model, DistributedDataParallel):
+    if micro.sync:
         return contextlib.nullcontext()
-    return model.no_sync()
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    if is_sharded(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    # FSDP2's switch: gradients stay unsharded and un-reduced until a syncing backward.
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]

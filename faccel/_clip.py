@@ -51,7 +51,8 @@ def clip_grad_norm(
 
     Call it after the backward of a syncing micro-step and before
     :func:`optimizer_step`. Under DDP the gradients are already averaged, so
-    every rank computes the same norm. With an active fp16 ``scaler`` the
+    every rank computes the same norm; under FSDP2 the norm of the sharded
+    gradients is reduced across ranks, and returned as a plain tensor. With an active fp16 ``scaler`` the
     gradients of ``optimizer`` are unscaled first (once per step; the scaler
     remembers, and ``optimizer_step`` does not unscale again).
 
@@ -82,13 +83,16 @@ def clip_grad_norm(
         [0.6, 0.8]
     """
     _unscale(scaler, optimizer)
-    return torch.nn.utils.clip_grad_norm_(
+    norm = torch.nn.utils.clip_grad_norm_(
         _params(model_or_params),
         max_norm,
         norm_type=norm_type,
         error_if_nonfinite=error_if_nonfinite,
         foreach=foreach,
     )
+    # FSDP2: the norm of sharded (DTensor) gradients is a DTensor; hand back a plain one.
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
 
 
 def clip_grad_value(

@@ -7,7 +7,7 @@ that. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._state import DistState
 from faccel.errors import PrepareError
 
-__all__ = ["Autocast", "prepare_module", "unwrap_model"]
+__all__ = ["Autocast", "default_shard_policy", "is_sharded", "prepare_module", "unwrap_model"]
 
 
 def _to_float32(tree: Any) -> Any:
@@ -96,17 +96,74 @@ def _check_prepared(dist: DistState, model: nn.Module) -> nn.Module:
     return model
 
 
-def prepare_module(
-    dist: DistState, model: nn.Module, *, ddp_kwargs: Mapping[str, Any] | None = None
-) -> nn.Module:
-    """Move ``model`` to ``dist.device`` (in place) and wrap it for precision and DDP."""
-    if isinstance(model, DistributedDataParallel | Autocast):
-        return _check_prepared(dist, model)
-    model.to(dist.device)  # in place: the optimizer's parameter references stay valid
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``model`` (without importing FSDP)."""
+    return hasattr(model, "set_requires_gradient_sync") and hasattr(model, "reshard")
+
+
+ShardPolicy = Callable[[nn.Module], bool]
+
+
+def default_shard_policy(root: nn.Module) -> ShardPolicy:
+    """Shard each block of the first ``ModuleList`` (transformer layers), else each child.
+
+    Each block becomes one FSDP2 unit: its parameters are gathered just before
+    its forward and freed after, which is what bounds the peak memory.
+    """
+    blocks = next((m for m in root.modules() if isinstance(m, nn.ModuleList)), None)
+    units = {id(m) for m in (blocks if blocks is not None else root.children())}
+    return lambda module: id(module) in units and any(True for _ in module.parameters())
+
+
+def _wrap_ddp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
     wrapped: nn.Module = model
     if dist.autocast_dtype is not None:
         wrapped = Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
     if dist.distributed:
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(ddp_kwargs or {}))
+        wrapped = DistributedDataParallel(
+            wrapped, device_ids=device_ids, **dict(options.get("ddp_kwargs") or {})
+        )
     return wrapped
+
+
+def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    if not dist.distributed:
+        return _wrap_ddp(dist, model, options)  # one process: nothing to shard over
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = dist.autocast_dtype
+    # FSDP2 casts parameters itself (and all-reduces in float32), so no autocast layer.
+    policy = MixedPrecisionPolicy(
+        param_dtype=dtype,
+        reduce_dtype=torch.float32 if dtype is not None else None,
+        output_dtype=torch.float32 if dtype is not None else None,
+    )
+    should_shard = options.get("shard_policy") or default_shard_policy(model)
+    # Innermost first: fully_shard on a parent skips parameters its children already own.
+    for module in reversed(list(model.modules())):
+        if module is not model and should_shard(module):
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+# How each strategy wraps a model that has been moved to its device.
+_STRATEGIES: Mapping[str, Callable[[DistState, nn.Module, Mapping[str, Any]], nn.Module]] = {
+    "ddp": _wrap_ddp,
+    "fsdp": _wrap_fsdp,
+}
+
+
+def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    """Move ``model`` to ``dist.device`` (in place) and wrap it as ``dist.strategy`` says.
+
+    Under ``'fsdp'`` FSDP2's ``fully_shard`` changes the module in place (its
+    class and its parameters, which become DTensors); that is FSDP2's design.
+    """
+    if isinstance(model, DistributedDataParallel | Autocast):
+        return _check_prepared(dist, model)
+    if is_sharded(model):
+        return model
+    model.to(dist.device)  # in place: the optimizer's parameter references stay valid
+    return _STRATEGIES[dist.strategy](dist, model, options)

@@ -22,9 +22,10 @@ _Options = Mapping[str, Any]
 
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
     before = list(obj.parameters())
-    prepared = prepare_module(dist, obj, ddp_kwargs=options["ddp_kwargs"])
+    prepared = prepare_module(dist, obj, options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
-    # objects for some devices (meta, XLA); optimizers of this call are pointed at them.
+    # objects for some devices (meta, XLA), as fully_shard does (DTensors); optimizers
+    # prepared in the same call are pointed at the new ones.
     for old, new in zip(before, obj.parameters(), strict=True):
         if old is not new:
             options["moved"][id(old)] = new
@@ -97,6 +98,7 @@ def prepare(
     *objs: Any,
     even_batches: bool = True,
     ddp_kwargs: Mapping[str, Any] | None = None,
+    shard_policy: Callable[[nn.Module], bool] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -106,8 +108,10 @@ def prepare(
 
     * ``nn.Module``: moved to ``dist.device`` *in place*; wrapped so its forward
       runs under autocast when ``dist.precision`` is not ``'no'``; wrapped in
-      ``DistributedDataParallel`` when there are peer processes. Your module
-      object is not modified otherwise; :func:`unwrap_model` gives it back.
+      ``DistributedDataParallel`` when there are peer processes (or sharded
+      with FSDP2 under ``dist.strategy == 'fsdp'``, which changes the module in
+      place). Under DDP your module object is not modified otherwise;
+      :func:`unwrap_model` gives it back.
     * Optimizer: returned as is (it already holds the moved parameters; where a
       device makes new Parameter objects, optimizers prepared in the same call
       are pointed at them); state tensors follow their parameter's device.
@@ -125,6 +129,10 @@ def prepare(
             every rank sees the same number of batches; without it, ranks may
             differ by one batch, which can hang DDP.
         ddp_kwargs: Keyword arguments for ``DistributedDataParallel``.
+        shard_policy: Under ``strategy='fsdp'``: which submodules become FSDP2
+            units (``fully_shard`` is applied to each, innermost first, then to
+            the root). Default: each block of the first ``ModuleList``, else
+            each child module with parameters.
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -144,7 +152,12 @@ def prepare(
         >>> (len(loader), loader.batch_size, tag)
         (3, 4, 'tag')
     """
-    options = {"even_batches": even_batches, "ddp_kwargs": ddp_kwargs, "moved": {}}
+    options = {
+        "even_batches": even_batches,
+        "ddp_kwargs": ddp_kwargs,
+        "shard_policy": shard_policy,
+        "moved": {},
+    }
     prepared = tuple(_prepare_one(dist, obj, options) for obj in objs)
     if len(prepared) == 1:
         return prepared[0]

@@ -36,12 +36,20 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
     "xccl": frozenset({"xpu"}),
 }
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
+STRATEGIES = frozenset({"ddp", "fsdp"})
 
 
 def _check_precision(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
     if value not in PRECISIONS:
         msg = f"precision must be one of {sorted(PRECISIONS)}, got {value!r}"
         raise PrecisionError(msg)
+
+
+def _check_strategy(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
+    if value not in STRATEGIES:
+        msg = f"strategy must be one of {sorted(STRATEGIES)}, got {value!r}"
+        raise LaunchError(msg)
 
 
 def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
@@ -68,6 +76,8 @@ class DistState:
         backend: The ``torch.distributed`` backend (``gloo``, ``nccl``...).
         precision: ``'no'``, ``'bf16'`` or ``'fp16'``.
         accumulation_steps: Micro-batches per optimizer step.
+        strategy: ``'ddp'`` (replicate the model) or ``'fsdp'`` (shard it with
+            FSDP2's ``fully_shard``), used when there are peer processes.
         seed: Seed of the data order (shuffling is a function of seed and epoch).
         timeout: How long a collective waits for the other ranks.
         launcher: Who started the process: ``torchrun``, ``slurm``, ``mpi``,
@@ -92,6 +102,7 @@ class DistState:
     backend: str = "gloo"
     precision: str = attrs.field(default="no", validator=_check_precision)
     accumulation_steps: int = attrs.field(default=1, validator=_positive)
+    strategy: str = attrs.field(default="ddp", validator=_check_strategy)
     seed: int = 0
     timeout: datetime.timedelta = _DEFAULT_TIMEOUT
     launcher: str = "none"
@@ -137,6 +148,7 @@ class DistState:
         device: str | torch.device = "cpu",
         precision: str = "no",
         accumulation_steps: int = 1,
+        strategy: str = "ddp",
         seed: int = 0,
     ) -> DistState:
         """A record for rank ``rank`` of a ``world_size`` job, with no process group.
@@ -161,6 +173,7 @@ class DistState:
             backend=_BACKENDS.get(torch.device(device).type, "gloo"),
             precision=precision,
             accumulation_steps=accumulation_steps,
+            strategy=strategy,
             seed=seed,
             launcher="simulated",
         )
@@ -215,13 +228,15 @@ def state_from_env(
     precision: str | None = None,
     backend: str | None = None,
     accumulation_steps: int | None = None,
+    strategy: str | None = None,
     seed: int = 0,
     timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
     Options override the environment: ``precision`` over ``FACCEL_PRECISION``,
-    ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``.
+    ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``, ``strategy``
+    over ``FACCEL_STRATEGY``.
 
     Args:
         env: The launcher's environment.
@@ -231,6 +246,7 @@ def state_from_env(
         precision: ``'no'``, ``'bf16'`` or ``'fp16'``.
         backend: Force a ``torch.distributed`` backend.
         accumulation_steps: Micro-batches per optimizer step.
+        strategy: ``'ddp'`` or ``'fsdp'``.
         seed: Seed of the data order.
         timeout: How long collectives wait for the other ranks.
 
@@ -267,6 +283,7 @@ def state_from_env(
         backend=chosen_backend,
         precision=precision if precision is not None else env.get("FACCEL_PRECISION", "no"),
         accumulation_steps=_env_int(env, "FACCEL_ACCUMULATION_STEPS", accumulation_steps, 1),
+        strategy=strategy if strategy is not None else env.get("FACCEL_STRATEGY", "ddp"),
         seed=seed,
         timeout=timeout,
         launcher=info.launcher,
@@ -284,6 +301,7 @@ def detect(
     precision: str | None = None,
     backend: str | None = None,
     accumulation_steps: int | None = None,
+    strategy: str | None = None,
     seed: int = 0,
     timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
     start: bool = True,
@@ -301,6 +319,8 @@ def detect(
         backend: Force a backend; default ``nccl`` on CUDA, ``gloo`` elsewhere.
         accumulation_steps: Micro-batches per optimizer step; default
             ``$FACCEL_ACCUMULATION_STEPS`` or 1.
+        strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``) or ``'fsdp'`` to
+            shard models with FSDP2 across the processes.
         seed: Seed of the data order, the same on every rank.
         timeout: How long a collective waits for the other ranks before failing.
         start: Start the process group when the world has more than one process.
@@ -325,6 +345,7 @@ def detect(
         precision=precision,
         backend=backend,
         accumulation_steps=accumulation_steps,
+        strategy=strategy,
         seed=seed,
         timeout=timeout,
     )

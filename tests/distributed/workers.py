@@ -100,3 +100,55 @@ def accumulation_loop(accumulation_steps: int = 2, batch_size: int = 4, epochs: 
         "all_reduces": len(all_reduces),
         "params": [p.detach().flatten().tolist() for p in faccel.unwrap_model(model).parameters()],
     }
+
+
+class Blocks(torch.nn.Module):
+    """A tiny model with a ModuleList of blocks, the shape FSDP2's default policy shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def full_params(model: torch.nn.Module) -> list[list[float]]:
+    """Every parameter as a flat list, gathering FSDP2's DTensor shards."""
+    out = []
+    for p in model.parameters():
+        tensor = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(tensor.detach().flatten().tolist())
+    return out
+
+
+def strategy_loop(strategy: str, accumulation_steps: int = 1, steps: int = 6) -> dict[str, Any]:
+    """The same training (AdamW, clipping, accumulation) under DDP or FSDP2."""
+    import faccel
+
+    dist = faccel.detect(strategy=strategy, accumulation_steps=accumulation_steps)
+    x, y = seed_task(n=96)
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model, optimizer, loader = faccel.prepare(dist, model, optimizer, loader)
+    norms = []
+    for micro, (inputs, targets) in faccel.micro_batches(dist, loader):
+        with faccel.accumulate(dist, model, micro):
+            faccel.backward(dist, torch.nn.functional.mse_loss(model(inputs), targets), micro=micro)
+        if micro.sync:
+            norms.append(faccel.clip_grad_norm(dist, model, 0.5).item())
+            faccel.optimizer_step(dist, optimizer)
+            optimizer.zero_grad()
+            if len(norms) == steps:
+                break
+    sharded = [type(p).__name__ for p in model.parameters()]
+    return {"params": full_params(model), "norms": norms, "param_types": sorted(set(sharded))}
