@@ -1,0 +1,190 @@
+"""`python -m faccel env`: the pure report over any environment, and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.strategies import mpi_envs, not_integers, slurm_envs, torchrun_envs
+
+ROOT = Path(__file__).resolve().parents[1]
+_NAMES = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "FACCEL_PRECISION",
+    "FACCEL_ACCUMULATION_STEPS",
+    "PATH",
+    "HOME",
+]
+_values = st.one_of(st.integers(-2, 9).map(str), not_integers, st.sampled_from(["no", "bf16", "fp16", "fp8"]))
+# Valid launches, valid launches with a few variables overwritten or removed, and noise.
+envs = st.one_of(
+    torchrun_envs(),
+    slurm_envs(),
+    mpi_envs(),
+    st.builds(lambda a, b: {**a, **b}, torchrun_envs(), st.dictionaries(st.sampled_from(_NAMES), _values)),
+    st.builds(lambda a, b: {**a, **b}, slurm_envs(), st.dictionaries(st.sampled_from(_NAMES), _values)),
+    st.builds(
+        lambda e, drop: {k: v for k, v in e.items() if k not in drop},
+        torchrun_envs(),
+        st.sets(st.sampled_from(_NAMES)),
+    ),
+    st.dictionaries(st.sampled_from(_NAMES), _values),
+)
+
+
+@st.composite
+def hardware(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    from faccel._env_report import Hardware
+
+    return Hardware(
+        cuda_names=tuple(draw(st.lists(st.sampled_from(["H100", "A100", "T4"]), max_size=4))),
+        mps_available=draw(st.booleans()),
+        backends={name: draw(st.booleans()) for name in ("gloo", "nccl", "mpi")},
+        platform="Linux-x86_64",
+        cpu_count=draw(st.integers(1, 256)),
+    )
+
+
+@given(envs, hardware())
+def test_the_report_is_what_detect_would_see(env: dict[str, str], hw) -> None:  # type: ignore[no-untyped-def]
+    from faccel import state_from_env
+    from faccel._env_report import VARIABLES, env_report
+    from faccel.errors import FaccelError
+
+    report = env_report(env, versions={"torch": "2.13.0"}, hardware=hw)
+    # Every variable faccel reads is listed, with its value, and nothing else.
+    listed = {name: value for group in report.variables.values() for name, value in group.items()}
+    assert listed == {k: v for k, v in env.items() if any(k in names for names in VARIABLES.values())}
+    try:
+        state = state_from_env(env, cuda_count=hw.cuda_count, mps_available=hw.mps_available)
+    except FaccelError as error:
+        # detect() would raise: the report has no state and shows the error verbatim.
+        assert report.state is None
+        assert f"{type(error).__name__}: {error}" in report.problems
+    else:
+        assert report.state is not None
+        assert (report.launcher, report.state["rank"], report.state["world_size"]) == (
+            state.launcher,
+            state.rank,
+            state.world_size,
+        )
+        assert (report.state["device"], report.state["backend"]) == (str(state.device), state.backend)
+        assert (report.state["precision"], report.state["accumulation_steps"]) == (
+            state.precision,
+            state.accumulation_steps,
+        )
+        usable = not state.distributed or hw.backends[state.backend]
+        assert (report.problems == ()) == usable
+
+
+@given(envs, hardware())
+def test_both_renderings_carry_every_problem(env: dict[str, str], hw) -> None:  # type: ignore[no-untyped-def]
+    from faccel._env_report import env_report, render_text, report_dict
+
+    report = env_report(env, versions={"torch": "2.13.0", "numpy": None}, hardware=hw)
+    data = report_dict(report)
+    assert json.loads(json.dumps(data)) == data
+    assert data["problems"] == list(report.problems)
+    assert data["hardware"]["cuda_count"] == len(hw.cuda_names)
+    text = render_text(report)
+    assert all(problem in text for problem in report.problems)
+    assert "numpy        not installed" in text
+    assert ("none found" in text) == (not report.problems)
+
+
+def test_independent_problems_are_all_reported() -> None:
+    from faccel._env_report import Hardware, env_report
+
+    report = env_report(
+        {"WORLD_SIZE": "2", "RANK": "0", "FACCEL_PRECISION": "fp8"}, versions={}, hardware=Hardware()
+    )
+    assert [p.split(":")[0] for p in report.problems] == ["LaunchError", "PrecisionError"]
+    assert "MASTER_ADDR is not set" in report.problems[0]
+    assert "got 'fp8'" in report.problems[1]
+
+
+def test_a_missing_backend_and_a_second_launcher_are_explained() -> None:
+    from faccel._env_report import Hardware, env_report
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    env |= {"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}
+    report = env_report(env, versions={}, hardware=Hardware(cuda_names=("H100",), backends={"nccl": False}))
+    assert report.state is not None and report.state["backend"] == "nccl"
+    (problem,) = report.problems
+    assert "'nccl', which this build of torch lacks" in problem
+    assert any("slurm are also set; torchrun's win" in note for note in report.notes)
+    assert any("would start a nccl process group at h:29500" in note for note in report.notes)
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "OMPI_"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "faccel", "env", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **env},
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_cli_text_shows_versions_devices_and_the_problem() -> None:
+    done = _cli(WORLD_SIZE="2", RANK="0")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("faccel environment report")
+    import torch
+
+    assert f"torch        {torch.__version__}" in out
+    assert "backends     gloo yes" in out
+    assert "RANK=0  (torchrun)" in out
+    assert "LaunchError: WORLD_SIZE is 2 (from torchrun) but MASTER_ADDR is not set" in out
+
+
+def test_cli_json_is_the_report_of_this_machine() -> None:
+    done = _cli("--json", FACCEL_PRECISION="bf16")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    import torch
+
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["versions"]["faccel"] == "0.1.0"
+    assert data["hardware"]["backends"]["gloo"] is True
+    assert data["state"]["precision"] == "bf16"
+    assert data["variables"]["faccel"] == {"FACCEL_PRECISION": "bf16"}
+    assert data["problems"] == []
+
+
+def test_cli_without_a_command_explains_usage() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "faccel"], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
+    assert done.returncode == 2
+    assert "usage: python -m faccel" in done.stderr
+    assert "{env}" in done.stderr
+
+
+def test_cli_never_starts_a_process_group() -> None:
+    # Rank 1 of a rendezvous nobody hosts: detect() would wait there; the report returns at once.
+    done = _cli(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
+    assert done.returncode == 0, done.stderr
+    assert "would start a gloo process group at 127.0.0.1:9" in done.stdout
+    assert "MASTER_PORT=9  (rendezvous)" in done.stdout
