@@ -279,6 +279,14 @@ def prepare_loader(
     options = _loader_options(loader)
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
+        if loader.persistent_workers:
+            # Persistent workers keep the copy of the stream they started with, so they
+            # could not follow a resume position set later.
+            msg = (
+                "persistent_workers=True cannot be combined with an IterableDataset in prepare(): "
+                "the workers would not see resume positions; build the DataLoader without it"
+            )
+            raise PrepareError(msg)
         length = _length_or_zero(dataset)
         sharding = Sharding(
             num_samples=length,

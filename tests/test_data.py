@@ -194,3 +194,6 @@ def test_loaders_faccel_cannot_shard_are_refused_clearly() -> None:
     with pytest.raises(PrepareError, match="MyBatches"):
         faccel.prepare(dist, DataLoader(data, batch_sampler=MyBatches(range(10), 2, False)))
     assert len(faccel.prepare(dist, DataLoader(data, batch_sampler=batches))) == 5
+    persistent = DataLoader(_Stream(4), batch_size=2, num_workers=1, persistent_workers=True)
+    with pytest.raises(PrepareError, match="persistent_workers"):
+        faccel.prepare(dist, persistent)
