@@ -6,6 +6,9 @@ torchrun --standalone --nproc-per-node 2 examples/seed_loop.py
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,6 +18,7 @@ import faccel
 
 def main(epochs: int = 5) -> float:
     dist = faccel.detect()  # reads torchrun's variables; starts gloo/NCCL for > 1 process
+    log = faccel.get_logger(dist, __name__)  # "[rank 0/2] ...", on the main process only
 
     # Synthetic regression data, the same on every rank (a fixed seed).
     generator = torch.Generator().manual_seed(0)
@@ -33,24 +37,27 @@ def main(epochs: int = 5) -> float:
 
     loss = torch.zeros(())
     for epoch in range(epochs):
-        for batch in loader.at(epoch=epoch):  # a new shuffle each epoch
+        # A new shuffle each epoch; the bar is drawn on the main process only.
+        for batch in faccel.progress(dist, loader.at(epoch=epoch), desc=f"epoch {epoch}", leave=False):
             optimizer.zero_grad()
             inputs, targets = batch
             loss = loss_function(model(inputs), targets)
             faccel.backward(dist, loss)
             optimizer.step()
             scheduler.step()
-        if faccel.is_main_process(dist):
-            print(f"epoch {epoch}: loss {loss.item():.4f}")
+        log.info("epoch %d: loss %.4f", epoch, loss.item())
 
-    if faccel.is_main_process(dist):
-        print(
-            f"world size {dist.world_size}, {len(loader)} batches per rank per epoch, "
-            f"{scheduler.last_epoch} optimizer steps, final loss {loss.item():.4f}"
-        )
+    log.info(
+        "world size %d, %d batches per rank per epoch, %d optimizer steps, final loss %.4f",
+        dist.world_size,
+        len(loader),
+        scheduler.last_epoch,
+        loss.item(),
+    )
     faccel.shutdown(dist)
     return loss.item()
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     main()
