@@ -1,0 +1,472 @@
+"""``checkpoint`` and ``restore``: a TrainState to a folder of safetensors and JSON, atomically.
+
+Layout (the format is specified in docs/checkpoints.md)::
+
+    ROOT/step-000000001200/      one complete checkpoint, named by its step
+        manifest.json            format, version, step, and every file's size and sha256
+        state.json               step, epoch, position, optimizer param groups, scheduler,
+                                 scaler and extras (tagged JSON, see _serialize.py)
+        model.safetensors        the unwrapped model's weights (tied weights once)
+        optimizer.safetensors    the optimizer's state tensors
+        extras.safetensors       tensors of the scheduler, scaler and extras
+        rng-00000.json ...       each rank's Python, NumPy, torch (and CUDA) generators
+    ROOT/.tmp-step-.../          a checkpoint being written: never read
+
+The commit is one ``rename`` of a fully written and fsynced temporary folder,
+so a crash at any moment leaves the earlier checkpoints whole and the partial
+one invisible (restore only reads ``step-*`` folders). Under DDP every rank
+calls ``checkpoint``; rank 0 writes everything but the other ranks' RNG files,
+and the ranks meet three times (prepare, write, commit). All ranks must see
+one shared file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from faccel._consensus import agree_max, together
+from faccel._durable import FileRecord, fsync_dir, read_verified, write_durably
+from faccel._safetensors import parse_header, plan, tensor_views
+from faccel._snapshot import EXTRAS, MODEL, OPTIMIZER, STATE, capture, capture_rng, check, check_rng, load
+from faccel._state import DistState
+from faccel._train_state import TrainState
+from faccel._typecheck import setup_checked
+from faccel.errors import ArgumentValueError, CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "checkpoint",
+    "checkpoint_name",
+    "expected_files",
+    "latest_checkpoint",
+    "restore",
+    "rng_name",
+]
+
+FORMAT = "faccel.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"step-(\d{12,})")
+_LEFTOVER = re.compile(r"\.(tmp|trash)-step-\d{12,}")
+_MAX_MANIFEST = 1 << 20
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint at ``step``: zero-padded, so names sort by step.
+
+    Example:
+        >>> checkpoint_name(1200)
+        'step-000000001200'
+    """
+    return f"step-{step:012d}"
+
+
+def rng_name(rank: int) -> str:
+    """The file holding rank ``rank``'s random generators.
+
+    Example:
+        >>> rng_name(3)
+        'rng-00003.json'
+    """
+    return f"rng-{rank:05d}.json"
+
+
+def expected_files(world_size: int) -> list[str]:
+    """Every file a checkpoint of ``world_size`` ranks holds, besides the manifest.
+
+    Example:
+        >>> expected_files(2)  # doctest: +NORMALIZE_WHITESPACE
+        ['state.json', 'model.safetensors', 'optimizer.safetensors', 'extras.safetensors',
+         'rng-00000.json', 'rng-00001.json']
+    """
+    return [STATE, MODEL, OPTIMIZER, EXTRAS, *(rng_name(rank) for rank in range(world_size))]
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def _parse_json(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        msg = f"{where}: not valid JSON ({str(error)[:120]})"
+        raise CheckpointError(msg) from None
+
+
+def _manifest_step(directory: Path) -> int | None:
+    """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
+    try:
+        with open(directory / MANIFEST, "rb") as handle:
+            manifest = json.loads(handle.read(_MAX_MANIFEST))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    step = manifest.get("step")
+    return step if type(step) is int else None
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        match = _NAME.fullmatch(entry.name)
+        if match and entry.is_dir() and _manifest_step(Path(entry.path)) is not None:
+            found.append((int(match.group(1)), Path(entry.path)))
+    return sorted(found)
+
+
+@setup_checked
+def latest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
+    """The latest complete checkpoint at ``path``, or None when there is none.
+
+    ``path`` may be a checkpoint folder itself (returned as is when complete),
+    or a root folder of ``step-NNNNNNNNNNNN`` checkpoints, of which the one
+    with the highest step counts (only folders with a faccel manifest count;
+    folders being written are named ``.tmp-...`` and never count). No
+    symlink, no "latest" file: nothing to race with.
+
+    Args:
+        path: A checkpoint, or a root folder of them.
+
+    Returns:
+        The checkpoint folder, or None.
+
+    Example:
+        >>> import tempfile
+        >>> latest_checkpoint(tempfile.mkdtemp()) is None
+        True
+    """
+    candidate = Path(path)
+    if _manifest_step(candidate) is not None:
+        return candidate
+    complete = _complete_checkpoints(candidate)
+    return complete[-1][1] if complete else None
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete folders of interrupted writes and deletions (invisible to restore anyway)."""
+    for entry in os.scandir(root):
+        if _LEFTOVER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _rotate(root: Path, keep: int, step: int) -> None:
+    """Delete the oldest checkpoints before ``step``, so that ``keep`` remain with it."""
+    older = [folder for s, folder in _complete_checkpoints(root) if s < step]
+    doomed = older[: max(0, len(older) - (keep - 1))]
+    trashed = []
+    for folder in doomed:
+        trash = root / f".trash-{folder.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(folder, trash)  # invisible at once; deleting the files can then take its time
+        trashed.append(trash)
+    if trashed:
+        fsync_dir(root)
+    for trash in trashed:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_rank0(
+    temporary: Path, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
+) -> dict[str, FileRecord]:
+    records = {}
+    for name in (MODEL, OPTIMIZER, EXTRAS):
+        metadata = {"format": "pt"} if name == MODEL else None
+        records[name] = write_durably(temporary / name, plan(files[name], metadata=metadata))
+    records[STATE] = write_durably(temporary / STATE, [_json_bytes(content)])
+    return records
+
+
+def _commit(
+    dist: DistState,
+    root: Path,
+    temporary: Path,
+    final: Path,
+    records: dict[str, FileRecord],
+    content: dict[str, Any],
+    keep: int | None,
+) -> None:
+    for rank in range(dist.world_size):
+        name = rng_name(rank)
+        if name not in records:  # written by another rank on the shared file system
+            records[name] = read_verified(temporary / name, None, where=str(temporary / name))[1]
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": content["step"],
+        "epoch": content["epoch"],
+        "position": content["position"],
+        "world_size": dist.world_size,
+        "torch_version": torch.__version__,
+        "files": {
+            name: {"size": records[name].size, "sha256": records[name].sha256}
+            for name in expected_files(dist.world_size)
+        },
+    }
+    write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
+    fsync_dir(temporary)
+    trash = None
+    if final.exists():
+        # The same step again: move the old one aside, then the new one in. Between the
+        # two renames only older checkpoints are visible (documented).
+        trash = root / f".trash-{final.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+    os.rename(temporary, final)
+    fsync_dir(root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    if keep is not None:
+        _rotate(root, keep, content["step"])
+
+
+@setup_checked
+def checkpoint(
+    dist: DistState,
+    train_state: TrainState,
+    path: str | os.PathLike[str],
+    *,
+    keep: int | None = None,
+) -> Path:
+    """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
+
+    Tensors go to safetensors, everything else (optimizer param groups,
+    scheduler and scaler state, step, epoch, position, each rank's random
+    generators, extras) to JSON, and a manifest lists every file with its
+    size and SHA-256. The checkpoint is written into a temporary sibling
+    folder, every file and the folder are fsynced, and one rename makes it
+    visible: a crash at any moment leaves the earlier checkpoints whole, and
+    the partial one invisible to :func:`restore`.
+
+    Under DDP call it on every rank: rank 0 writes the model, optimizer and
+    state, every rank writes its own random-generator file, and every rank
+    returns once the checkpoint is committed. The folder must be on a file
+    system that all ranks share. Training must not change the tensors while
+    this call runs (it reads them in place, without copies).
+
+    Args:
+        dist: The run's :class:`DistState`.
+        train_state: What to save.
+        path: The root folder of the run's checkpoints (created if missing).
+        keep: Keep only this many checkpoints, the new one included, deleting
+            the oldest (folders with a higher step than this one are never
+            deleted). None keeps all.
+
+    Returns:
+        The new checkpoint's folder.
+
+    Raises:
+        ArgumentValueError: ``keep`` < 1.
+        CheckpointError: A value with no pickle-free form in the state (the
+            message names it), or a failed write on any rank; earlier
+            checkpoints are untouched.
+
+    Example:
+        >>> import tempfile, torch, faccel
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = faccel.TrainState.create(model=model, optimizer=optimizer)
+        >>> root = tempfile.mkdtemp()
+        >>> faccel.checkpoint(faccel.detect({}), state, root).name
+        'step-000000000000'
+    """
+    if keep is not None and keep < 1:
+        msg = f"keep must be at least 1 (the new checkpoint), or None to keep all; got {keep!r}"
+        raise ArgumentValueError(msg)
+    root = Path(path)
+    step = train_state.step
+    final = root / checkpoint_name(step)
+    temporary = root / f".tmp-{final.name}"
+    rng = capture_rng(dist)
+    low, high = agree_max(dist, [-step, step])
+    if -low != high:
+        msg = f"the ranks are checkpointing different steps ({-low} to {high}); pass the same TrainState.step"
+        raise CheckpointError(msg)
+
+    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]] | None:
+        if not dist.is_main_process:
+            return None
+        captured = capture(dist, train_state)  # refuses unstorable values before any file exists
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+        temporary.mkdir()
+        return captured
+
+    captured = together(dist, prepare, what="preparing the checkpoint folder")
+
+    def write() -> dict[str, FileRecord]:
+        records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
+        if captured is not None:
+            records |= _write_rank0(temporary, *captured)
+        return records
+
+    records = together(dist, write, what="writing the checkpoint")
+
+    def commit() -> None:
+        if captured is not None:
+            _commit(dist, root, temporary, final, records, captured[0], keep)
+
+    together(dist, commit, what="committing the checkpoint")
+    return final
+
+
+def _resolve(path: Path) -> Path:
+    directory = latest_checkpoint(path)
+    if directory is None:
+        msg = (
+            f"{path}: no checkpoint there: neither a checkpoint folder (it has no valid {MANIFEST}) "
+            f"nor a folder of complete checkpoints (step-NNNNNNNNNNNN/{MANIFEST})"
+        )
+        raise CheckpointError(msg)
+    return directory
+
+
+def _read_manifest(directory: Path, dist: DistState) -> dict[str, FileRecord]:
+    where = f"{directory}/{MANIFEST}"
+    buffer, _ = read_verified(directory / MANIFEST, None, where=where)
+    manifest = _parse_json(buffer.numpy().tobytes(), where)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
+        raise CheckpointError(msg)
+    if manifest.get("version") != VERSION:
+        msg = (
+            f"{where}: format version {manifest.get('version')!r}, but this faccel reads version {VERSION}; "
+            "restore it with the faccel that wrote it"
+        )
+        raise CheckpointError(msg)
+    world = manifest.get("world_size")
+    if world != dist.world_size:
+        msg = (
+            f"{where}: written by {world!r} processes, restored by {dist.world_size}; each rank's data "
+            "position and random generators belong to one rank, so resume with the same world size "
+            "(or read the weights alone with faccel.load_model)"
+        )
+        raise CheckpointError(msg)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        files = {}
+    listed = set(files)
+    expected = set(expected_files(dist.world_size))
+    if listed != expected:
+        msg = (
+            f"{where}: lists files {sorted(listed)}, a checkpoint of {dist.world_size} rank(s) has "
+            f"{sorted(expected)}"
+        )
+        raise CheckpointError(msg)
+    records = {}
+    for name, entry in files.items():
+        if (
+            not isinstance(entry, dict)
+            or type(entry.get("size")) is not int
+            or not isinstance(entry.get("sha256"), str)
+        ):
+            msg = f"{where}: the entry of {name} needs an int size and a sha256 string"
+            raise CheckpointError(msg)
+        records[name] = FileRecord(size=entry["size"], sha256=entry["sha256"])
+    return records
+
+
+def _read_checkpoint(dist: DistState, state: TrainState, directory: Path) -> Any:
+    records = _read_manifest(directory, dist)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name in (MODEL, OPTIMIZER, EXTRAS):
+        where = f"{directory}/{name}"
+        buffer, record = read_verified(directory / name, records[name], where=where)
+        header = parse_header(buffer.numpy().data, record.size, where=where)
+        tensors[name] = tensor_views(buffer, header)
+    state_where = f"{directory}/{STATE}"
+    content = _parse_json(
+        read_verified(directory / STATE, records[STATE], where=state_where)[0].numpy().tobytes(), state_where
+    )
+    rng_where = f"{directory}/{rng_name(dist.rank)}"
+    rng_content = _parse_json(
+        read_verified(directory / rng_name(dist.rank), records[rng_name(dist.rank)], where=rng_where)[0]
+        .numpy()
+        .tobytes(),
+        rng_where,
+    )
+    try:
+        loadable = check(dist, state, content, tensors, where=str(directory))
+        rng = check_rng(dist, rng_content, where=rng_where)
+    except RecursionError:
+        msg = f"{directory}: a JSON file nests too deeply to be a faccel checkpoint"
+        raise CheckpointError(msg) from None
+    return loadable, rng
+
+
+@setup_checked
+def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[str]) -> TrainState:
+    """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
+
+    ``path`` is one checkpoint folder, or a root folder of them (then the
+    latest complete one, see :func:`latest_checkpoint`). Everything is checked
+    before any object is touched: the manifest's format and version, every
+    file's presence, size and SHA-256, and the saved keys, shapes, dtypes and
+    classes against the model, optimizer, scheduler, scaler and extras given.
+    Then the model, optimizer, scheduler and scaler are loaded in place,
+    objects among the extras through ``load_state_dict``, and this rank's
+    Python, NumPy, torch (and CUDA) random generators are set as they were.
+
+    Resume the data where it stopped with
+    ``loader.at(epoch=state.epoch, start=state.position)``: the batches an
+    uninterrupted run would have read next, without reading the skipped ones.
+
+    Args:
+        dist: The run's :class:`DistState` (same world size as when saved).
+        train_state: The objects to load into, built as when saving; its
+            extras name the entries to restore (any placeholder value; where
+            it holds a tensor, the saved one must match its shape and dtype).
+        path: A checkpoint folder, or a root folder of checkpoints.
+
+    Returns:
+        A new TrainState: the same objects, with the saved step, epoch,
+        position and extras.
+
+    Raises:
+        CheckpointError: No checkpoint at ``path``, or one that is corrupted,
+            truncated, foreign, of another version or world size, or does not
+            fit the objects; the message names the file and the problem, and
+            nothing has been modified.
+
+    Example:
+        >>> import tempfile, attrs, torch, faccel
+        >>> dist, root = faccel.detect({}), tempfile.mkdtemp()
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = faccel.TrainState.create(model=model, optimizer=optimizer)
+        >>> _ = faccel.checkpoint(dist, attrs.evolve(state, step=7, position=3), root)
+        >>> fresh = torch.nn.Linear(2, 1)
+        >>> restored = faccel.restore(dist, faccel.TrainState.create(
+        ...     model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1)), root)
+        >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
+        (7, 3, True)
+    """
+    directory = together(dist, lambda: _resolve(Path(path)), what="finding the checkpoint")
+    step = _manifest_step(directory) or 0
+    low, high = agree_max(dist, [-step, step])
+    if -low != high:
+        msg = (
+            f"{path}: the ranks found different latest checkpoints (steps {-low} to {high}); "
+            "all ranks must see one shared file system"
+        )
+        raise CheckpointError(msg)
+    loadable, rng = together(
+        dist, lambda: _read_checkpoint(dist, train_state, directory), what="checking the checkpoint"
+    )
+    return load(train_state, loadable, rng)

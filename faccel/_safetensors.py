@@ -1,0 +1,185 @@
+"""The safetensors format, written straight from tensor memory and read into one buffer.
+
+A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON
+(``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets"}}``,
+padded with spaces to a multiple of 8), then the tensors' bytes back to back.
+``safetensors.torch.save_file`` first copies every tensor into one ``bytes``
+object; writing the header and then each tensor's own memory skips that copy
+(a checkpoint's largest cost after the disk). Tensors are laid out largest
+element size first, so every tensor starts aligned to its element size and
+reads back as a zero-copy view. Files written here load with the
+``safetensors`` library and Hugging Face tools, and theirs load here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from faccel._serialize import DTYPE_CODES, dtype_of_code
+from faccel.errors import CheckpointError
+
+__all__ = ["Header", "TensorInfo", "parse_header", "plan", "read_header", "tensor_views"]
+
+# The format allows up to 100 MB of header; a larger claim means a foreign or corrupt file.
+_MAX_HEADER = 100_000_000
+
+
+@attrs.frozen(kw_only=True)
+class TensorInfo:
+    """Where a tensor lies in a file: dtype, shape and byte range within the data section."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@attrs.frozen(kw_only=True)
+class Header:
+    """A parsed header: the tensors, the string metadata, and where the data section starts."""
+
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str]
+    data_start: int
+
+
+def _raw(tensor: torch.Tensor) -> Any:
+    """The tensor's bytes as a NumPy view (a copy only when it is not contiguous CPU memory)."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
+
+
+def plan(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None) -> list[Any]:
+    """The chunks (header bytes, then each tensor's bytes) of a safetensors file of ``tensors``.
+
+    Raises :class:`CheckpointError` for a dtype the format cannot hold.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+        msg = "faccel writes safetensors (little-endian) only on little-endian machines"
+        raise CheckpointError(msg)
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        if tensor.dtype not in DTYPE_CODES:
+            msg = f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
+            raise CheckpointError(msg)
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    chunks: list[Any] = [struct.pack("<Q", len(text)) + text]
+    chunks.extend(_raw(tensors[name]) for name in order if tensors[name].numel())
+    return chunks
+
+
+def _bad(where: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{where}: not a valid safetensors file: {what}")
+
+
+def parse_header(prefix: bytes | memoryview, file_size: int, *, where: str) -> Header:
+    """Parse and check the header at the start of a file of ``file_size`` bytes.
+
+    ``prefix`` must hold at least the first ``8 + N`` bytes. Checks that the
+    tensors tile the data section exactly, as the safetensors library does.
+    """
+    if file_size < 8 or len(prefix) < 8:
+        raise _bad(where, f"{file_size} bytes is shorter than the 8-byte header length")
+    (length,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if length > _MAX_HEADER or 8 + length > file_size or 8 + length > len(prefix):
+        raise _bad(where, f"a header of {length} bytes does not fit a file of {file_size} bytes")
+    try:
+        raw = json.loads(bytes(prefix[8 : 8 + length]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _bad(where, f"the header is not JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise _bad(where, "the header is not a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _bad(where, "__metadata__ must map strings to strings")
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in raw.items():
+        infos[name] = _info(name, entry, where)
+    expected = 0
+    for name, info in sorted(infos.items(), key=lambda item: (item[1].start, item[1].end)):
+        if info.start != expected:
+            raise _bad(where, f"tensor {name!r} starts at byte {info.start}, expected {expected}")
+        expected = info.end
+    if 8 + length + expected != file_size:
+        raise _bad(
+            where, f"the tensors need {8 + length + expected} bytes but the file has {file_size} (truncated?)"
+        )
+    return Header(tensors=infos, metadata=metadata, data_start=8 + length)
+
+
+def _info(name: str, entry: Any, where: str) -> TensorInfo:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _bad(where, f"entry {name!r} needs exactly dtype, shape and data_offsets")
+    dtype = dtype_of_code(entry["dtype"], f"{where}: tensor {name!r}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _bad(where, f"tensor {name!r} has a malformed shape {shape!r:.60}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+        or offsets[1] < offsets[0]
+    ):
+        raise _bad(where, f"tensor {name!r} has malformed data_offsets {offsets!r:.60}")
+    itemsize = dtype.itemsize
+    if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
+        raise _bad(where, f"tensor {name!r}: data_offsets do not match shape {shape} of {dtype}")
+    return TensorInfo(dtype=dtype, shape=tuple(shape), start=offsets[0], end=offsets[1])
+
+
+def tensor_views(buffer: torch.Tensor, header: Header) -> dict[str, torch.Tensor]:
+    """Each tensor of a file read into ``buffer`` (uint8), as a view where aligned."""
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.tensors.items():
+        if info.start == info.end:
+            out[name] = torch.empty(info.shape, dtype=info.dtype)
+            continue
+        piece = buffer[header.data_start + info.start : header.data_start + info.end]
+        itemsize = info.dtype.itemsize
+        if piece.storage_offset() % itemsize:
+            piece = piece.clone()  # a foreign file with unaligned tensors
+        out[name] = piece.view(info.dtype).reshape(info.shape)
+    return out
+
+
+def read_header(path: Path, *, where: str) -> Header:
+    """Read and check only the header of the safetensors file at ``path``."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            head = handle.read(8)
+            if len(head) == 8:
+                (length,) = struct.unpack("<Q", head)
+                head += handle.read(min(length, _MAX_HEADER + 1))
+    except FileNotFoundError:
+        msg = f"{where}: the file is missing"
+        raise CheckpointError(msg) from None
+    return parse_header(head, size, where=where)

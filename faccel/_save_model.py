@@ -1,0 +1,385 @@
+"""``save_model`` and ``load_model``: a model's weights in the Hugging Face safetensors layout.
+
+One file, ``model.safetensors``, when the weights fit ``max_shard_size``;
+otherwise shards ``model-00001-of-0000N.safetensors`` and an index
+``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
+"weight_map": {name: shard}}``), every file with the metadata
+``{"format": "pt"}``. That is what ``transformers`` and ``huggingface_hub``
+write and read. Tied weights (two names, one tensor) are stored once, under
+the first name, and a model with the same ties gets them back tied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from faccel._consensus import together
+from faccel._durable import atomic_write, fsync_dir, read_verified
+from faccel._model import unwrap_model
+from faccel._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
+from faccel._state import DistState
+from faccel._typecheck import setup_checked
+from faccel.errors import ArgumentValueError, CheckpointError
+
+__all__ = [
+    "INDEX_NAME",
+    "WEIGHTS_NAME",
+    "alias_groups",
+    "compare_tensors",
+    "load_model",
+    "model_tensors",
+    "parse_size",
+    "save_model",
+    "shard_names",
+    "split_shards",
+]
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_METADATA = {"format": "pt"}
+# The files a save writes (and a later save with another shard count replaces).
+_OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or text like ``"5GB"`` (10^9) or ``"500MiB"`` (2^20).
+
+    Example:
+        >>> parse_size("5GB"), parse_size("2KiB"), parse_size(100)
+        (5000000000, 2048, 100)
+    """
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", size, flags=re.IGNORECASE)
+        if match is None:
+            msg = f"max_shard_size must be bytes (int) or text like '5GB' or '500MiB', got {size!r}"
+            raise ArgumentValueError(msg)
+        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value < 1:
+        msg = f"max_shard_size must be at least 1 byte, got {size!r}"
+        raise ArgumentValueError(msg)
+    return value
+
+
+def alias_groups(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Names that are the same tensor as an earlier name: ``{later: first}``.
+
+    "The same tensor" means same memory, dtype, shape and strides (tied
+    weights). Tensors that merely overlap are stored separately.
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2, 2)
+        >>> alias_groups({"a": w, "b": torch.zeros(2), "c": w})
+        {'c': 'a'}
+    """
+    seen: dict[tuple[object, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in state.items():
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        identity = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        if identity in seen:
+            aliases[name] = seen[identity]
+        else:
+            seen[identity] = name
+    return aliases
+
+
+def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The unwrapped model's tensors to store (each once) and its aliases ``{later: first}``."""
+    state = unwrap_model(model).state_dict()
+    sharded = [name for name, tensor in state.items() if type(tensor).__name__ == "DTensor"]
+    if sharded:
+        msg = (
+            f"the model's tensors are sharded (DTensor: {sharded[:3]}...); save_model and checkpoint "
+            "store whole tensors of unsharded (single-process or DDP) models only"
+        )
+        raise CheckpointError(msg)
+    aliases = alias_groups(state)
+    stored = {name: tensor for name, tensor in state.items() if name not in aliases}
+    return stored, aliases
+
+
+def split_shards(sizes: Mapping[str, int], max_shard_size: int) -> list[list[str]]:
+    """Group tensor names, in order, into shards of at most ``max_shard_size`` bytes.
+
+    Greedy, as ``huggingface_hub`` does it: a tensor that does not fit the
+    current shard starts the next; a tensor larger than the limit gets a shard
+    of its own.
+
+    Example:
+        >>> split_shards({"a": 6, "b": 6, "c": 2, "d": 1}, 8)
+        [['a'], ['b', 'c'], ['d']]
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, size in sizes.items():
+        if current and used + size > max_shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """File names of ``count`` shards, as Hugging Face names them.
+
+    Example:
+        >>> shard_names(1), shard_names(2)
+        (['model.safetensors'], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
+    """
+    if count == 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def _write_model(directory: Path, stored: Mapping[str, torch.Tensor], max_shard_size: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in stored.items()}
+    groups = split_shards(sizes, max_shard_size)
+    names = shard_names(len(groups))
+    for name, group in zip(names, groups, strict=True):
+        atomic_write(directory / name, plan({key: stored[key] for key in group}, metadata=_METADATA))
+    written = set(names)
+    if len(groups) > 1:
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
+        }
+        atomic_write(directory / INDEX_NAME, [json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"])
+        written.add(INDEX_NAME)
+    # Files of an earlier save with another shard count would confuse a loader.
+    stale = [f for f in os.listdir(directory) if _OURS.fullmatch(f) and f not in written]
+    for name in stale:
+        (directory / name).unlink(missing_ok=True)
+    if stale:
+        fsync_dir(directory)
+
+
+@setup_checked
+def save_model(
+    dist: DistState,
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Save the unwrapped model's weights to ``directory`` in the Hugging Face layout.
+
+    ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``.
+    Tied weights are stored once (under their first name). Only the main
+    process writes; every process returns once the files are complete (a
+    barrier), so all ranks may read them right after. Each file is replaced
+    atomically; shards of an earlier save that this one does not use are deleted.
+    Other files in ``directory`` (``config.json``...) are left alone.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        model: The model, wrapped by :func:`prepare` or not.
+        directory: Where to write; created if missing.
+        max_shard_size: Largest shard, in bytes or as text (``"5GB"``, ``"500MiB"``).
+
+    Returns:
+        The directory.
+
+    Raises:
+        ArgumentValueError: A bad ``max_shard_size``.
+        CheckpointError: A tensor dtype safetensors cannot hold, a sharded
+            (FSDP2) model, or a failed write (on any rank).
+
+    Example:
+        >>> import tempfile, torch, faccel
+        >>> folder = tempfile.mkdtemp()
+        >>> faccel.save_model(faccel.detect({}), torch.nn.Linear(3, 2), folder).name == folder.split("/")[-1]
+        True
+        >>> import os; sorted(os.listdir(folder))
+        ['model.safetensors']
+    """
+    target = Path(directory)
+    limit = parse_size(max_shard_size)
+
+    def write() -> None:
+        if dist.is_main_process:
+            stored, _ = model_tensors(model)
+            _write_model(target, stored, limit)
+
+    together(dist, write, what="save_model")
+    return target
+
+
+def _layout(directory: Path) -> dict[str, tuple[str, TensorInfo]]:
+    """Every stored tensor: ``name -> (file, info)``, from the single file or the index."""
+    if (directory / WEIGHTS_NAME).is_file():
+        header = read_header(directory / WEIGHTS_NAME, where=str(directory / WEIGHTS_NAME))
+        return {name: (WEIGHTS_NAME, info) for name, info in header.tensors.items()}
+    index_path = directory / INDEX_NAME
+    if not index_path.is_file():
+        msg = (
+            f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there; "
+            "pass the folder that faccel.save_model (or save_pretrained) wrote"
+        )
+        raise CheckpointError(msg)
+    try:
+        index = json.loads(index_path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        msg = f"{index_path}: not JSON ({error})"
+        raise CheckpointError(msg) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+        for k, v in weight_map.items()
+    ):
+        msg = f"{index_path}: needs a weight_map of tensor names to shard file names in the folder"
+        raise CheckpointError(msg)
+    layout: dict[str, tuple[str, TensorInfo]] = {}
+    problems: list[str] = []
+    for shard in sorted(set(weight_map.values())):
+        header = read_header(directory / shard, where=str(directory / shard))
+        for name, info in header.tensors.items():
+            if weight_map.get(name) != shard:
+                problems.append(f"{shard} holds {name!r}, which the index maps to {weight_map.get(name)!r}")
+            else:
+                layout[name] = (shard, info)
+    problems += [
+        f"{name!r} is in the index but not in {shard}"
+        for name, shard in weight_map.items()
+        if name not in layout
+    ]
+    if problems:
+        msg = f"{index_path}: the index and the shards disagree: " + "; ".join(problems)
+        raise CheckpointError(msg)
+    return layout
+
+
+def compare_tensors(
+    saved: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    target: Mapping[str, torch.Tensor],
+    *,
+    strict: bool,
+) -> tuple[list[str], list[str], list[str]]:
+    """``(missing, unexpected, problems)`` of loading tensors of ``saved`` specs into ``target``.
+
+    A target name missing from ``saved`` is not missing when the target ties
+    it to a name that ``saved`` has. ``problems`` lists shape and dtype
+    mismatches, and, when ``strict``, missing and unexpected names too.
+
+    Example:
+        >>> import torch
+        >>> compare_tensors({"w": (torch.float32, (2,))}, {"w": torch.zeros(3)}, strict=True)
+        ([], [], ["'w' has shape [2] in the file, [3] in the model"])
+    """
+    aliases = alias_groups(target)
+    members: dict[str, list[str]] = {}
+    for name in target:
+        members.setdefault(aliases.get(name, name), []).append(name)
+    missing: list[str] = []
+    problems: list[str] = []
+    for name, tensor in target.items():
+        tied = members[aliases.get(name, name)]
+        found = next((other for other in [name, *tied] if other in saved), None)
+        if found is None:
+            missing.append(name)
+            continue
+        dtype, shape = saved[found]
+        if tuple(tensor.shape) != shape:
+            problems.append(
+                f"{found!r} has shape {list(shape)} in the file, {list(tensor.shape)} in the model"
+            )
+        if tensor.dtype != dtype:
+            problems.append(f"{found!r} has dtype {dtype} in the file, {tensor.dtype} in the model")
+    unexpected = [name for name in saved if name not in target]
+    if strict:
+        problems += [f"missing {name!r}" for name in missing]
+        problems += [f"unexpected {name!r}" for name in unexpected]
+    return missing, unexpected, problems
+
+
+@setup_checked
+def load_model(
+    dist: DistState,
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Load weights saved by :func:`save_model` (or Hugging Face) into ``model``, in place.
+
+    Reads either layout: ``model.safetensors``, or the index and its shards.
+    Everything is checked before any weight is copied: missing and unexpected
+    names (when ``strict``), shape and dtype mismatches (always) are all
+    listed in one :class:`CheckpointError`, and the model is left untouched.
+    A name the file lacks is not missing when the model ties it to a name the
+    file has. Every rank reads the files (they must be visible to all ranks).
+
+    Args:
+        dist: The run's :class:`DistState`.
+        model: The model, wrapped by :func:`prepare` or not.
+        directory: The folder holding the weights.
+        strict: Refuse missing and unexpected names.
+
+    Returns:
+        ``(missing, unexpected)`` names (both empty when ``strict``).
+
+    Raises:
+        CheckpointError: No weights in ``directory``, an inconsistent index,
+            a malformed file, or a mismatch with the model.
+
+    Example:
+        >>> import tempfile, torch, faccel
+        >>> dist, folder = faccel.detect({}), tempfile.mkdtemp()
+        >>> _ = faccel.save_model(dist, torch.nn.Linear(3, 2), folder)
+        >>> faccel.load_model(dist, torch.nn.Linear(3, 2), folder)
+        ((), ())
+        >>> faccel.load_model(dist, torch.nn.Linear(4, 2), folder)
+        Traceback (most recent call last):
+        ...
+        faccel.errors.CheckpointError: ...'weight' has shape [2, 3] in the file, [2, 4] in the model
+    """
+    folder = Path(directory)
+    layout = _layout(folder)
+    inner = unwrap_model(model)
+    target = inner.state_dict()
+    specs = {name: (info.dtype, info.shape) for name, (_, info) in layout.items()}
+    missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
+    if problems:
+        msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
+        raise CheckpointError(msg)
+    wanted = set(target)
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _) in layout.items():
+        if name in wanted:
+            by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            tensors = _read_tensors(folder / file)
+            inner.load_state_dict({name: tensors[name] for name in names}, strict=False)
+    return tuple(missing), tuple(unexpected)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    buffer, record = read_verified(path, None, where=str(path))
+    header: Header = parse_header(buffer.numpy().data, record.size, where=str(path))
+    return tensor_views(buffer, header)

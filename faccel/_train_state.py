@@ -1,0 +1,108 @@
+"""TrainState: what a checkpoint holds, as one frozen record."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from faccel.errors import CheckpointError
+
+__all__ = ["TrainState"]
+
+
+def _non_negative(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if type(value) is not int or value < 0:
+        msg = f"TrainState.{attribute.name} must be an int >= 0, got {value!r}"
+        raise CheckpointError(msg)
+
+
+def _extras_keys(_: object, attribute: attrs.Attribute, value: Mapping[str, Any]) -> None:  # type: ignore[type-arg]
+    bad = [key for key in value if type(key) is not str]
+    if bad:
+        msg = f"TrainState.extras keys must be strings (they name the entries in the checkpoint), got {bad!r}"
+        raise CheckpointError(msg)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TrainState:
+    """What changes during training and what a checkpoint holds.
+
+    A frozen shell around live objects: ``model``, ``optimizer``, ``scheduler``
+    and ``scaler`` are PyTorch's own mutable objects, and
+    :func:`faccel.restore` loads into them in place; ``step``, ``epoch`` and
+    ``position`` are plain values that you advance with ``attrs.evolve`` (no
+    counter hides in a wrapper). Equality is identity: the record holds
+    modules and tensors, which have no value equality.
+
+    Attributes:
+        model: The model, wrapped by :func:`faccel.prepare` or not.
+        optimizer: Its optimizer.
+        scheduler: An LR scheduler, or None. Schedulers built on functions
+            (``LambdaLR``) keep their functions: rebuild them as in PyTorch.
+        scaler: A ``torch.amp.GradScaler`` for fp16 training, or None.
+        step: Optimizer steps taken.
+        epoch: The epoch in progress.
+        position: Batches of ``epoch`` already consumed; resume the loader
+            with ``loader.at(epoch=state.epoch, start=state.position)``.
+        extras: Anything else to keep, by name: JSON values (None, bool, int,
+            float, str, and lists, tuples and dicts of them), bytes, NumPy
+            arrays, tensors (nested in those containers too, so a pytree of
+            tensors fits), or an object with ``state_dict()`` and
+            ``load_state_dict()`` whose state is made of the same. Saved from
+            the main process (keep them equal on every rank).
+
+    Example:
+        >>> import attrs, torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> state = attrs.evolve(state, step=state.step + 1, position=state.position + 1)
+        >>> (state.step, state.epoch, state.position)
+        (1, 0, 1)
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    scaler: torch.amp.GradScaler | None = None
+    step: int = attrs.field(default=0, validator=_non_negative)
+    epoch: int = attrs.field(default=0, validator=_non_negative)
+    position: int = attrs.field(default=0, validator=_non_negative)
+    extras: Mapping[str, Any] = attrs.field(factory=dict, validator=_extras_keys)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        step: int = 0,
+        epoch: int = 0,
+        position: int = 0,
+        extras: Mapping[str, Any] | None = None,
+    ) -> TrainState:
+        """A state at the start of training (or wherever ``step``, ``epoch``, ``position`` say).
+
+        Example:
+            >>> import torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = TrainState.create(model=model, optimizer=torch.optim.Adam(model.parameters()),
+            ...                           extras={"best_loss": None})
+            >>> state.step, dict(state.extras)
+            (0, {'best_loss': None})
+        """
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            step=step,
+            epoch=epoch,
+            position=position,
+            extras=dict(extras or {}),
+        )
