@@ -101,7 +101,9 @@ def register_pytree(cls: type[T]) -> type[T]:
     """Register the attrs class ``cls`` as a pytree node; returns ``cls``.
 
     Its fields become children in declaration order, except those declared
-    with :func:`static_field`, which are kept in the tree's structure.
+    with :func:`static_field`, which are kept in the tree's structure, as are
+    children whose value is ``None`` (torch's pytree would make ``None`` a
+    leaf, which ``torch.func`` transforms refuse).
     Unflattening rebuilds an instance without running ``__init__`` (validators
     and converters are skipped), because transforms put other things than
     tensors in the leaves (``tree_map(lambda t: t.shape, ...)``, functorch's
@@ -145,19 +147,28 @@ def register_pytree(cls: type[T]) -> type[T]:
     statics = tuple(f.name for f in fields if _is_static(f))
     keys = tuple(_pytree.GetAttrKey(name) for name in children)
 
+    # A child that is None (an optional tree, e.g. AMSGrad's maximum when off) is
+    # recorded in the structure, not passed as a leaf: torch's pytree counts None
+    # as a leaf, which torch.func transforms refuse (vmap, grad want tensors).
     def flatten(obj: Any) -> tuple[list[Any], Any]:
-        return [getattr(obj, n) for n in children], tuple(getattr(obj, n) for n in statics)
+        values = [getattr(obj, n) for n in children]
+        absent = tuple(v is None for v in values)
+        context = (tuple(getattr(obj, n) for n in statics), absent)
+        return [v for v in values if v is not None], context
 
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
         values, context = flatten(obj)
-        return list(zip(keys, values, strict=True)), context
+        present = [key for key, gone in zip(keys, context[1], strict=True) if not gone]
+        return list(zip(present, values, strict=True)), context
 
     def unflatten(values: Iterable[Any], context: Any) -> Any:
+        static_values, absent = context
         obj = object.__new__(cls)
+        given = iter(values)
         # attrs' frozen classes are built the same way: through object.__setattr__.
-        for name, value in zip(children, values, strict=True):
-            object.__setattr__(obj, name, value)
-        for name, value in zip(statics, context, strict=True):
+        for name, gone in zip(children, absent, strict=True):
+            object.__setattr__(obj, name, None if gone else next(given))
+        for name, value in zip(statics, static_values, strict=True):
             object.__setattr__(obj, name, value)
         return obj
 

@@ -81,3 +81,46 @@ not_integers = st.one_of(
     st.sampled_from(["", "one", "1.5", "0x2", "2 2", "nan", "-", "١x"]),  # noqa: RUF001
     st.text(alphabet="abcxyz.-", min_size=1, max_size=5),
 )
+
+
+# --- functional training (tests/test_functional.py) ---
+
+# Tensor shapes, 0-d and empty ones included.
+tensor_shapes = st.lists(st.integers(min_value=0, max_value=4), max_size=3).map(tuple)
+
+# A params dict's layout: module-like names to shapes.
+param_layouts = st.dictionaries(
+    keys=st.from_regex(r"[a-z]{1,3}(\.[a-z0-9]{1,3})?", fullmatch=True),
+    values=tensor_shapes,
+    min_size=1,
+    max_size=4,
+)
+
+
+@st.composite
+def sgd_hyperparams(draw: st.DrawFn) -> dict:
+    """Keyword arguments valid for both torch.optim.SGD and faccel.sgd."""
+    momentum = draw(st.sampled_from([0.0, 0.5, 0.9]) | st.floats(min_value=0.0, max_value=0.99))
+    dampening = draw(st.sampled_from([0.0, 0.0, 0.1]))
+    return {
+        "lr": draw(st.floats(min_value=0.0, max_value=1.0)),
+        "momentum": momentum,
+        "dampening": dampening,
+        "weight_decay": draw(st.sampled_from([0.0, 1e-4]) | st.floats(min_value=0.0, max_value=0.5)),
+        "nesterov": momentum > 0 and dampening == 0 and draw(st.booleans()),
+        "maximize": draw(st.booleans()),
+    }
+
+
+@st.composite
+def adamw_hyperparams(draw: st.DrawFn) -> dict:
+    """Keyword arguments valid for both torch.optim.AdamW and faccel.adamw."""
+    beta = st.sampled_from([0.0, 0.9, 0.999]) | st.floats(min_value=0.0, max_value=0.9999)
+    return {
+        "lr": draw(st.floats(min_value=1e-6, max_value=1.0)),
+        "betas": (draw(beta), draw(beta)),
+        "eps": draw(st.sampled_from([1e-8, 1e-6, 1e-3]) | st.floats(min_value=1e-12, max_value=1e-1)),
+        "weight_decay": draw(st.sampled_from([0.0, 1e-2]) | st.floats(min_value=0.0, max_value=1.0)),
+        "amsgrad": draw(st.booleans()),
+        "maximize": draw(st.booleans()),
+    }

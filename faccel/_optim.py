@@ -1,0 +1,394 @@
+"""Pure SGD and AdamW over pytrees, in optax's shape.
+
+``opt.init(params) -> state`` and ``opt.update(grads, state, params) ->
+(new_params, new_state)``: nothing is modified, new tensors come back. The
+arithmetic is torch.optim's own (its single-tensor path, the default on CPU),
+operation for operation, so results match ``torch.optim.SGD`` and
+``torch.optim.AdamW`` to rounding, in practice bit for bit.
+
+The step is a static Python ``int`` (kept out of the leaves, see
+:func:`faccel.static_field`), not a 0-d tensor: torch.optim itself turns its
+step tensor into a Python number (``.item()``) and computes the bias
+corrections in double precision, which a float32 tensor step cannot match to
+1e-6 at small steps (``1 - 0.999**1`` loses four digits); an ``int`` also costs
+no device sync on a GPU, is JSON in a checkpoint (DESIGN.md: a 0-d step tensor
+came back as 0.0 through DCP), and lets SGD's first step branch in Python. The
+price: states at different steps have different tree structures, so
+``tree_map`` across two of them fails, and ``torch.compile`` sees a changing
+int (one recompile, then it is treated as dynamic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from faccel._pytree import TreeSpec, register_pytree, static_field, tree_flatten, tree_unflatten
+from faccel._typecheck import setup_checked
+from faccel.errors import FunctionalError
+
+__all__ = ["SGD", "AdamW", "AdamWState", "SGDState", "adamw", "sgd"]
+
+
+def _leaves(tree: Any, spec: TreeSpec, what: str) -> list[Any]:
+    leaves, found = tree_flatten(tree)
+    if found != spec:
+        msg = (
+            f"{what} must have the structure of params, got {found} for params' {spec}; "
+            "pass gradients and a state made by this optimizer's init() for the same params"
+        )
+        raise FunctionalError(msg)
+    return leaves
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise FunctionalError(message)
+
+
+@register_pytree
+@attrs.frozen(kw_only=True)
+class SGDState:
+    """State of :func:`sgd`: the momentum buffers (``None`` without momentum) and the step.
+
+    Attributes:
+        momentum_buffer: A tree like params, or ``None`` when ``momentum == 0``.
+        step: Updates applied so far (static: not a leaf).
+
+    Example:
+        >>> import torch, faccel
+        >>> state = faccel.sgd(0.1, momentum=0.9).init({"w": torch.ones(2)})
+        >>> state.step, state.momentum_buffer["w"].tolist()
+        (0, [0.0, 0.0])
+    """
+
+    momentum_buffer: Any = None
+    step: int = static_field(default=0)
+
+
+@register_pytree
+@attrs.frozen(kw_only=True)
+class AdamWState:
+    """State of :func:`adamw`: first and second moments (and their maximum for AMSGrad).
+
+    Attributes:
+        exp_avg: The gradients' running average, a tree like params.
+        exp_avg_sq: The squared gradients' running average, a tree like params.
+        max_exp_avg_sq: Its running maximum with ``amsgrad``, else ``None``.
+        step: Updates applied so far (static: not a leaf).
+
+    Example:
+        >>> import torch, faccel
+        >>> state = faccel.adamw(amsgrad=True).init({"w": torch.ones(2)})
+        >>> state.step, sorted(state.max_exp_avg_sq)
+        (0, ['w'])
+    """
+
+    exp_avg: Any
+    exp_avg_sq: Any
+    max_exp_avg_sq: Any = None
+    step: int = static_field(default=0)
+
+
+@attrs.frozen(kw_only=True)
+class SGD:
+    """Hyperparameters of pure SGD, with ``init`` and ``update``; made by :func:`sgd`."""
+
+    lr: float = attrs.field(converter=float)
+    momentum: float = attrs.field(default=0.0, converter=float)
+    dampening: float = attrs.field(default=0.0, converter=float)
+    weight_decay: float = attrs.field(default=0.0, converter=float)
+    nesterov: bool = False
+    maximize: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.lr >= 0.0, f"lr must be >= 0, got {self.lr!r}")
+        _check(self.momentum >= 0.0, f"momentum must be >= 0, got {self.momentum!r}")
+        _check(self.weight_decay >= 0.0, f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        _check(
+            not self.nesterov or (self.momentum > 0.0 and self.dampening == 0.0),
+            f"nesterov needs momentum > 0 and dampening == 0, got momentum={self.momentum!r}, "
+            f"dampening={self.dampening!r}",
+        )
+
+    def init(self, params: Any) -> SGDState:
+        """The state before the first update: zero momentum buffers shaped like ``params``.
+
+        Example:
+            >>> import torch, faccel
+            >>> faccel.sgd(0.1).init({"w": torch.ones(2)})
+            SGDState(momentum_buffer=None, step=0)
+        """
+        if self.momentum == 0.0:
+            return SGDState()
+        leaves, spec = tree_flatten(params)
+        return SGDState(momentum_buffer=tree_unflatten([torch.zeros_like(p) for p in leaves], spec))
+
+    def update(
+        self, grads: Any, state: SGDState, params: Any, *, lr: float | None = None
+    ) -> tuple[Any, SGDState]:
+        """One SGD step: ``(new_params, new_state)``; nothing given is modified.
+
+        Args:
+            grads: Gradients, a tree like ``params``.
+            state: The state from :meth:`init` or the previous update.
+            params: The parameters, a tree of floating-point tensors.
+            lr: This step's learning rate, for schedules (default: ``self.lr``).
+
+        Returns:
+            The updated parameters and state.
+
+        Raises:
+            FunctionalError: The trees' structures differ, or ``state`` is not
+                an :class:`SGDState` of this configuration.
+
+        Example:
+            >>> import torch, faccel
+            >>> opt = faccel.sgd(0.5)
+            >>> params = {"w": torch.ones(2)}
+            >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+            >>> params["w"].tolist(), state.step
+            ([0.5, 0.5], 1)
+        """
+        if not isinstance(state, SGDState) or (state.momentum_buffer is None) != (self.momentum == 0.0):
+            msg = (
+                f"update() needs the SGDState made by init() of this optimizer (momentum="
+                f"{self.momentum}), got {type(state).__name__}; call opt.init(params) first"
+            )
+            raise FunctionalError(msg)
+        rate = self.lr if lr is None else lr
+        momentum, wd = self.momentum, self.weight_decay
+        p_leaves, spec = tree_flatten(params)
+        g_leaves = _leaves(grads, spec, "grads")
+        first = state.step == 0
+        new_p: list[torch.Tensor] = []
+        with torch.no_grad():
+            if momentum == 0.0:
+                for p, g in zip(p_leaves, g_leaves, strict=True):
+                    g = -g if self.maximize else g
+                    if wd != 0.0:
+                        g = g.add(p, alpha=wd)
+                    new_p.append(p.add(g, alpha=-rate))
+                return tree_unflatten(new_p, spec), SGDState(step=state.step + 1)
+            bufs = _leaves(state.momentum_buffer, spec, "state.momentum_buffer")
+            new_b: list[torch.Tensor] = []
+            for p, g, b in zip(p_leaves, g_leaves, bufs, strict=True):
+                g = -g if self.maximize else g
+                if wd != 0.0:
+                    g = g.add(p, alpha=wd)
+                # torch.optim starts the buffer at the first gradient, undamped.
+                b = g.clone() if first else b.mul(momentum).add_(g, alpha=1.0 - self.dampening)
+                g = g.add(b, alpha=momentum) if self.nesterov else b
+                new_p.append(p.add(g, alpha=-rate))
+                new_b.append(b)
+        return tree_unflatten(new_p, spec), SGDState(
+            momentum_buffer=tree_unflatten(new_b, spec), step=state.step + 1
+        )
+
+
+@attrs.frozen(kw_only=True)
+class AdamW:
+    """Hyperparameters of pure AdamW, with ``init`` and ``update``; made by :func:`adamw`."""
+
+    lr: float = attrs.field(default=1e-3, converter=float)
+    betas: tuple[float, float] = attrs.field(
+        default=(0.9, 0.999), converter=lambda b: (float(b[0]), float(b[1]))
+    )
+    eps: float = attrs.field(default=1e-8, converter=float)
+    weight_decay: float = attrs.field(default=1e-2, converter=float)
+    amsgrad: bool = False
+    maximize: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.lr >= 0.0, f"lr must be >= 0, got {self.lr!r}")
+        _check(self.eps >= 0.0, f"eps must be >= 0, got {self.eps!r}")
+        _check(
+            all(0.0 <= b < 1.0 for b in self.betas), f"betas must be in [0, 1), got {self.betas!r}"
+        )
+        _check(self.weight_decay >= 0.0, f"weight_decay must be >= 0, got {self.weight_decay!r}")
+
+    def init(self, params: Any) -> AdamWState:
+        """The state before the first update: zero moments shaped like ``params``.
+
+        Example:
+            >>> import torch, faccel
+            >>> state = faccel.adamw().init({"w": torch.ones(2)})
+            >>> state.exp_avg["w"].tolist(), state.max_exp_avg_sq
+            ([0.0, 0.0], None)
+        """
+        leaves, spec = tree_flatten(params)
+
+        def zeros() -> Any:
+            return tree_unflatten([torch.zeros_like(p) for p in leaves], spec)
+
+        return AdamWState(
+            exp_avg=zeros(), exp_avg_sq=zeros(), max_exp_avg_sq=zeros() if self.amsgrad else None
+        )
+
+    def update(
+        self, grads: Any, state: AdamWState, params: Any, *, lr: float | None = None
+    ) -> tuple[Any, AdamWState]:
+        """One AdamW step: ``(new_params, new_state)``; nothing given is modified.
+
+        torch.optim.AdamW's formulas: decoupled weight decay ``p * (1 - lr *
+        weight_decay)`` first, bias corrections in double precision, ``eps``
+        added after dividing ``sqrt(v)`` by ``sqrt(1 - beta2**t)``.
+
+        Args:
+            grads: Gradients, a tree like ``params``.
+            state: The state from :meth:`init` or the previous update.
+            params: The parameters, a tree of floating-point tensors.
+            lr: This step's learning rate, for schedules (default: ``self.lr``).
+
+        Returns:
+            The updated parameters and state.
+
+        Raises:
+            FunctionalError: The trees' structures differ, or ``state`` is not
+                an :class:`AdamWState` of this configuration.
+
+        Example:
+            >>> import torch, faccel
+            >>> opt = faccel.adamw(lr=0.1, weight_decay=0.0)
+            >>> params = {"w": torch.zeros(2)}
+            >>> params, state = opt.update({"w": torch.tensor([1.0, -1.0])}, opt.init(params), params)
+            >>> [round(x, 4) for x in params["w"].tolist()], state.step
+            ([-0.1, 0.1], 1)
+        """
+        if not isinstance(state, AdamWState) or (state.max_exp_avg_sq is None) == self.amsgrad:
+            msg = (
+                f"update() needs the AdamWState made by init() of this optimizer (amsgrad="
+                f"{self.amsgrad}), got {type(state).__name__}; call opt.init(params) first"
+            )
+            raise FunctionalError(msg)
+        rate = self.lr if lr is None else lr
+        beta1, beta2 = self.betas
+        eps, wd = self.eps, self.weight_decay
+        step = state.step + 1
+        # Python floats (double), as torch.optim's default path computes them.
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        step_size = rate / bias_correction1
+        p_leaves, spec = tree_flatten(params)
+        g_leaves = _leaves(grads, spec, "grads")
+        m_leaves = _leaves(state.exp_avg, spec, "state.exp_avg")
+        v_leaves = _leaves(state.exp_avg_sq, spec, "state.exp_avg_sq")
+        vmax_leaves = _leaves(state.max_exp_avg_sq, spec, "state.max_exp_avg_sq") if self.amsgrad else []
+        new_p, new_m, new_v, new_vmax = [], [], [], []
+        with torch.no_grad():
+            for i, (p, g, m, v) in enumerate(zip(p_leaves, g_leaves, m_leaves, v_leaves, strict=True)):
+                g = -g if self.maximize else g
+                if wd != 0.0:
+                    p = p.mul(1 - rate * wd)
+                m = m.lerp(g, 1 - beta1)
+                v = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
+                if self.amsgrad:
+                    vmax = torch.maximum(vmax_leaves[i], v)
+                    new_vmax.append(vmax)
+                    denom = (vmax.sqrt() / bias_correction2_sqrt).add_(eps)
+                else:
+                    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+                new_p.append(p.addcdiv(m, denom, value=-step_size))
+                new_m.append(m)
+                new_v.append(v)
+        return tree_unflatten(new_p, spec), AdamWState(
+            exp_avg=tree_unflatten(new_m, spec),
+            exp_avg_sq=tree_unflatten(new_v, spec),
+            max_exp_avg_sq=tree_unflatten(new_vmax, spec) if self.amsgrad else None,
+            step=step,
+        )
+
+
+@setup_checked
+def sgd(
+    lr: float,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> SGD:
+    """Pure SGD over pytrees, as ``torch.optim.SGD`` computes it.
+
+    ``init(params)`` gives an :class:`SGDState`; ``update(grads, state,
+    params, *, lr=None)`` gives ``(new_params, new_state)``. The record is
+    frozen and hashable: a :func:`faccel.static_field` of a state can hold it.
+
+    Args:
+        lr: Learning rate.
+        momentum: Momentum factor (0: plain SGD, no buffers).
+        dampening: Dampening of the momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: Nesterov momentum.
+        maximize: Ascend instead of descend.
+
+    Returns:
+        The optimizer (a frozen record).
+
+    Raises:
+        FunctionalError: A hyperparameter out of range (as torch.optim's checks).
+
+    Example:
+        >>> import torch, faccel
+        >>> opt = faccel.sgd(0.1, momentum=0.9, nesterov=True)
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({"w": torch.ones(3)}, state, params)
+        >>> [round(x, 4) for x in params["w"].tolist()]
+        [0.81, 0.81, 0.81]
+    """
+    return SGD(
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+    )
+
+
+@setup_checked
+def adamw(
+    lr: float = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> AdamW:
+    """Pure AdamW over pytrees, as ``torch.optim.AdamW`` computes it (same defaults).
+
+    ``init(params)`` gives an :class:`AdamWState`; ``update(grads, state,
+    params, *, lr=None)`` gives ``(new_params, new_state)``.
+
+    Args:
+        lr: Learning rate.
+        betas: Decay rates of the first and second moment averages.
+        eps: Added to the denominator, after the bias correction.
+        weight_decay: Decoupled weight decay: parameters shrink by ``lr * weight_decay``.
+        amsgrad: Normalise by the running maximum of the second moment.
+        maximize: Ascend instead of descend.
+
+    Returns:
+        The optimizer (a frozen record).
+
+    Raises:
+        FunctionalError: A hyperparameter out of range.
+
+    Example:
+        >>> import torch, faccel
+        >>> opt = faccel.adamw(lr=1e-2)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> for _ in range(3):
+        ...     params, state = opt.update({"w": params["w"] * 2}, state, params)
+        >>> state.step, params["w"][0].item() < 1.0
+        (3, True)
+    """
+    return AdamW(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+    )

@@ -1,0 +1,444 @@
+"""Functional training in one process: pytrees, pure optimizers, loss_and_grad, the guards.
+
+Two-process behaviour (sync_grads, the DDP comparison, the guards under a real
+group) is in tests/distributed/test_functional.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import torch.utils._pytree as pytree
+import typeguard
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests import strategies as fst
+
+
+def _seed_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _data(n: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _tensors(layout: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g, dtype=dtype) for name, shape in layout.items()}
+
+
+# --- pytrees ---------------------------------------------------------------------------------
+
+
+@given(
+    layout=fst.param_layouts,
+    buffers=fst.param_layouts,
+    use_adamw=st.booleans(),
+    sgd_kw=fst.sgd_hyperparams(),
+    adamw_kw=fst.adamw_hyperparams(),
+    steps=st.integers(min_value=0, max_value=3),
+)
+def test_functional_states_flatten_and_unflatten_to_themselves(
+    layout: dict, buffers: dict, use_adamw: bool, sgd_kw: dict, adamw_kw: dict, steps: int
+) -> None:
+    import faccel
+
+    params = _tensors(layout, 0, torch.float32)
+    optimizer = faccel.adamw(**adamw_kw) if use_adamw else faccel.sgd(**sgd_kw)
+    state = faccel.FunctionalState.create(
+        params=params, buffers=_tensors(buffers, 1, torch.float64), optimizer=optimizer
+    )
+    for k in range(steps):
+        state = state.apply_gradients(_tensors(layout, 10 + k, torch.float32))
+
+    leaves, spec = pytree.tree_flatten(state)
+    # Leaves are the tensors, all of them; step and hyperparameters stay out.
+    if use_adamw:
+        moments = 3 if adamw_kw["amsgrad"] else 2
+    else:
+        moments = 1 if sgd_kw["momentum"] > 0 else 0
+    assert all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    assert len(leaves) == len(layout) * (1 + moments) + len(buffers)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert type(back) is faccel.FunctionalState and type(back.opt_state) is type(state.opt_state)
+    assert (back.step, back.optimizer, back.opt_state.step) == (steps, optimizer, steps)
+    assert all(a is b for a, b in zip(pytree.tree_leaves(back), leaves, strict=True))
+    assert pytree.tree_structure(back) == spec
+
+    doubled = faccel.tree_map(lambda t: t * 2, state)
+    assert doubled.step == steps and doubled.optimizer == optimizer
+    for name, p in state.params.items():
+        assert torch.equal(doubled.params[name], p * 2)
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(state)[0]]
+    assert all(path.startswith((".params[", ".buffers[", ".opt_state.")) for path in paths)
+
+
+def test_register_pytree_keeps_static_fields_out_and_skips_validators_on_rebuild() -> None:
+    import faccel
+
+    @faccel.register_pytree
+    @attrs.frozen(kw_only=True)
+    class Scaled:
+        value: torch.Tensor = attrs.field(validator=attrs.validators.instance_of(torch.Tensor))
+        scale: float = faccel.static_field(default=2.0)
+
+    record = Scaled(value=torch.ones(3), scale=0.5)
+    # Leaves may become anything under tree_map: no validator runs on the rebuild.
+    shapes = faccel.tree_map(lambda t: tuple(t.shape), record)
+    assert shapes.value == (3,) and shapes.scale == 0.5
+    assert faccel.register_pytree(Scaled) is Scaled  # twice: a no-op, no warning
+
+    # torch.func transforms see the record: gradients come back as one.
+    grads = torch.func.grad(lambda r: (r.value * r.scale).sum())(record)
+    assert type(grads) is Scaled and grads.scale == 0.5
+    assert grads.value.tolist() == [0.5, 0.5, 0.5]
+    batched = torch.func.vmap(lambda r: r.value.sum() * r.scale)(Scaled(value=torch.ones(4, 3)))
+    assert batched.tolist() == [6.0] * 4  # the default scale, 2.0
+
+
+def test_register_pytree_refuses_a_class_that_is_not_attrs() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    class Plain:
+        pass
+
+    with pytest.raises(FunctionalError, match="attrs class"):
+        faccel.register_pytree(Plain)
+
+
+# --- pure optimizers vs torch.optim ----------------------------------------------------------
+
+
+def _compare_with_torch(
+    faccel_opt: Any,
+    torch_opt_cls: type,
+    kwargs: dict,
+    layout: dict,
+    lrs: list[float],
+    dtype: torch.dtype,
+    buffer_keys: dict[str, str],
+) -> None:
+    """Run both optimizers on the same gradients; parameters and state must agree to 1e-6."""
+    params = _tensors(layout, 0, dtype)
+    live = [torch.nn.Parameter(p.clone()) for p in params.values()]
+    reference = torch_opt_cls(live, foreach=False, **kwargs)
+    state = faccel_opt.init(params)
+    for k, lr in enumerate(lrs):
+        grads = _tensors(layout, 100 + k, dtype)
+        inputs = {name: t.clone() for name, t in params.items()}, {name: g.clone() for name, g in grads.items()}
+        for p, g in zip(live, grads.values(), strict=True):
+            p.grad = g.clone()
+        for group in reference.param_groups:
+            group["lr"] = lr
+        reference.step()
+        params, state = faccel_opt.update(grads, state, params, lr=lr)
+        # update() is pure: its arguments are untouched.
+        for before, now in ((inputs[0], None), (inputs[1], grads)):
+            if now is not None:
+                for name in before:
+                    assert torch.equal(before[name], now[name])
+        assert state.step == k + 1
+        for (name, got), want in zip(params.items(), live, strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=0)
+            for ours, theirs in buffer_keys.items():
+                mine = getattr(state, ours)
+                if mine is not None:
+                    torch.testing.assert_close(mine[name], reference.state[want][theirs], rtol=1e-6, atol=0)
+
+
+@given(
+    kwargs=fst.adamw_hyperparams(),
+    layout=fst.param_layouts,
+    lr_scale=st.lists(st.floats(min_value=0.0, max_value=2.0), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_pure_adamw_matches_torch_optim_adamw(
+    kwargs: dict, layout: dict, lr_scale: list[float], dtype: torch.dtype
+) -> None:
+    import faccel
+
+    buffers = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "max_exp_avg_sq"}
+    lrs = [kwargs["lr"] * s for s in lr_scale]
+    _compare_with_torch(faccel.adamw(**kwargs), torch.optim.AdamW, kwargs, layout, lrs, dtype, buffers)
+
+
+@given(
+    kwargs=fst.sgd_hyperparams(),
+    layout=fst.param_layouts,
+    lr_scale=st.lists(st.floats(min_value=0.0, max_value=2.0), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_pure_sgd_matches_torch_optim_sgd(
+    kwargs: dict, layout: dict, lr_scale: list[float], dtype: torch.dtype
+) -> None:
+    import faccel
+
+    lrs = [kwargs["lr"] * s for s in lr_scale]
+    buffers = {"momentum_buffer": "momentum_buffer"}
+    _compare_with_torch(faccel.sgd(**kwargs), torch.optim.SGD, kwargs, layout, lrs, dtype, buffers)
+
+
+def test_the_optimizers_refuse_bad_hyperparameters_and_mismatched_trees() -> None:
+    import faccel
+    from faccel.errors import ArgumentError, FunctionalError
+
+    for bad in (
+        lambda: faccel.sgd(-0.1),
+        lambda: faccel.sgd(0.1, nesterov=True),
+        lambda: faccel.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
+        lambda: faccel.adamw(betas=(0.9, 1.0)),
+        lambda: faccel.adamw(eps=-1.0),
+        lambda: faccel.adamw(weight_decay=-1.0),
+    ):
+        with pytest.raises(FunctionalError, match="must|needs"):
+            bad()
+    with pytest.raises(ArgumentError):
+        faccel.adamw(lr="fast")  # type: ignore[arg-type]
+
+    params = {"a": torch.ones(2), "b": torch.ones(3)}
+    opt = faccel.adamw()
+    with pytest.raises(FunctionalError, match="grads must have the structure of params"):
+        opt.update({"a": torch.ones(2)}, opt.init(params), params)
+    with pytest.raises(FunctionalError, match="amsgrad=True"):
+        faccel.adamw(amsgrad=True).update(params, opt.init(params), params)
+    with pytest.raises(FunctionalError, match="SGDState made by init"):
+        faccel.sgd(0.1, momentum=0.9).update(params, faccel.sgd(0.1).init(params), params)
+    # The test suite's typeguard hook would refuse the wrong state type first; users
+    # run without it, and get faccel's own message.
+    with typeguard.suppress_type_checks(), pytest.raises(FunctionalError, match="AdamWState made by init"):
+        opt.update(params, faccel.sgd(0.1).init(params), params)
+
+
+# --- loss_and_grad ---------------------------------------------------------------------------
+
+
+def _module_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict]:
+    model.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_loss_and_grad_equals_the_modules_backward_with_either_engine() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = faccel.prepare(dist, _seed_model())
+    x, y = _data()
+    want_loss, want = _module_grads(model, x, y)
+    params, buffers = faccel.model_params(dist, model)
+    for engine in ("autograd", "func"):
+        grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss, engine=engine)
+        loss, grads = grad_fn(params, buffers, x, y)
+        assert not loss.requires_grad and loss.item() == pytest.approx(want_loss, rel=1e-6)
+        assert list(grads) == list(want)
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-6, atol=1e-7)
+        assert not any(p.requires_grad for p in params.values())  # the caller's tensors untouched
+
+
+def test_loss_and_grad_with_aux_tuple_inputs_and_unused_parameters() -> None:
+    import faccel
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mix = torch.nn.Bilinear(2, 3, 1)
+            self.unused = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.mix(a, b)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss = torch.nn.functional.mse_loss(out, target)
+        return loss, {"mean_out": out.mean().detach()}
+
+    dist = faccel.detect({})
+    torch.manual_seed(0)
+    model = TwoInputs()
+    params, buffers = faccel.model_params(dist, model)
+    a, b, y = torch.randn(5, 2), torch.randn(5, 3), torch.randn(5, 1)
+    results = []
+    for engine in ("autograd", "func"):
+        grad_fn = faccel.loss_and_grad(dist, model, loss_fn, engine=engine, has_aux=True)
+        (loss, aux), grads = grad_fn(params, buffers, (a, b), y)
+        assert torch.equal(grads["unused"], torch.zeros(4))
+        results.append((loss, aux["mean_out"], grads["mix.weight"]))
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_per_sample_gradients_through_vmap_average_to_the_batch_gradient() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = _seed_model()
+    params, buffers = faccel.model_params(dist, model)
+    x, y = _data()
+    grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss, engine="func")
+    losses, per_sample = torch.func.vmap(grad_fn, in_dims=(None, None, 0, 0))(params, buffers, x, y)
+    assert losses.shape == (12,)
+    loss, batch = grad_fn(params, buffers, x, y)
+    torch.testing.assert_close(losses.mean(), loss)
+    for name, g in batch.items():
+        assert per_sample[name].shape == (12, *g.shape)
+        torch.testing.assert_close(per_sample[name].mean(0), g, rtol=1e-5, atol=1e-6)
+
+
+def test_an_ensemble_trained_under_vmap_equals_its_members_trained_alone() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    members = [_seed_model(seed) for seed in range(3)]
+    stacked, buffers = torch.func.stack_module_state(members)
+    stacked = {name: t.detach() for name, t in stacked.items()}
+    template = _seed_model()
+    grad_fn = faccel.loss_and_grad(dist, template, torch.nn.functional.mse_loss, engine="func")
+    ensemble_grads = torch.func.vmap(grad_fn, in_dims=(0, 0, None, None))
+    opt = faccel.adamw(lr=1e-2)
+    state = faccel.FunctionalState.create(params=stacked, buffers=buffers, optimizer=opt)
+    alone = [faccel.FunctionalState.create(params=faccel.model_params(dist, m)[0], optimizer=opt) for m in members]
+    single = faccel.loss_and_grad(dist, template, torch.nn.functional.mse_loss)
+    x, y = _data()
+    for _ in range(4):
+        losses, grads = ensemble_grads(state.params, state.buffers, x, y)
+        state = state.apply_gradients(grads)  # elementwise updates: stacked tensors need no vmap
+        alone = [s.apply_gradients(single(s.params, {}, x, y)[1]) for s in alone]
+    assert losses.shape == (3,)
+    for k, member in enumerate(alone):
+        for name, p in member.params.items():
+            torch.testing.assert_close(state.params[name][k], p, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_and_grad_applies_the_dists_precision() -> None:
+    import faccel
+
+    dist = faccel.DistState.simulated(precision="bf16")
+    model = faccel.prepare(dist, _seed_model())  # an autocast wrapper: peeled, then re-applied
+    params, buffers = faccel.model_params(dist, model)
+    assert "0.weight" in params
+    x, y = _data(n=4)
+    loss, grads = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss)(params, buffers, x, y)
+    assert loss.dtype == torch.float32 and grads["0.weight"].dtype == torch.float32
+    full, full_grads = faccel.loss_and_grad(faccel.detect({}), model, torch.nn.functional.mse_loss)(
+        params, buffers, x, y
+    )
+    assert loss.item() != full.item()  # bf16 rounding shows
+    torch.testing.assert_close(loss, full, rtol=5e-2, atol=5e-2)
+
+
+def test_loss_and_grad_refuses_an_unknown_engine() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    with pytest.raises(FunctionalError, match="engine"):
+        faccel.loss_and_grad(faccel.detect({}), _seed_model(), torch.nn.functional.mse_loss, engine="jax")
+
+
+def test_model_params_are_detached_copies_named_like_the_module() -> None:
+    import faccel
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    dist = faccel.DistState.simulated(rank=1, world_size=2)  # no peers: nothing to sync
+    params, buffers = faccel.model_params(dist, faccel.prepare(dist, model))
+    assert list(params) == [n for n, _ in model.named_parameters()]
+    assert list(buffers) == [n for n, _ in model.named_buffers()]
+    for name, p in model.named_parameters():
+        assert torch.equal(params[name], p) and not params[name].requires_grad
+        assert params[name].data_ptr() != p.data_ptr()
+
+
+# --- sync_grads in one process ---------------------------------------------------------------
+
+
+def test_sync_grads_is_the_identity_alone_and_refuses_a_simulated_world() -> None:
+    import faccel
+    from faccel.errors import DistributedError, FunctionalError
+
+    grads = {"w": torch.ones(2), "nested": [torch.zeros(1), None]}
+    assert faccel.sync_grads(faccel.detect({}), grads) is grads
+    with pytest.raises(DistributedError, match="simulated with world_size=2"):
+        faccel.sync_grads(faccel.DistState.simulated(rank=0, world_size=2), grads)
+    with pytest.raises(FunctionalError, match="bucket_cap_mb"):
+        faccel.sync_grads(faccel.detect({}), grads, bucket_cap_mb=0)
+
+
+def test_sync_grads_without_a_process_group_says_how_to_start_one() -> None:
+    import torch.distributed as tdist
+
+    import faccel
+    from faccel.errors import DistributedError
+
+    if tdist.is_initialized():  # pragma: no cover - another test left a group running
+        pytest.skip("a process group is running in this process")
+    dist = faccel.DistState(
+        rank=0, world_size=2, launcher="torchrun", master_addr="127.0.0.1", master_port=1
+    )
+    with pytest.raises(DistributedError, match="needs a running process group"):
+        faccel.sync_grads(dist, {"w": torch.ones(1)})
+
+
+@given(
+    sizes=st.lists(
+        st.tuples(st.integers(min_value=0, max_value=300), st.sampled_from(["f32", "f64", "bf16"])),
+        max_size=20,
+    ),
+    cap_kb=st.none() | st.integers(min_value=1, max_value=2),
+)
+def test_buckets_partition_the_tensors_by_dtype_within_the_cap(sizes: list, cap_kb: int | None) -> None:
+    from faccel._grad_sync import _buckets
+
+    dtypes = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16}
+    leaves: list[Any] = [torch.zeros(n, dtype=dtypes[d]) for n, d in sizes]
+    leaves.insert(len(leaves) // 2, None)
+    cap = None if cap_kb is None else cap_kb * 1024
+    buckets = _buckets(leaves, cap)
+    flat = sorted(i for bucket in buckets for i in bucket)
+    assert flat == [i for i, leaf in enumerate(leaves) if leaf is not None]  # each tensor once
+    for bucket in buckets:
+        assert bucket == sorted(bucket) and len({leaves[i].dtype for i in bucket}) == 1
+        nbytes = sum(leaves[i].numel() * leaves[i].element_size() for i in bucket)
+        assert cap is None or nbytes <= cap or len(bucket) == 1
+    if cap is None:
+        assert len(buckets) == len({leaf.dtype for leaf in leaves if leaf is not None})
+
+
+# --- FunctionalState -------------------------------------------------------------------------
+
+
+def test_functional_state_apply_gradients_is_the_optimizer_update() -> None:
+    import faccel
+
+    params = {"w": torch.randn(3), "b": torch.randn(1)}
+    grads = {"w": torch.randn(3), "b": torch.randn(1)}
+    opt = faccel.adamw(lr=0.1, amsgrad=True)
+    state = faccel.FunctionalState.create(params=params, optimizer=opt)
+    new = state.apply_gradients(grads, lr=0.05)
+    want_params, want_opt = opt.update(grads, opt.init(params), params, lr=0.05)
+    assert (new.step, new.opt_state.step, state.step) == (1, 1, 0)
+    for name in params:
+        assert torch.equal(new.params[name], want_params[name])
+        assert torch.equal(new.opt_state.exp_avg[name], want_opt.exp_avg[name])
+        assert torch.equal(state.params[name], params[name])  # the old state is intact
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        new.step = 5  # type: ignore[misc]
+
+
+def test_the_autograd_engine_under_vmap_says_to_use_the_func_engine() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 1)
+    params, buffers = faccel.model_params(dist, model)
+    grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss)
+    with pytest.raises(FunctionalError, match="engine='func'"):
+        torch.func.vmap(grad_fn, in_dims=(None, None, 0, 0))(params, buffers, torch.randn(3, 2), torch.randn(3, 1))
