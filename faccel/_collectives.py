@@ -170,9 +170,9 @@ def _exchange(dist: DistState, description: dict[str, Any]) -> list[dict[str, An
     return [json.loads(r[4 : 4 + n]) for r, n in zip(raw, lengths, strict=True)]
 
 
-def _check_calls(descriptions: list[dict[str, Any]], paths: list[str], reference: int = 0) -> None:
+def _check_calls(descriptions: list[dict[str, Any]], paths: list[str]) -> None:
     """Raise (identically on every rank) unless all ranks made the same call on the same structure."""
-    ref = descriptions[reference]
+    ref, reference = descriptions[0], 0
     for rank, d in enumerate(descriptions):
         if d["call"] != ref["call"]:
             msg = (
@@ -188,10 +188,9 @@ def _check_calls(descriptions: list[dict[str, Any]], paths: list[str], reference
             raise DistributedError(msg)
     for path, shape in zip(paths, ref["shapes"], strict=True):
         if shape is None:
-            leaf_types = ref["spec"]
             msg = (
                 f"every leaf of a collective's tree must be a torch.Tensor, but {path} is not "
-                f"(structure {leaf_types}); convert numbers with torch.tensor(...) or use gather_object"
+                f"(structure {ref['spec']}); convert numbers with torch.tensor(...) or use gather_object"
             )
             raise ArgumentError(msg)
 
@@ -202,10 +201,10 @@ def _check_leaves(
     *,
     what: str,
     same: Callable[[list[int], list[int]], bool],
-    reference: int = 0,
     dtypes: bool = True,
 ) -> None:
-    ref = descriptions[reference]
+    """Raise (identically on every rank) where a leaf's dtype or shape differs from rank 0's."""
+    ref, reference = descriptions[0], 0
     for rank, d in enumerate(descriptions):
         for i, path in enumerate(paths):
             if dtypes and d["dtypes"][i] != ref["dtypes"][i]:

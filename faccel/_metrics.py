@@ -116,7 +116,8 @@ def gather_for_metrics(
     Every leaf's dim 0 must be one row per input sample of this rank's batch
     (``batch=k``) or batches (``batch=None``). Under ``even_batches=False``
     ranks may have different numbers of batches: call it once with
-    ``batch=None`` at the end, or pass empty tensors on ranks without batch ``k``.
+    ``batch=None`` at the end, or pass empty tensors (zero rows, the same other
+    dims) on ranks without batch ``k``.
 
     Args:
         dist: This process's state.
