@@ -256,7 +256,8 @@ class FunctionalState:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor] = attrs.field(factory=dict)
     opt_state: Any
-    optimizer: _Optimizer = static_field()
+    # static_field is a field specifier (it returns attrs.field), not a shared default.
+    optimizer: _Optimizer = static_field()  # noqa: RUF009
     step: int = static_field(default=0)
 
     @classmethod

@@ -126,9 +126,7 @@ def _reduce_buckets(dist: DistState, leaves: list[Any], out: list[Any], cap: flo
     works = []
     for bucket in _buckets(leaves, cap):
         first = leaves[bucket[0]]
-        flat = torch.empty(
-            sum(leaves[i].numel() for i in bucket), dtype=first.dtype, device=first.device
-        )
+        flat = torch.empty(sum(leaves[i].numel() for i in bucket), dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for i in bucket:
             shape = leaves[i].shape

@@ -204,9 +204,7 @@ class AdamW:
     def __attrs_post_init__(self) -> None:
         _check(self.lr >= 0.0, f"lr must be >= 0, got {self.lr!r}")
         _check(self.eps >= 0.0, f"eps must be >= 0, got {self.eps!r}")
-        _check(
-            all(0.0 <= b < 1.0 for b in self.betas), f"betas must be in [0, 1), got {self.betas!r}"
-        )
+        _check(all(0.0 <= b < 1.0 for b in self.betas), f"betas must be in [0, 1), got {self.betas!r}")
         _check(self.weight_decay >= 0.0, f"weight_decay must be >= 0, got {self.weight_decay!r}")
 
     def init(self, params: Any) -> AdamWState:
@@ -389,6 +387,4 @@ def adamw(
         >>> state.step, params["w"][0].item() < 1.0
         (3, True)
     """
-    return AdamW(
-        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
-    )
+    return AdamW(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)

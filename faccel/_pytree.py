@@ -134,6 +134,7 @@ def register_pytree(cls: type[T]) -> type[T]:
         >>> len(leaves), pytree.tree_unflatten(leaves, spec).name
         (2, 'pair')
     """
+    registered: type[T] = cls  # attrs.has() narrows cls's type below
     if not attrs.has(cls):
         msg = (
             f"register_pytree() needs an attrs class, got {cls!r}; "
@@ -141,7 +142,7 @@ def register_pytree(cls: type[T]) -> type[T]:
         )
         raise FunctionalError(msg)
     if cls in _pytree.SUPPORTED_NODES:
-        return cls
+        return registered
     fields = attrs.fields(cls)
     children = tuple(f.name for f in fields if not _is_static(f))
     statics = tuple(f.name for f in fields if _is_static(f))
@@ -179,4 +180,4 @@ def register_pytree(cls: type[T]) -> type[T]:
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
         flatten_with_keys_fn=flatten_with_keys,
     )
-    return cls
+    return registered
