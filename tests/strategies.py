@@ -124,3 +124,46 @@ def adamw_hyperparams(draw: st.DrawFn) -> dict:
         "amsgrad": draw(st.booleans()),
         "maximize": draw(st.booleans()),
     }
+
+
+# --- checkpoints (tests/test_checkpoint*.py, tests/test_serialize.py) ---
+
+
+@st.composite
+def checkpoint_specs(draw: st.DrawFn) -> dict:
+    """A spec for tests/distributed/checkpoint_workers.build: model, optimizer, scheduler, data."""
+    samples = draw(st.integers(min_value=6, max_value=20))
+    return {
+        "width": draw(st.integers(min_value=2, max_value=6)),
+        "depth": draw(st.integers(min_value=1, max_value=3)),
+        "tied": draw(st.booleans()),
+        "dropout": draw(st.booleans()),
+        "batchnorm": draw(st.booleans()),
+        "transposed": draw(st.booleans()),
+        "optimizer": draw(st.sampled_from(["sgd", "adam", "adamw_amsgrad"])),
+        "groups": draw(st.sampled_from([1, 2])),
+        "scheduler": draw(st.sampled_from([None, "step", "cosine", "onecycle", "lambda", "plateau"])),
+        "scaler": draw(st.booleans()),
+        "samples": samples,
+        "batch_size": draw(st.integers(min_value=2, max_value=5)),
+        "total_steps": draw(st.integers(min_value=1, max_value=10)),
+    }
+
+
+_json_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+
+# Values a checkpoint's extras may hold without tensors: JSON, tuples, non-string keys, bytes.
+plain_trees = st.recursive(
+    _json_leaves,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.lists(inner, max_size=3).map(tuple)
+    | st.dictionaries(st.text(max_size=6) | st.integers(min_value=-5, max_value=5), inner, max_size=3),
+    max_leaves=12,
+)

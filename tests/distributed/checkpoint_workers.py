@@ -1,0 +1,375 @@
+"""Checkpoint test builders and the functions the two-process checkpoint tests run on every rank.
+
+A *spec* (plain JSON, so hypothesis can draw it and the harness can pass it
+to child processes) describes a small model, its optimizer, scheduler and
+scaler, and the data. :func:`build` turns it into objects; :func:`train`
+runs the loop, stopping before it fetches a batch it will not use;
+:func:`resume_cases` checks that stopping, checkpointing and restoring into
+fresh objects changes nothing, bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+OPTIMIZERS = ("sgd", "adam", "adamw_amsgrad")
+SCHEDULERS = (None, "step", "cosine", "onecycle", "lambda", "plateau")
+
+
+def example_spec(**changes: Any) -> dict[str, Any]:
+    """A spec with every feature on (ties, dropout, batch norm, a transposed parameter)."""
+    spec: dict[str, Any] = {
+        "width": 5,
+        "depth": 2,
+        "tied": True,
+        "dropout": True,
+        "batchnorm": True,
+        "transposed": True,
+        "optimizer": "adamw_amsgrad",
+        "groups": 2,
+        "scheduler": "onecycle",
+        "scaler": True,
+        "samples": 22,
+        "batch_size": 4,
+        "total_steps": 9,
+    }
+    spec.update(changes)
+    return spec
+
+
+class Net(nn.Module):
+    """A small MLP with the features that make checkpoints hard."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        width = spec["width"]
+        self.inp = nn.Linear(4, width)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(spec["depth"]))
+        # Tied: a second layer sharing the first hidden layer's weight (one Parameter, two names).
+        self.tied = nn.Linear(width, width) if spec["tied"] else None
+        if self.tied is not None:
+            self.tied.weight = self.hidden[0].weight
+        self.norm = nn.BatchNorm1d(width) if spec["batchnorm"] else None
+        self.drop = nn.Dropout(0.25) if spec["dropout"] else None
+        # Transposed: a non-contiguous parameter (and, under Adam, non-contiguous state).
+        self.proj = nn.Parameter(torch.randn(2, width).t() if spec["transposed"] else torch.randn(width, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+        if self.tied is not None:
+            h = torch.tanh(self.tied(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.drop is not None:
+            h = self.drop(h)
+        return (h @ self.proj).sum(dim=1, keepdim=True)
+
+
+def lr_lambda(step: int) -> float:
+    """LambdaLR's function (module level: the scheduler keeps code, the checkpoint does not)."""
+    return 1.0 / (1.0 + 0.1 * step)
+
+
+def build(spec: dict[str, Any], *, seed: int) -> tuple[nn.Module, Any, Any, Any]:
+    """``(model, optimizer, scheduler, scaler)`` of ``spec``; ``seed`` sets the initial weights."""
+    torch.manual_seed(seed)
+    model = Net(spec)
+    named = list(model.named_parameters())  # each tied Parameter once
+    if spec["groups"] == 2:
+        first = [p for n, p in named if n.startswith(("inp", "hidden"))]
+        rest = [p for n, p in named if not n.startswith(("inp", "hidden"))]
+        params: Any = [{"params": first}, {"params": rest, "lr": 0.02, "weight_decay": 0.0}]
+    else:
+        params = [p for _, p in named]
+    kind = spec["optimizer"]
+    if kind == "sgd":
+        optimizer: Any = torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    elif kind == "adam":
+        optimizer = torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.95))
+    else:
+        optimizer = torch.optim.AdamW(params, lr=0.01, amsgrad=True, weight_decay=0.1)
+    scheduler = _scheduler(spec, optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=2) if spec["scaler"] else None
+    return model, optimizer, scheduler, scaler
+
+
+def _scheduler(spec: dict[str, Any], optimizer: Any) -> Any:
+    kind = spec["scheduler"]
+    schedulers = torch.optim.lr_scheduler
+    if kind == "step":
+        return schedulers.StepLR(optimizer, step_size=2, gamma=0.5)
+    if kind == "cosine":
+        return schedulers.CosineAnnealingLR(optimizer, T_max=5)
+    if kind == "onecycle":
+        return schedulers.OneCycleLR(optimizer, max_lr=0.05, total_steps=spec["total_steps"] + 5)
+    if kind == "lambda":
+        return schedulers.LambdaLR(optimizer, lr_lambda)
+    if kind == "plateau":
+        return schedulers.ReduceLROnPlateau(optimizer, patience=1, factor=0.5)
+    return None
+
+
+def data(spec: dict[str, Any]) -> torch.utils.data.DataLoader:
+    """The spec's regression data as a shuffling DataLoader (prepare shards it)."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(spec["samples"], 4, generator=g)
+    y = torch.randn(spec["samples"], 1, generator=g)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=spec["batch_size"], shuffle=True
+    )
+
+
+def seed_generators(rank: int, base: int) -> None:
+    """Each rank's Python, NumPy and torch generators, distinct per rank."""
+    random.seed(base + rank)
+    np.random.seed(base + 10 + rank)
+    torch.manual_seed(base + 20 + rank)
+
+
+def fresh(
+    dist: Any, spec: dict[str, Any], *, seed: int, extras: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    """A prepared ``(TrainState, loader)`` for ``spec`` at step 0."""
+    import faccel
+
+    model, optimizer, scheduler, scaler = build(spec, seed=seed)
+    model, optimizer, loader = faccel.prepare(dist, model, optimizer, data(spec))
+    state = faccel.TrainState.create(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extras=extras
+    )
+    return state, loader
+
+
+def train(dist: Any, state: Any, loader: Any, *, until: int) -> Any:
+    """Train from ``state`` until ``state.step == until``, resuming the loader where it stopped.
+
+    Uses all three random generators (dropout and noise: torch; loss weights:
+    Python and NumPy), so a resume is exact only if all three are restored.
+    A batch is fetched only when it will be used.
+    """
+    import attrs
+
+    import faccel
+
+    model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
+    batches = iter(loader.at(epoch=state.epoch, start=state.position))
+    while state.step < until:
+        try:
+            inputs, targets = next(batches)
+        except StopIteration:
+            state = attrs.evolve(state, epoch=state.epoch + 1, position=0)
+            batches = iter(loader.at(epoch=state.epoch))
+            continue
+        optimizer.zero_grad()
+        inputs = inputs + 0.01 * torch.randn_like(inputs)
+        weight = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
+        loss = weight * nn.functional.mse_loss(model(inputs), targets)
+        if scaler is not None:
+            faccel.backward(dist, scaler.scale(loss))
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            faccel.backward(dist, loss)
+            optimizer.step()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(loss.item())
+        elif scheduler is not None:
+            scheduler.step()
+        state = attrs.evolve(state, step=state.step + 1, position=state.position + 1)
+    return state
+
+
+def digest(state: Any) -> str:
+    """SHA-256 of every bit of the model and optimizer state (what 'bitwise equal' compares)."""
+    import faccel
+
+    h = hashlib.sha256()
+    for name, tensor in faccel.unwrap_model(state.model).state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for pid, entry in sorted(state.optimizer.state_dict()["state"].items()):
+        for key, value in sorted(entry.items()):
+            h.update(f"{pid}.{key}".encode())
+            if isinstance(value, torch.Tensor):
+                h.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(value).encode())
+    h.update(repr(state.optimizer.state_dict()["param_groups"]).encode())
+    return h.hexdigest()
+
+
+def resume_cases(
+    spec: dict[str, Any], stops: list[int], root: str, env: dict[str, str] | None = None
+) -> dict:
+    """For each stop: train to it, checkpoint, restore into fresh objects, train on.
+
+    Returns the uninterrupted run's digest and each resumed run's, and the
+    step, epoch and position each restore returned.
+    """
+    import faccel
+
+    torch.use_deterministic_algorithms(True)
+    dist = faccel.detect(env)
+    total = spec["total_steps"]
+    state, loader = fresh(dist, spec, seed=0)
+    seed_generators(dist.rank, 100)
+    reference = digest(train(dist, state, loader, until=total))
+    resumed: dict[str, Any] = {}
+    for stop in stops:
+        state, loader = fresh(dist, spec, seed=0)
+        seed_generators(dist.rank, 100)
+        state = train(dist, state, loader, until=stop)
+        folder = os.path.join(root, f"stop{stop}")
+        faccel.checkpoint(dist, state, folder, keep=1)
+        seed_generators(dist.rank, 999)  # a new process would start from other states
+        target, loader = fresh(dist, spec, seed=1)
+        restored = faccel.restore(dist, target, folder)
+        position = [restored.step, restored.epoch, restored.position]
+        expected = [state.step, state.epoch, state.position]
+        final = train(dist, restored, loader, until=total)
+        resumed[str(stop)] = {"digest": digest(final), "restored": position, "expected": expected}
+    return {"rank": dist.rank, "reference": reference, "resumed": resumed}
+
+
+def save_model_then_read(directory: str, max_shard_size: int) -> dict:
+    """Every rank saves (rank 0 writes); right after, every rank lists and loads the files."""
+    import faccel
+
+    dist = faccel.detect()
+    model, _, _, _ = build(example_spec(), seed=0)
+    faccel.save_model(dist, model, directory, max_shard_size=max_shard_size)
+    listed = sorted(os.listdir(directory))  # complete here on every rank: save_model is a barrier
+    target, _, _, _ = build(example_spec(), seed=1)
+    faccel.load_model(dist, target, directory)
+    equal = all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), target.state_dict().values(), strict=True)
+    )
+    return {"rank": dist.rank, "files": listed, "equal": equal}
+
+
+def checkpoint_layout(root: str) -> dict:
+    """Checkpoint under DDP; report which files exist and this rank's torch RNG digest."""
+    import faccel
+
+    dist = faccel.detect()
+    spec = example_spec()
+    state, loader = fresh(dist, spec, seed=0)
+    seed_generators(dist.rank, 100)
+    state = train(dist, state, loader, until=3)
+    folder = faccel.checkpoint(dist, state, root)
+    listed = sorted(os.listdir(folder))  # visible to every rank once checkpoint returns
+    expected_rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+    torch.manual_seed(12345)
+    target, _ = fresh(dist, spec, seed=1)
+    faccel.restore(dist, target, root)
+    got_rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+    return {"rank": dist.rank, "files": listed, "rng": expected_rng, "restored_rng": got_rng}
+
+
+def mismatched_steps(root: str) -> dict:
+    """Ranks pass different steps: every rank must raise (no hang, nothing committed)."""
+    import attrs
+
+    import faccel
+
+    dist = faccel.detect()
+    state, _ = fresh(dist, example_spec(), seed=0)
+    try:
+        faccel.checkpoint(dist, attrs.evolve(state, step=dist.rank), root)
+    except faccel.errors.CheckpointError as error:
+        return {"rank": dist.rank, "error": str(error), "listed": sorted(os.listdir(root))}
+    return {"rank": dist.rank, "error": None, "listed": sorted(os.listdir(root))}
+
+
+def one_rank_fails(root: str) -> dict:
+    """Rank 1 restores into a wrong model: both ranks raise CheckpointError, none loads."""
+    import faccel
+
+    dist = faccel.detect()
+    spec = example_spec()
+    state, _ = fresh(dist, spec, seed=0)
+    faccel.checkpoint(dist, state, root)
+    if dist.rank == 1:  # unprepared: DDP itself would refuse different shapes across ranks
+        model, optimizer, scheduler, scaler = build(example_spec(width=6), seed=1)
+        target = faccel.TrainState.create(
+            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler
+        )
+    else:
+        target, _ = fresh(dist, spec, seed=1)
+    before = digest(target)
+    try:
+        faccel.restore(dist, target, root)
+    except faccel.errors.CheckpointError as error:
+        return {"rank": dist.rank, "error": str(error), "unchanged": digest(target) == before}
+    return {"rank": dist.rank, "error": None, "unchanged": digest(target) == before}
+
+
+def assert_same(a: Any, b: Any, path: str = "value") -> None:
+    """Strict equality: same types (a tuple is not a list), tensors and floats bit for bit."""
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (
+        f"{path}: {type(a).__name__} != {type(b).__name__}"
+    )
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype} {a.shape} != {b.dtype} {b.shape}"
+        bits_a = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        bits_b = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(bits_a, bits_b), f"{path}: tensors differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (
+            f"{path}: arrays differ"
+        )
+    elif isinstance(a, float):
+        assert np.float64(a).tobytes() == np.float64(b).tobytes(), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b) or set(a) == set(b), f"{path}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {key: _copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy(item) for item in value)
+    return value
+
+
+def observe(state: Any) -> dict[str, Any]:
+    """A deep copy of everything a checkpoint holds (objects' states, values, generators)."""
+    import faccel
+
+    extras = {
+        name: _copy(value.state_dict() if hasattr(value, "load_state_dict") else value)
+        for name, value in state.extras.items()
+    }
+    return {
+        "model": _copy(dict(faccel.unwrap_model(state.model).state_dict())),
+        "optimizer": _copy(state.optimizer.state_dict()),
+        "scheduler": None if state.scheduler is None else _copy(state.scheduler.state_dict()),
+        "scaler": None if state.scaler is None else _copy(state.scaler.state_dict()),
+        "values": [state.step, state.epoch, state.position],
+        "extras": extras,
+        "python": random.getstate(),
+        "numpy": _copy(np.random.get_state(legacy=False)),
+        "torch": torch.get_rng_state(),
+    }
