@@ -142,7 +142,11 @@ def _peers_answer(dist: DistState, name: str) -> Iterator[None]:
 
 
 def _all_gather_bytes(payload: bytes, size: int, device: torch.device, world: int) -> list[bytes]:
-    """Each rank's ``payload`` (at most ``size`` bytes after a 4-byte length), or None if longer."""
+    """Every rank's buffer: a 4-byte length, then its payload if it fits in ``size - 4`` bytes.
+
+    A payload that does not fit is sent as its length only, so that every rank
+    learns the longest length and can repeat the exchange with a buffer that fits.
+    """
     buffer = torch.zeros(size, dtype=torch.uint8)
     buffer[:4] = torch.tensor(list(len(payload).to_bytes(4, "little")), dtype=torch.uint8)
     fits = len(payload) <= size - 4
@@ -172,17 +176,17 @@ def _exchange(dist: DistState, description: dict[str, Any]) -> list[dict[str, An
 
 def _check_calls(descriptions: list[dict[str, Any]], paths: list[str]) -> None:
     """Raise (identically on every rank) unless all ranks made the same call on the same structure."""
-    ref, reference = descriptions[0], 0
+    ref = descriptions[0]
     for rank, d in enumerate(descriptions):
         if d["call"] != ref["call"]:
             msg = (
-                f"rank {rank} called {d['call']} while rank {reference} called {ref['call']}; every rank "
+                f"rank {rank} called {d['call']} while rank 0 called {ref['call']}; every rank "
                 "must call the same collective, with the same options, in the same order"
             )
             raise DistributedError(msg)
         if d["spec"] != ref["spec"]:
             msg = (
-                f"rank {rank} passed a tree of structure {d['spec']} but rank {reference} passed "
+                f"rank {rank} passed a tree of structure {d['spec']} but rank 0 passed "
                 f"{ref['spec']}; every rank must pass the same containers and keys"
             )
             raise DistributedError(msg)
@@ -204,19 +208,19 @@ def _check_leaves(
     dtypes: bool = True,
 ) -> None:
     """Raise (identically on every rank) where a leaf's dtype or shape differs from rank 0's."""
-    ref, reference = descriptions[0], 0
+    ref = descriptions[0]
     for rank, d in enumerate(descriptions):
         for i, path in enumerate(paths):
             if dtypes and d["dtypes"][i] != ref["dtypes"][i]:
                 msg = (
-                    f"{path} is {d['dtypes'][i]} on rank {rank} but {ref['dtypes'][i]} on rank "
-                    f"{reference}; cast it to one dtype on every rank before the collective"
+                    f"{path} is {d['dtypes'][i]} on rank {rank} but {ref['dtypes'][i]} on rank 0; "
+                    "cast it to one dtype on every rank before the collective"
                 )
                 raise DistributedError(msg)
             if not same(d["shapes"][i], ref["shapes"][i]):
                 msg = (
                     f"{path} has shape {tuple(d['shapes'][i])} on rank {rank} but "
-                    f"{tuple(ref['shapes'][i])} on rank {reference}; {what}"
+                    f"{tuple(ref['shapes'][i])} on rank 0; {what}"
                 )
                 raise DistributedError(msg)
 
