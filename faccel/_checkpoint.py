@@ -272,7 +272,7 @@ def checkpoint(
         The new checkpoint's folder.
 
     Raises:
-        ArgumentValueError: ``keep`` < 1.
+        ArgumentValueError: ``keep`` < 1, or a simulated DistState of several ranks.
         CheckpointError: A value with no pickle-free form in the state (the
             message names it), or a failed write on any rank; earlier
             checkpoints are untouched.
@@ -288,6 +288,13 @@ def checkpoint(
     """
     if keep is not None and keep < 1:
         msg = f"keep must be at least 1 (the new checkpoint), or None to keep all; got {keep!r}"
+        raise ArgumentValueError(msg)
+    if dist.world_size > 1 and not dist.distributed:
+        msg = (
+            f"a simulated DistState of {dist.world_size} ranks has no peers to write their "
+            "generator files; checkpoint from a real run (faccel.detect under a launcher), "
+            "or with a one-process DistState"
+        )
         raise ArgumentValueError(msg)
     root = Path(path)
     step = train_state.step

@@ -9,7 +9,9 @@ Each such value becomes a one-key JSON object whose key is a tag:
 ``{"__tuple__": [...]}``            a tuple of the encoded items
 ``{"__dict__": [[k, v], ...]}``     a dict whose keys are not all strings, or
                                     a one-key dict whose key looks like a tag
-``{"__float__": "nan"}``            ``nan``, ``inf`` or ``-inf``
+``{"__float__": "nan"}``            ``nan``, ``inf`` or ``-inf`` (a NaN of another
+                                    sign or payload: ``"nan:<16 hex digits>"``,
+                                    its bits, big-endian)
 ``{"__bytes__": "<base64>"}``       bytes
 ``{"__ndarray__": {...}}``          a NumPy array or scalar: ``dtype`` (e.g.
                                     ``"<u4"``), ``shape`` (null for a scalar),
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import math
+import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -121,6 +124,29 @@ def _join(path: str, part: object) -> str:
     return f"{path}.{part}" if path else str(part)
 
 
+_CANONICAL_NAN = struct.pack("<d", math.nan)
+
+
+def _non_finite(value: float) -> str:
+    if not math.isnan(value):
+        return repr(value)  # 'inf' or '-inf'
+    bits = struct.pack("<d", value)
+    # Any NaN other than the usual one keeps its sign and payload: bitwise exact.
+    return "nan" if bits == _CANONICAL_NAN else f"nan:{bits[::-1].hex()}"
+
+
+def _float_of(text: str) -> float | None:
+    if text in ("nan", "inf", "-inf"):
+        return float(text)
+    if text.startswith("nan:") and len(text) == 20:
+        try:
+            value: float = struct.unpack("<d", bytes.fromhex(text[4:])[::-1])[0]
+        except ValueError:
+            return None
+        return value if math.isnan(value) else None
+    return None
+
+
 def encode(value: Any, *, sink: TensorSink | None = None, path: str = "") -> Any:
     """``value`` as tagged JSON; tensors go to ``sink``, or inline when it is None.
 
@@ -135,7 +161,7 @@ def encode(value: Any, *, sink: TensorSink | None = None, path: str = "") -> Any
     if value is None or kind is bool or kind is int or kind is str:
         return value
     if kind is float:
-        return value if math.isfinite(value) else {"__float__": repr(value)}
+        return value if math.isfinite(value) else {"__float__": _non_finite(value)}
     if isinstance(value, np.ndarray | np.generic):
         return _encode_numpy(value, path)
     if isinstance(value, torch.Tensor):
@@ -259,8 +285,8 @@ def _decode_tagged(
             except TypeError:  # an unhashable key, e.g. a list
                 raise _bad(where, path, f"unhashable dict key {key!r}") from None
         return out
-    if tag == "__float__" and body in ("nan", "inf", "-inf"):
-        return float(body)
+    if tag == "__float__" and type(body) is str and (number := _float_of(body)) is not None:
+        return number
     if tag == "__bytes__" and type(body) is str:
         return _unb64(body, where, path)
     if tag == "__ndarray__" and type(body) is dict:

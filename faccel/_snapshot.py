@@ -141,6 +141,9 @@ class Loadable:
     extras: Mapping[str, Any]
 
 
+_SHOWN = 12  # problems listed in one message; a wrong architecture would list every tensor
+
+
 class _Problems:
     """Mismatches gathered per file, raised together as one CheckpointError."""
 
@@ -153,7 +156,9 @@ class _Problems:
 
     def raise_if_any(self) -> None:
         if self.items:
-            msg = f"checkpoint {self.where} does not fit the objects given: " + "; ".join(self.items)
+            shown = self.items[:_SHOWN]
+            more = f"; and {len(self.items) - _SHOWN} more" if len(self.items) > _SHOWN else ""
+            msg = f"checkpoint {self.where} does not fit the objects given: " + "; ".join(shown) + more
             raise CheckpointError(msg)
 
 
@@ -306,8 +311,9 @@ def _check_optimizer(
         if saved_keys != live_keys:
             problems.add(
                 STATE,
-                f"param group {number} has hyperparameters {sorted(saved_keys)}, "
-                f"the target {sorted(live_keys)}",
+                f"param group {number}: hyperparameters {sorted(saved_keys - live_keys)} were saved but "
+                f"the target lacks them, {sorted(live_keys - saved_keys)} the other way round (LR "
+                "schedulers add keys such as initial_lr: create the same scheduler before restoring)",
             )
         params.update(zip(ids, live["params"], strict=True))
     elementwise = _class_name(target) in _ELEMENTWISE

@@ -14,13 +14,13 @@ from faccel.errors import CheckpointError
 __all__ = ["TrainState"]
 
 
-def _non_negative(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
-    if type(value) is not int or value < 0:
+def _non_negative(_: object, attribute: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
+    if type(value) is not int or value < 0:  # bool is not a step count either
         msg = f"TrainState.{attribute.name} must be an int >= 0, got {value!r}"
         raise CheckpointError(msg)
 
 
-def _extras_keys(_: object, attribute: attrs.Attribute, value: Mapping[str, Any]) -> None:  # type: ignore[type-arg]
+def _extras_keys(_: object, attribute: attrs.Attribute, value: Mapping[Any, Any]) -> None:  # type: ignore[type-arg]
     bad = [key for key in value if type(key) is not str]
     if bad:
         msg = f"TrainState.extras keys must be strings (they name the entries in the checkpoint), got {bad!r}"

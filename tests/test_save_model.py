@@ -112,7 +112,7 @@ def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path: Path) -> None
     # A model without the tie needs the name the file lacks: reported as missing.
     untied, _, _, _ = build(example_spec(tied=True), seed=1)
     untied.tied.weight = torch.nn.Parameter(untied.tied.weight.detach().clone())
-    with pytest.raises(faccel.errors.CheckpointError, match="missing 'tied.weight'"):
+    with pytest.raises(faccel.errors.CheckpointError, match=r"missing 'tied\.weight'"):
         faccel.load_model(dist, untied, tmp_path)
 
 

@@ -123,8 +123,12 @@ def data(spec: dict[str, Any]) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(spec["samples"], 4, generator=g)
     y = torch.randn(spec["samples"], 1, generator=g)
+    # Batch norm cannot train on a batch of one sample: drop the last, short batch then.
     return torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=spec["batch_size"], shuffle=True
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=spec["batch_size"],
+        shuffle=True,
+        drop_last=spec["batchnorm"],
     )
 
 

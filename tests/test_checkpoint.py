@@ -1,0 +1,294 @@
+"""checkpoint / restore in one process: exact round trips, exact resumes, layout, rotation.
+
+The laws: restoring a checkpoint into fresh objects gives back every tensor,
+hyperparameter, value and random generator bit for bit; and training on after
+a restore gives the same parameters, bit for bit, as never stopping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import checkpoint_workers as cw
+from tests.strategies import checkpoint_specs, plain_trees
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_generators() -> Any:
+    """restore() sets the process's generators on purpose; give other tests theirs back."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def _with_extras(spec: dict, seed: int, values: Any, *, placeholders: bool = False) -> Any:
+    """A TrainState whose extras hold a value tree, a tensor pytree and a stateful object."""
+    import faccel
+
+    model, optimizer, scheduler, scaler = cw.build(spec, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    extras = {
+        "values": None if placeholders else values,
+        "params": {"w": torch.randn(3, generator=g), "b": (torch.randn(2, 2, generator=g).t(), 7)},
+        "ema": cw.Net(spec),  # an object with state_dict/load_state_dict, loaded in place
+        "flags": {"best": None} if placeholders else {"best": float("inf"), "betas": (0.9, 0.99)},
+    }
+    state = faccel.TrainState.create(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extras=extras
+    )
+    return state
+
+
+@given(spec=checkpoint_specs(), steps=st.integers(min_value=0, max_value=4), values=plain_trees)
+@settings(max_examples=30)
+def test_restore_into_fresh_objects_gives_back_every_bit(spec: dict, steps: int, values: Any) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    state = _with_extras(spec, 0, values)
+    model, optimizer, loader = faccel.prepare(dist, state.model, state.optimizer, cw.data(spec))
+    cw.seed_generators(0, 5)
+    state = cw.train(dist, attrs.evolve(state, model=model, optimizer=optimizer), loader, until=steps)
+    state = attrs.evolve(state, step=state.step + 1000)  # step is a value, not a count of calls
+    saved = cw.observe(state)
+    with tempfile.TemporaryDirectory() as root:
+        folder = faccel.checkpoint(dist, state, root)
+        assert folder.name == f"step-{state.step:012d}"
+        cw.seed_generators(0, 77)
+        target = _with_extras(spec, 1, None, placeholders=True)
+        restored = faccel.restore(dist, target, root)
+    got = cw.observe(restored)
+    cw.assert_same(got, saved)  # tensors, hyperparameters (tuples stay tuples), values, generators
+    assert restored is not target and target.step == 0  # a new record; the old one unchanged
+    assert restored.extras["ema"] is target.extras["ema"]  # loaded in place
+    assert restored.model is target.model and restored.optimizer is target.optimizer
+    if spec["tied"]:
+        assert target.model.tied.weight is target.model.hidden[0].weight
+
+
+@given(spec=checkpoint_specs(), data=st.data())
+@settings(max_examples=25)
+def test_training_on_after_restore_equals_never_stopping(spec: dict, data: st.DataObject) -> None:
+    stops = data.draw(
+        st.lists(st.integers(min_value=0, max_value=spec["total_steps"]), min_size=1, max_size=3)
+    )
+    with tempfile.TemporaryDirectory() as root:
+        result = cw.resume_cases(spec, sorted(set(stops)), root, env={})
+    for stop, case in result["resumed"].items():
+        assert case["restored"] == case["expected"], stop
+        assert case["digest"] == result["reference"], f"resumed at step {stop} diverged"
+
+
+def test_mid_epoch_and_epoch_end_stops_resume_exactly() -> None:
+    spec = cw.example_spec(batchnorm=False)  # 22 samples, batch 4: 6 batches an epoch
+    with tempfile.TemporaryDirectory() as root:
+        result = cw.resume_cases(spec, [3, 6, 8], root, env={})
+    assert result["resumed"]["3"]["restored"] == [3, 0, 3]  # mid-epoch
+    assert result["resumed"]["6"]["restored"] == [6, 0, 6]  # the epoch's last batch consumed
+    assert result["resumed"]["8"]["restored"] == [8, 1, 2]  # mid-epoch of the next epoch
+    assert {case["digest"] for case in result["resumed"].values()} == {result["reference"]}
+
+
+@pytest.mark.parametrize("forget", ["python", "numpy", "torch", "position"])
+def test_the_resume_law_has_teeth(tmp_path: Path, forget: str) -> None:
+    """Control: dropping any one restored piece makes the resumed run differ."""
+    import faccel
+
+    torch.use_deterministic_algorithms(True)
+    dist = faccel.detect({})
+    spec = cw.example_spec()
+    state, loader = cw.fresh(dist, spec, seed=0)
+    cw.seed_generators(0, 100)
+    reference = cw.digest(cw.train(dist, state, loader, until=9))
+    state, loader = cw.fresh(dist, spec, seed=0)
+    cw.seed_generators(0, 100)
+    faccel.checkpoint(dist, cw.train(dist, state, loader, until=4), tmp_path)
+    target, loader = cw.fresh(dist, spec, seed=1)
+    restored = faccel.restore(dist, target, tmp_path)
+    if forget == "python":
+        random.seed(1)
+    elif forget == "numpy":
+        np.random.seed(1)
+    elif forget == "torch":
+        torch.manual_seed(1)
+    else:
+        restored = attrs.evolve(restored, position=0)
+    assert cw.digest(cw.train(dist, restored, loader, until=9)) != reference
+
+
+def test_the_loader_resumes_without_reading_skipped_batches(tmp_path: Path) -> None:
+    """loader.at(epoch=state.epoch, start=state.position): the rest of the epoch, nothing fetched twice."""
+    import faccel
+
+    fetched: list[int] = []
+
+    class Recording(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 20
+
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            fetched.append(index)
+            return torch.full((4,), float(index)), torch.zeros(1)
+
+    dist = faccel.detect({})
+    loader = faccel.prepare(dist, torch.utils.data.DataLoader(Recording(), batch_size=3, shuffle=True))
+    whole = [int(i) for x, _ in loader.at(epoch=2) for i in x[:, 0].tolist()]
+    fetched.clear()
+    model = torch.nn.Linear(4, 1)
+    state = faccel.TrainState.create(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), epoch=2, position=0
+    )
+    batches = iter(loader.at(epoch=state.epoch, start=state.position))
+    for _ in range(3):
+        next(batches)
+        state = attrs.evolve(state, step=state.step + 1, position=state.position + 1)
+    faccel.checkpoint(dist, state, tmp_path)
+    seen_before = list(fetched)
+    fetched.clear()
+    restored = faccel.restore(dist, state, tmp_path)
+    rest = [
+        int(i) for x, _ in loader.at(epoch=restored.epoch, start=restored.position) for i in x[:, 0].tolist()
+    ]
+    assert seen_before + rest == whole
+    assert fetched == rest  # the skipped batches were never read again
+
+
+def test_keep_rotates_and_leaves_no_partial_folders(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(1, 6):
+        faccel.checkpoint(dist, attrs.evolve(state, step=step), tmp_path, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000004", "step-000000000005"]
+    assert faccel.latest_checkpoint(tmp_path) == tmp_path / "step-000000000005"
+    # A later step written after a restore of an older one never deletes the newer folders.
+    faccel.checkpoint(dist, attrs.evolve(state, step=2), tmp_path, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000002", "step-000000000004", "step-000000000005"]
+    with pytest.raises(faccel.errors.ArgumentValueError, match="keep"):
+        faccel.checkpoint(dist, state, tmp_path, keep=0)
+
+
+def test_the_same_step_twice_replaces_the_checkpoint(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=3
+    )
+    faccel.checkpoint(dist, state, tmp_path)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    faccel.checkpoint(dist, attrs.evolve(state, position=1), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000003"]
+    fresh = torch.nn.Linear(2, 2)
+    restored = faccel.restore(
+        dist,
+        faccel.TrainState.create(model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1)),
+        tmp_path,
+    )
+    assert restored.position == 1 and torch.all(fresh.weight == 7.0)
+
+
+def test_latest_checkpoint_counts_only_complete_ones(tmp_path: Path) -> None:
+    import faccel
+
+    assert faccel.latest_checkpoint(tmp_path / "missing") is None
+    assert faccel.latest_checkpoint(tmp_path) is None
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=4
+    )
+    done = faccel.checkpoint(dist, state, tmp_path)
+    (tmp_path / ".tmp-step-000000000009").mkdir()  # an interrupted write
+    (tmp_path / "step-000000000008").mkdir()  # no manifest: not a checkpoint
+    (tmp_path / "step-000000000007").mkdir()
+    (tmp_path / "step-000000000007" / "manifest.json").write_text('{"format": "other", "step": 7}')
+    assert faccel.latest_checkpoint(tmp_path) == done
+    assert faccel.latest_checkpoint(done) == done
+    with pytest.raises(faccel.errors.CheckpointError, match="no checkpoint there"):
+        faccel.restore(dist, state, tmp_path / "step-000000000008")
+
+
+def test_every_file_is_json_or_safetensors_and_the_weights_load_anywhere(tmp_path: Path) -> None:
+    import safetensors
+
+    import faccel
+
+    dist = faccel.detect({})
+    spec = cw.example_spec()
+    state, loader = cw.fresh(dist, spec, seed=0)
+    folder = faccel.checkpoint(dist, cw.train(dist, state, loader, until=2), tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format"] == "faccel.checkpoint" and manifest["version"] == 1
+    assert set(manifest["files"]) | {"manifest.json"} == set(os.listdir(folder))
+    for name in os.listdir(folder):
+        path = folder / name
+        if name.endswith(".json"):
+            json.loads(path.read_text())
+        else:
+            with safetensors.safe_open(path, framework="pt") as handle:
+                list(handle.keys())
+        assert not path.read_bytes().startswith(b"\x80")  # no pickle protocol header
+    # The checkpoint's model file is a Hugging Face model.safetensors.
+    target, _, _, _ = cw.build(spec, seed=1)
+    faccel.load_model(dist, target, folder)
+    cw.assert_same(dict(target.state_dict()), dict(faccel.unwrap_model(state.model).state_dict()))
+
+
+def test_values_without_a_pickle_free_form_are_refused_before_any_file(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), extras={"hook": print}
+    )
+    with pytest.raises(faccel.errors.CheckpointError, match=r"extras\.hook"):
+        faccel.checkpoint(dist, state, tmp_path / "root")
+    assert not (tmp_path / "root").exists()
+
+
+def test_train_state_is_a_frozen_record() -> None:
+    import faccel
+
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        state.step = 3  # type: ignore[misc]
+    assert attrs.evolve(state, step=3).step == 3 and state.step == 0
+    with pytest.raises(faccel.errors.CheckpointError, match="position"):
+        attrs.evolve(state, position=-1)
+    with pytest.raises(faccel.errors.CheckpointError, match="strings"):
+        attrs.evolve(state, extras={1: "x"})
+
+
+def test_restore_needs_the_same_world_size(tmp_path: Path) -> None:
+    import faccel
+
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    faccel.checkpoint(faccel.detect({}), state, tmp_path)
+    with pytest.raises(faccel.errors.CheckpointError, match="same world size"):
+        faccel.restore(faccel.DistState.simulated(world_size=2), state, tmp_path)
+    with pytest.raises(faccel.errors.ArgumentValueError, match="simulated"):
+        faccel.checkpoint(faccel.DistState.simulated(world_size=2), state, tmp_path)
