@@ -1,0 +1,208 @@
+"""What every benchmark module shares: the Row it reports and interleaved, paired timing.
+
+A benchmark module ``benchmarks/bench_NAME.py`` exposes ``run(quick: bool) -> list[Row]``
+(see README.md). The helpers here keep the measurement hygiene the same everywhere:
+
+* subjects (plain PyTorch, faccel, the anchors) run in *interleaved rounds*, the order
+  rotating every round, so a slow period of a shared machine hits them all alike;
+* each round gives one paired comparison (``ratio`` subject / baseline, or ``difference``),
+  and a row reports the *median* of those pairs with their min and max;
+* a warm-up round runs first and is thrown away.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+PLAIN = "plain PyTorch"
+FACCEL = "faccel"
+ACCELERATE = "Accelerate"
+FABRIC = "Fabric"
+
+# DESIGN.md's "Anchors to beat": faccel's target, and the figures measured there for
+# the anchors, per kind of comparison. Targets bound the median paired comparison.
+DESIGN: Mapping[str, Mapping[str, float]] = {
+    "step": {FACCEL: 1.03, ACCELERATE: 1.34, FABRIC: 1.10},
+    "accumulation": {FACCEL: 1.03, ACCELERATE: 1.38, FABRIC: 1.15},
+    "batch_iteration": {FACCEL: 1.02, ACCELERATE: 1.07, FABRIC: 1.09},
+    "import": {FACCEL: 0.03, ACCELERATE: 0.10, FABRIC: 2.1},
+    "checkpoint": {FACCEL: 1.0, ACCELERATE: 1.01, FABRIC: 2.42},
+    "ddp_step": {FACCEL: 1.02},
+}
+
+
+@attrs.frozen(kw_only=True)
+class Row:
+    """One subject's figure in one benchmark case, compared with that case's baseline.
+
+    Attributes:
+        case: What is measured, e.g. ``"small MLP 32-64-64-1, batch 32"``.
+        subject: Who is measured: ``plain PyTorch``, ``faccel``, ``Accelerate``, ``Fabric``,
+            ``disk``...
+        value: The median of the subject's own figures, in ``unit``.
+        unit: ``"us/step"``, ``"ms/epoch"``, ``"s"``, ``"GB/s"``...
+        baseline: The subject this row is compared with; None for a figure that stands
+            alone (a disk's bandwidth, the baseline itself).
+        compare: ``"ratio"`` (subject / baseline, per round) or ``"difference"``
+            (subject - baseline, per round, in ``unit``).
+        median: The median paired comparison over the rounds.
+        low: The smallest paired comparison.
+        high: The largest paired comparison.
+        target: faccel's bound on ``median`` (met when ``median <= target``).
+        reference: DESIGN.md's figure for this subject, for the anchors.
+        rounds: Rounds measured (after the warm-up).
+        note: Anything a reader needs to read the figure right.
+        bench: The module's name (``step`` for ``bench_step.py``); run.py fills it in.
+    """
+
+    case: str
+    subject: str
+    value: float
+    unit: str
+    baseline: str | None = None
+    compare: str = "ratio"
+    median: float | None = None
+    low: float | None = None
+    high: float | None = None
+    target: float | None = None
+    reference: float | None = None
+    rounds: int = 0
+    note: str = ""
+    bench: str = ""
+
+    @property
+    def met(self) -> bool | None:
+        """Whether ``median`` is within ``target`` (None without a target)."""
+        if self.target is None or self.median is None:
+            return None
+        return self.median <= self.target
+
+
+def interleave(
+    subjects: Mapping[str, Callable[[], float]], *, rounds: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Call every subject once per round, rotating the order; return each one's figures.
+
+    Each callable measures one block (say, 200 training steps) and returns its figure
+    (say, seconds per step). Garbage is collected before every block so one subject's
+    garbage is not paid for by the next.
+    """
+    names = list(subjects)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    # torch and the anchors leave ~300k objects behind: a full collection scans them all
+    # (~0.2 s). Frozen, they are skipped, and the collection before each block is cheap.
+    gc.collect()
+    gc.freeze()
+    for index in range(warmup + rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            figure = subjects[name]()
+            if index >= warmup:
+                samples[name].append(figure)
+    return samples
+
+
+def clock() -> Callable[[], float]:
+    """The clock that in-process benchmarks read: ``run.py --clock`` chooses it.
+
+    ``wall`` (the default) is what a user waits for. ``cpu`` is this process's CPU
+    time: on a machine shared with other jobs it leaves out the time the process sat
+    descheduled, which wall-clock pairs cannot tell from overhead. For one thread on
+    an idle machine the two agree. Benchmarks that wait on other processes (DDP,
+    fsync) keep the wall clock.
+    """
+    return time.process_time if cpu_clock() else time.perf_counter
+
+
+def cpu_clock() -> bool:
+    """Whether ``run.py --clock cpu`` asked for CPU time rather than wall-clock time."""
+    return os.environ.get("FACCEL_BENCH_CLOCK") == "cpu"
+
+
+def per_call(fn: Callable[[], object], calls: int, *, now: Callable[[], float] | None = None) -> float:
+    """Seconds per call of ``fn``, over ``calls`` calls in a row, on ``now`` or :func:`clock`."""
+    now = now or clock()
+    start = now()
+    for _ in range(calls):
+        fn()
+    return (now() - start) / calls
+
+
+def paired(figures: Sequence[float], base: Sequence[float], compare: str) -> list[float]:
+    """Round-by-round comparison of a subject's figures with the baseline's."""
+    if compare == "ratio":
+        return [f / b for f, b in zip(figures, base, strict=True)]
+    if compare == "difference":
+        return [f - b for f, b in zip(figures, base, strict=True)]
+    msg = f"compare must be 'ratio' or 'difference', got {compare!r}"
+    raise ValueError(msg)
+
+
+def rows(
+    case: str,
+    samples: Mapping[str, Sequence[float]],
+    *,
+    baseline: str,
+    unit: str,
+    scale: float = 1.0,
+    compare: str = "ratio",
+    design: str | None = None,
+    notes: Mapping[str, str] | None = None,
+) -> list[Row]:
+    """Rows for every subject of ``samples`` (the baseline first), compared with ``baseline``.
+
+    Args:
+        case: What is measured.
+        samples: Subject -> figures per round, as :func:`interleave` returns them.
+        baseline: The subject the others are compared with.
+        unit: The unit of the figures after ``scale``.
+        scale: Multiplies the figures (``1e6`` turns seconds into microseconds).
+        compare: ``"ratio"`` or ``"difference"``.
+        design: Key of :data:`DESIGN` whose target and anchor figures apply.
+        notes: Subject -> a note for its row.
+    """
+    design_figures = DESIGN.get(design, {}) if design else {}
+    base = [x * scale for x in samples[baseline]]
+    ordered = [baseline, *(name for name in samples if name != baseline)]
+    out = []
+    for name in ordered:
+        figures = [x * scale for x in samples[name]]
+        pairs = paired(figures, base, compare)
+        out.append(
+            Row(
+                case=case,
+                subject=name,
+                value=statistics.median(figures),
+                unit=unit,
+                baseline=None if name == baseline else baseline,
+                compare=compare,
+                median=None if name == baseline else statistics.median(pairs),
+                low=None if name == baseline else min(pairs),
+                high=None if name == baseline else max(pairs),
+                target=design_figures.get(name) if name == FACCEL else None,
+                reference=design_figures.get(name) if name != FACCEL else None,
+                rounds=len(figures),
+                note=(notes or {}).get(name, ""),
+            )
+        )
+    return out
+
+
+def anchors() -> dict[str, bool]:
+    """Which anchors are installed (``pip install -c constraints.txt -e '.[bench]'``)."""
+    found = {}
+    for subject, module in ((ACCELERATE, "accelerate"), (FABRIC, "lightning.fabric")):
+        try:
+            __import__(module)
+        except ImportError:
+            found[subject] = False
+        else:
+            found[subject] = True
+    return found

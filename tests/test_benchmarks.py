@@ -1,0 +1,119 @@
+"""The benchmark runner's own logic: pairing, interleaving, the module interface, the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from benchmarks import common, run
+
+_figures = st.lists(st.floats(0.1, 10.0), min_size=1, max_size=30)
+
+
+@given(_figures, st.data())
+def test_rows_report_the_median_and_range_of_the_paired_comparisons(base: list[float], data) -> None:  # type: ignore[no-untyped-def]
+    other = data.draw(st.lists(st.floats(0.1, 10.0), min_size=len(base), max_size=len(base)))
+    ratio, difference = (
+        common.rows(
+            "case", {common.PLAIN: base, common.FACCEL: other}, baseline=common.PLAIN, unit="s", compare=c
+        )
+        for c in ("ratio", "difference")
+    )
+    pairs = [o / b for o, b in zip(other, base, strict=True)]
+    plain, mine = ratio
+    assert (plain.subject, plain.baseline, plain.median) == (common.PLAIN, None, None)
+    assert mine.value == statistics.median(other)
+    assert (mine.median, mine.low, mine.high) == (statistics.median(pairs), min(pairs), max(pairs))
+    assert difference[1].median == statistics.median([o - b for o, b in zip(other, base, strict=True)])
+
+
+def test_targets_and_anchor_figures_come_from_design() -> None:
+    samples = {common.PLAIN: [1.0, 1.0], common.FACCEL: [1.01, 1.05], common.ACCELERATE: [1.3, 1.4]}
+    _, mine, anchor = common.rows("c", samples, baseline=common.PLAIN, unit="s", design="step")
+    assert (mine.target, mine.met) == (1.03, True)  # median of 1.01 and 1.05
+    assert (anchor.target, anchor.reference, anchor.met) == (None, 1.34, None)
+
+
+def test_interleave_rotates_the_order_and_drops_the_warmup() -> None:
+    calls: list[str] = []
+
+    def subject(name: str):  # type: ignore[no-untyped-def]
+        return lambda: calls.append(name) or float(len(calls))
+
+    samples = common.interleave({n: subject(n) for n in "abc"}, rounds=3, warmup=1)
+    assert "".join(calls) == "abc" + "bca" + "cab" + "abc"
+    assert {name: len(figures) for name, figures in samples.items()} == {"a": 3, "b": 3, "c": 3}
+    assert samples["a"] == [6.0, 8.0, 10.0]  # positions of a's calls after the warm-up round
+
+
+def test_modules_may_return_rows_dicts_or_dataclasses() -> None:
+    @dataclasses.dataclass
+    class Theirs:
+        case: str
+        subject: str
+        value: float
+        unit: str
+        extra: str = "ignored"
+
+    row = common.Row(case="c", subject="faccel", value=1.0, unit="s")
+    assert run.coerce(row, "x").bench == "x"
+    assert run.coerce({"case": "c", "subject": "disk", "value": 2.0, "unit": "GB/s"}, "y").subject == "disk"
+    assert run.coerce(Theirs("c", "faccel", 3.0, "s"), "z") == common.Row(
+        case="c", subject="faccel", value=3.0, unit="s", bench="z"
+    )
+    with pytest.raises(TypeError, match="expected Row"):
+        run.coerce(("c", "faccel"), "w")
+
+
+def test_the_registry_finds_the_modules_in_display_order() -> None:
+    names = list(run.discover())
+    assert {"step", "data", "import", "ddp"} <= set(names)
+    assert names.index("step") < names.index("data") < names.index("import") < names.index("ddp")
+
+
+def test_the_report_has_a_summary_the_sections_and_what_is_pending() -> None:
+    samples = {common.PLAIN: [2.0, 2.2], common.FACCEL: [2.1, 2.2], common.FABRIC: [2.4, 2.6]}
+    made = common.rows("small MLP", samples, baseline=common.PLAIN, unit="us/step", design="step")
+    rows = [attrs.asdict(run.coerce(r, "step")) for r in made]
+    results = {
+        "machine": {
+            "cpu": "cpu",
+            "cpus": 2,
+            "platform": "linux",
+            "python": "3.11",
+            "versions": {"torch": "2"},
+        },
+        "note": "shared machine",
+        "benchmarks": {
+            "step": {
+                "title": "Steps.",
+                "mode": "quick",
+                "clock": "wall",
+                "date": "d",
+                "seconds": 1.0,
+                "rows": rows,
+            },
+            "import": {
+                "title": "Import.",
+                "mode": "quick",
+                "date": "d",
+                "seconds": 1.0,
+                "rows": [],
+                "error": "E\nBoom",
+            },
+        },
+    }
+    text = run.render_markdown(results)
+    assert "**Quick, noisy run.**" in text and "Note: shared machine" in text
+    assert "| step | small MLP | 1.025 | 1.000 to 1.050 | 1.03 | met | not run | 1.191 (1.10) |" in text
+    assert "## step: Steps." in text and "Failed: `Boom`" in text
+    assert all(f"- **{name}**" in text for name in run.PLANNED if name not in results["benchmarks"])
+    table = run.text_table(
+        [run.coerce(r, "step") for r in common.rows("m", samples, baseline=common.PLAIN, unit="s")]
+    )
+    assert "faccel" in table and "1.025" in table
