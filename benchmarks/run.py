@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick          # everything, few rounds (under two minutes)
     python benchmarks/run.py --only step ddp  # some modules; their results replace the old ones
     python benchmarks/run.py --list           # the registry
+    python benchmarks/run.py --render         # docs/benchmarks.md again from results.json
 
 Every ``benchmarks/bench_NAME.py`` with a ``run(quick: bool) -> list[Row]`` is a benchmark
 named NAME (see README.md in this folder). The anchors (Accelerate, Lightning Fabric) come
@@ -300,7 +301,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         lines += [f"> Note: {results['note']}", ""]
     lines += [
         "Each benchmark runs plain PyTorch, faccel, Accelerate and Lightning Fabric in interleaved "
-        "rounds (the order rotates every round, after a warm-up round), one thread, denormals "
+        "rounds (the order rotates every round, after a warm-up), one thread, denormals "
         "flushed. Each round gives one paired comparison with the baseline (a ratio, or for "
         "import time a difference); the tables show the median of those and their range. "
         "Targets and the anchors' figures in parentheses are DESIGN.md's.",
@@ -352,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the files alone")
     parser.add_argument(
+        "--render", action="store_true", help="rewrite docs/benchmarks.md from results.json; run nothing"
+    )
+    parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
@@ -367,6 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in PLANNED:
             if name not in registry:
                 print(f"{name:<14} pending: {PLANNED[name]}")
+        return 0
+    if args.render:
+        DOC.write_text(render_markdown(json.loads(RESULTS.read_text())))
+        print(f"wrote {DOC.relative_to(ROOT)} from {RESULTS.relative_to(ROOT)}")
         return 0
     unknown = sorted(set(args.only or ()) - set(registry))
     if unknown:
