@@ -38,6 +38,9 @@ def progress(
     A :class:`PreparedLoader` view that resumes at batch ``start`` yields
     ``len(loader) - start`` batches; its bar starts at ``start`` of
     ``len(loader)``, so a resumed epoch ends at 100% like an uninterrupted one.
+    The bar keeps the loader's ``start`` and length, so
+    ``faccel.micro_batches(dist, faccel.progress(dist, loader))`` places the
+    accumulation boundaries on the main process where the other ranks do.
 
     Args:
         dist: The run's :class:`DistState`.
@@ -71,4 +74,10 @@ def progress(
     if total is None:
         total = epoch_length
     tqdm_kwargs.setdefault("initial", start)
-    return tqdm(iterable, total=total, **tqdm_kwargs)  # type: ignore[no-any-return]
+    bar = tqdm(iterable, total=total, **tqdm_kwargs)
+    if isinstance(iterable, PreparedLoader):
+        # The other ranks get the loader itself; consumers that read its position
+        # (faccel.micro_batches reads `start` and len()) must see the same one here,
+        # or rank 0 would place accumulation boundaries elsewhere and DDP would hang.
+        bar.start = start
+    return bar  # type: ignore[no-any-return]

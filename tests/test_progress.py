@@ -87,3 +87,23 @@ def test_a_stream_without_length_counts_without_a_total() -> None:
     batches = list(faccel.progress(dist, loader, file=out, mininterval=0))
     assert len(batches) == 4
     assert "4it" in _last_frame(out.getvalue())
+
+
+@given(st.integers(1, 60), st.integers(1, 4), st.integers(1, 5), st.data())
+def test_accumulation_boundaries_are_the_same_with_and_without_the_bar(
+    n: int, batch_size: int, steps: int, data: st.DataObject
+) -> None:
+    import attrs
+
+    import faccel
+
+    dist, loader = _loader(n, batch_size)
+    dist = attrs.evolve(dist, accumulation_steps=steps)
+    view = loader.at(epoch=1, start=data.draw(st.integers(0, len(loader)), label="start"))
+    # Rank 0 iterates the bar, the others the loader itself: the micro-steps must agree.
+    bare = [(m, b.tolist()) for m, (b,) in faccel.micro_batches(dist, view)]
+    drawn = [
+        (m, b.tolist())
+        for m, (b,) in faccel.micro_batches(dist, faccel.progress(dist, view, file=io.StringIO()))
+    ]
+    assert drawn == bare
