@@ -183,11 +183,12 @@ def loss_and_grad(
     call = torch.func.functional_call
 
     def forward_loss(params: Any, buffers: Any, inputs: Any, *loss_args: Any) -> Any:
+        tensors = (params, buffers) if buffers else params  # one dict: no merge, no key check
         if dtype is None:
-            outputs = call(module, (params, buffers), inputs)
+            outputs = call(module, tensors, inputs)
         else:
             with torch.autocast(device_type, dtype=dtype):
-                outputs = call(module, (params, buffers), inputs)
+                outputs = call(module, tensors, inputs)
             outputs = _to_float32(outputs)
         return loss_fn(outputs, *loss_args)
 

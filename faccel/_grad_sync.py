@@ -10,13 +10,13 @@ back as views of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
-from faccel._pytree import tree_flatten, tree_unflatten
+from faccel._pytree import flatten, unflatten
 from faccel._state import DistState
 from faccel.errors import DistributedError, FunctionalError
 
@@ -28,17 +28,6 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(shape[i + 1], 1)
     return tuple(strides)
-
-
-def _split(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """The tree's leaves and the function that rebuilds it from new leaves."""
-    # loss_and_grad returns a flat dict of tensors: skip the generic pytree walk,
-    # which costs ~1 us a leaf.
-    if type(tree) is dict and all(type(v) is torch.Tensor for v in tree.values()):
-        keys = list(tree)
-        return list(tree.values()), lambda leaves: dict(zip(keys, leaves, strict=True))
-    leaves, spec = tree_flatten(tree)
-    return leaves, lambda new: tree_unflatten(new, spec)
 
 
 def _buckets(leaves: list[Any], cap_bytes: float | None) -> list[list[int]]:
@@ -111,14 +100,14 @@ def sync_grads(dist: DistState, grads: Any, *, bucket_cap_mb: float | None = Non
             "make the DistState with faccel.detect(), which starts it"
         )
         raise DistributedError(msg)
-    leaves, rebuild = _split(grads)
+    leaves, structure = flatten(grads)
     cap = None if bucket_cap_mb is None else bucket_cap_mb * 2**20
     out = list(leaves)
     with torch.no_grad():
         works = _reduce_buckets(dist, leaves, out, cap)
     for work in works:
         work.wait()
-    return rebuild(out)
+    return unflatten(out, structure)
 
 
 def _reduce_buckets(dist: DistState, leaves: list[Any], out: list[Any], cap: float | None) -> list[Any]:

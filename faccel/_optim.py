@@ -25,16 +25,16 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._pytree import TreeSpec, register_pytree, static_field, tree_flatten, tree_unflatten
+from faccel._pytree import flatten, register_pytree, same_structure, static_field, unflatten
 from faccel._typecheck import setup_checked
 from faccel.errors import FunctionalError
 
 __all__ = ["SGD", "AdamW", "AdamWState", "SGDState", "adamw", "sgd"]
 
 
-def _leaves(tree: Any, spec: TreeSpec, what: str) -> list[Any]:
-    leaves, found = tree_flatten(tree)
-    if found != spec:
+def _leaves(tree: Any, params: Any, spec: Any, what: str) -> list[Any]:
+    leaves, found = flatten(tree)
+    if not same_structure(tree, found, params, spec):
         msg = (
             f"{what} must have the structure of params, got {found} for params' {spec}; "
             "pass gradients and a state made by this optimizer's init() for the same params"
@@ -123,8 +123,8 @@ class SGD:
         """
         if self.momentum == 0.0:
             return SGDState()
-        leaves, spec = tree_flatten(params)
-        return SGDState(momentum_buffer=tree_unflatten([torch.zeros_like(p) for p in leaves], spec))
+        leaves, spec = flatten(params)
+        return SGDState(momentum_buffer=unflatten([torch.zeros_like(p) for p in leaves], spec))
 
     def update(
         self, grads: Any, state: SGDState, params: Any, *, lr: float | None = None
@@ -160,8 +160,8 @@ class SGD:
             raise FunctionalError(msg)
         rate = self.lr if lr is None else lr
         momentum, wd = self.momentum, self.weight_decay
-        p_leaves, spec = tree_flatten(params)
-        g_leaves = _leaves(grads, spec, "grads")
+        p_leaves, spec = flatten(params)
+        g_leaves = _leaves(grads, params, spec, "grads")
         first = state.step == 0
         new_p: list[torch.Tensor] = []
         with torch.no_grad():
@@ -171,8 +171,8 @@ class SGD:
                     if wd != 0.0:
                         g = g.add(p, alpha=wd)
                     new_p.append(p.add(g, alpha=-rate))
-                return tree_unflatten(new_p, spec), SGDState(step=state.step + 1)
-            bufs = _leaves(state.momentum_buffer, spec, "state.momentum_buffer")
+                return unflatten(new_p, spec), SGDState(step=state.step + 1)
+            bufs = _leaves(state.momentum_buffer, params, spec, "state.momentum_buffer")
             new_b: list[torch.Tensor] = []
             for p, g, b in zip(p_leaves, g_leaves, bufs, strict=True):
                 g = -g if self.maximize else g
@@ -183,9 +183,7 @@ class SGD:
                 g = g.add(b, alpha=momentum) if self.nesterov else b
                 new_p.append(p.add(g, alpha=-rate))
                 new_b.append(b)
-        return tree_unflatten(new_p, spec), SGDState(
-            momentum_buffer=tree_unflatten(new_b, spec), step=state.step + 1
-        )
+        return unflatten(new_p, spec), SGDState(momentum_buffer=unflatten(new_b, spec), step=state.step + 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -216,10 +214,10 @@ class AdamW:
             >>> state.exp_avg["w"].tolist(), state.max_exp_avg_sq
             ([0.0, 0.0], None)
         """
-        leaves, spec = tree_flatten(params)
+        leaves, spec = flatten(params)
 
         def zeros() -> Any:
-            return tree_unflatten([torch.zeros_like(p) for p in leaves], spec)
+            return unflatten([torch.zeros_like(p) for p in leaves], spec)
 
         return AdamWState(
             exp_avg=zeros(), exp_avg_sq=zeros(), max_exp_avg_sq=zeros() if self.amsgrad else None
@@ -269,11 +267,13 @@ class AdamW:
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         step_size = rate / bias_correction1
-        p_leaves, spec = tree_flatten(params)
-        g_leaves = _leaves(grads, spec, "grads")
-        m_leaves = _leaves(state.exp_avg, spec, "state.exp_avg")
-        v_leaves = _leaves(state.exp_avg_sq, spec, "state.exp_avg_sq")
-        vmax_leaves = _leaves(state.max_exp_avg_sq, spec, "state.max_exp_avg_sq") if self.amsgrad else []
+        p_leaves, spec = flatten(params)
+        g_leaves = _leaves(grads, params, spec, "grads")
+        m_leaves = _leaves(state.exp_avg, params, spec, "state.exp_avg")
+        v_leaves = _leaves(state.exp_avg_sq, params, spec, "state.exp_avg_sq")
+        vmax_leaves = (
+            _leaves(state.max_exp_avg_sq, params, spec, "state.max_exp_avg_sq") if self.amsgrad else []
+        )
         new_p, new_m, new_v, new_vmax = [], [], [], []
         with torch.no_grad():
             for i, (p, g, m, v) in enumerate(zip(p_leaves, g_leaves, m_leaves, v_leaves, strict=True)):
@@ -291,10 +291,10 @@ class AdamW:
                 new_p.append(p.addcdiv(m, denom, value=-step_size))
                 new_m.append(m)
                 new_v.append(v)
-        return tree_unflatten(new_p, spec), AdamWState(
-            exp_avg=tree_unflatten(new_m, spec),
-            exp_avg_sq=tree_unflatten(new_v, spec),
-            max_exp_avg_sq=tree_unflatten(new_vmax, spec) if self.amsgrad else None,
+        return unflatten(new_p, spec), AdamWState(
+            exp_avg=unflatten(new_m, spec),
+            exp_avg_sq=unflatten(new_v, spec),
+            max_exp_avg_sq=unflatten(new_vmax, spec) if self.amsgrad else None,
             step=step,
         )
 

@@ -16,19 +16,23 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
+import torch
 import torch.utils._pytree as _pytree
 
 from faccel.errors import FunctionalError
 
 __all__ = [
     "TreeSpec",
+    "flatten",
     "register_pytree",
+    "same_structure",
     "static_field",
     "tree_flatten",
     "tree_flatten_with_path",
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "unflatten",
 ]
 
 T = TypeVar("T")
@@ -40,6 +44,36 @@ tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_leaves = _pytree.tree_leaves
 tree_flatten_with_path = _pytree.tree_flatten_with_path
+
+
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten`` with a fast path for the per-step case, a flat dict of tensors.
+
+    Returns the leaves and a structure token for :func:`unflatten`: the dict's
+    keys as a tuple, or a ``TreeSpec``. torch's generic walk costs about a
+    microsecond a leaf, which on a small model's step is a visible share; the
+    dict path costs a tenth of that. Compare tokens with :func:`same_structure`.
+    """
+    if type(tree) is dict and all(type(v) is torch.Tensor for v in tree.values()):
+        return list(tree.values()), tuple(tree)
+    return _pytree.tree_flatten(tree)
+
+
+def unflatten(leaves: list[Any], token: Any) -> Any:
+    """The tree of structure ``token`` (from :func:`flatten`) holding ``leaves``."""
+    if type(token) is tuple:
+        return dict(zip(token, leaves, strict=True))
+    return _pytree.tree_unflatten(leaves, token)
+
+
+def same_structure(a: Any, token_a: Any, b: Any, token_b: Any) -> bool:
+    """Whether trees ``a`` and ``b`` (with their tokens from :func:`flatten`) match."""
+    if token_a == token_b:
+        return True
+    if type(token_a) is type(token_b):
+        return False
+    # One took the dict fast path and the other did not (a Parameter among the values).
+    return bool(_pytree.tree_structure(a) == _pytree.tree_structure(b))
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
