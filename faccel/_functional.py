@@ -11,7 +11,7 @@ gradient with :func:`faccel.sync_grads` before using it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._model import Autocast, unwrap_model
-from faccel._optim import SGD, AdamW
-from faccel._pytree import register_pytree, static_field
+from faccel._optim import SGD, AdamW, AdamWState, SGDState
+from faccel._pytree import flatten, register_pytree, same_structure, static_field
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FunctionalError
@@ -225,6 +225,30 @@ def loss_and_grad(
 _Optimizer = SGD | AdamW
 
 
+def _check_fits(optimizer: _Optimizer, opt_state: SGDState | AdamWState, params: dict[str, Any]) -> None:
+    """Raise unless ``opt_state``'s trees are those ``optimizer.init(params)`` would make."""
+    if isinstance(optimizer, SGD):
+        wanted = {"momentum_buffer": optimizer.momentum != 0.0}
+    else:
+        wanted = {"exp_avg": True, "exp_avg_sq": True, "max_exp_avg_sq": optimizer.amsgrad}
+    leaves, spec = flatten(params)
+    for name, present in wanted.items():
+        tree = getattr(opt_state, name)
+        fits = tree is None if not present else tree is not None
+        if fits and tree is not None:
+            found, found_spec = flatten(tree)
+            fits = same_structure(tree, found_spec, params, spec) and all(
+                a.shape == b.shape for a, b in zip(found, leaves, strict=True)
+            )
+        if not fits:
+            msg = (
+                f"the saved optimizer state's {name} does not fit {optimizer!r} and these parameters "
+                f"(expected {'a tree like params' if present else 'None'}); restore with the optimizer "
+                "the state was trained with"
+            )
+            raise FunctionalError(msg)
+
+
 @register_pytree
 @attrs.frozen(kw_only=True)
 class FunctionalState:
@@ -281,6 +305,79 @@ class FunctionalState:
             buffers={} if buffers is None else buffers,
             opt_state=optimizer.init(params),
             optimizer=optimizer,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as nested dicts of tensors and ints, for ``TrainState.extras`` and checkpoints.
+
+        Pure: nothing is copied or changed. ``optimizer`` (hyperparameters) is
+        left out: it is code, rebuilt by :meth:`from_state_dict`.
+
+        Example:
+            >>> import torch, faccel
+            >>> state = faccel.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=faccel.adamw())
+            >>> saved = state.state_dict()
+            >>> sorted(saved), sorted(saved["opt_state"])
+            (['buffers', 'opt_state', 'params', 'step'], ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'])
+        """
+        return {
+            "params": dict(self.params),
+            "buffers": dict(self.buffers),
+            "opt_state": attrs.asdict(self.opt_state, recurse=False),
+            "step": self.step,
+        }
+
+    @classmethod
+    def from_state_dict(cls, saved: Mapping[str, Any], *, optimizer: _Optimizer) -> FunctionalState:
+        """The state that :meth:`state_dict` described, with ``optimizer``'s hyperparameters.
+
+        Args:
+            saved: What :meth:`state_dict` returned (or a checkpoint restored it to).
+            optimizer: The pure optimizer to continue with.
+
+        Returns:
+            A new state holding ``saved``'s tensors (not copied).
+
+        Raises:
+            FunctionalError: ``saved`` is not such a dict, or its optimizer state
+                does not fit ``optimizer`` and the parameters.
+
+        Example:
+            >>> import torch, faccel
+            >>> opt = faccel.sgd(0.1, momentum=0.9)
+            >>> state = faccel.FunctionalState.create(params={"w": torch.ones(2)}, optimizer=opt)
+            >>> state = state.apply_gradients({"w": torch.ones(2)})
+            >>> again = faccel.FunctionalState.from_state_dict(state.state_dict(), optimizer=opt)
+            >>> again.step, again.opt_state.step, torch.equal(again.params["w"], state.params["w"])
+            (1, 1, True)
+        """
+        state_cls = SGDState if isinstance(optimizer, SGD) else AdamWState
+        fields = {field.name for field in attrs.fields(state_cls)}
+        opt_state = saved.get("opt_state") if isinstance(saved, Mapping) else None
+        if (
+            not isinstance(saved, Mapping)
+            or set(saved) != {"params", "buffers", "opt_state", "step"}
+            or not isinstance(opt_state, Mapping)
+            or set(opt_state) != fields
+            or type(saved["step"]) is not int
+            or type(opt_state["step"]) is not int
+        ):
+            keys = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+            msg = (
+                f"from_state_dict() needs what FunctionalState.state_dict() returns for a "
+                f"{type(optimizer).__name__} ({{params, buffers, opt_state: {sorted(fields)}, step}}), "
+                f"got {keys}; pass the optimizer the state was trained with"
+            )
+            raise FunctionalError(msg)
+        params = dict(saved["params"])
+        restored = state_cls(**opt_state)
+        _check_fits(optimizer, restored, params)
+        return cls(
+            params=params,
+            buffers=dict(saved["buffers"]),
+            opt_state=restored,
+            optimizer=optimizer,
+            step=saved["step"],
         )
 
     def apply_gradients(self, grads: dict[str, torch.Tensor], *, lr: float | None = None) -> FunctionalState:

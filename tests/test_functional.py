@@ -465,3 +465,59 @@ def test_the_examples_run_in_one_process_and_the_functional_seed_matches_the_see
     assert functional == pytest.approx(plain, rel=1e-5)
     losses = _example("ensemble_vmap").main(members=3, epochs=1)
     assert len(losses) == 3 and all(0 < x < 10 for x in losses)
+
+
+def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+
+    dist = faccel.detect({})
+    template = model()
+    params, buffers = faccel.model_params(dist, template)
+    opt = faccel.adamw(lr=1e-2, amsgrad=True)
+    state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=opt)
+    grad_fn = faccel.loss_and_grad(dist, template, torch.nn.functional.mse_loss)
+    x, y = _data()
+    for _ in range(3):  # the forward updates the BatchNorm buffers in place, as functional_call does
+        state = state.apply_gradients(grad_fn(state.params, state.buffers, x, y)[1])
+
+    # TrainState wants a torch optimizer; functional training has none, so a placeholder.
+    def train_state(module: torch.nn.Module, functional: Any) -> Any:
+        placeholder = torch.optim.SGD(module.parameters(), lr=0.0)
+        return faccel.TrainState.create(
+            model=module,
+            optimizer=placeholder,
+            step=functional.step,
+            extras={"functional": functional.state_dict()},
+        )
+
+    faccel.checkpoint(dist, train_state(template, state), tmp_path)
+    other = model()
+    fresh_params, fresh_buffers = faccel.model_params(dist, other)
+    fresh = faccel.FunctionalState.create(params=fresh_params, buffers=fresh_buffers, optimizer=opt)
+    restored = faccel.restore(dist, train_state(other, fresh), tmp_path)
+    back = faccel.FunctionalState.from_state_dict(restored.extras["functional"], optimizer=opt)
+
+    assert (restored.step, back.step, back.opt_state.step, back.optimizer) == (3, 3, 3, opt)
+    saved_leaves, saved_spec = pytree.tree_flatten(state)
+    back_leaves, back_spec = pytree.tree_flatten(back)
+    assert back_spec == saved_spec and len(back_leaves) == 4 * len(params) + len(buffers)
+    for a, b in zip(back_leaves, saved_leaves, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)  # bitwise, int64 num_batches_tracked included
+
+    # Training goes on exactly as it would have (each forward updates its own state's buffers).
+    def step(s: Any) -> Any:
+        return s.apply_gradients(grad_fn(s.params, s.buffers, x, y)[1])
+
+    for a, b in zip(pytree.tree_leaves(step(back)), pytree.tree_leaves(step(state)), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(FunctionalError, match="max_exp_avg_sq"):
+        faccel.FunctionalState.from_state_dict(restored.extras["functional"], optimizer=faccel.adamw())
+    with pytest.raises(FunctionalError, match="state_dict"):
+        faccel.FunctionalState.from_state_dict({"params": {}}, optimizer=opt)
