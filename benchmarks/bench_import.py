@@ -89,7 +89,7 @@ def run(quick: bool) -> list[Row]:
     inside_subjects = {
         name: functools.partial(_inside, MODULES[name]) for name in subjects if name in MODULES
     }
-    inside = interleave(inside_subjects, rounds=3 if quick else 30, warmup=0)
+    inside = interleave(inside_subjects, rounds=2 if quick else 30, warmup=0)
     # Against an empty baseline, each figure is its own difference from `import torch`.
     inside[PLAIN] = [0.0] * len(next(iter(inside.values())))
     parts = rows(
