@@ -11,6 +11,7 @@ fresh objects changes nothing, bit for bit.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 from typing import Any
@@ -377,3 +378,171 @@ def observe(state: Any) -> dict[str, Any]:
         "numpy": _copy(np.random.get_state(legacy=False)),
         "torch": torch.get_rng_state(),
     }
+
+
+# --- crash safety: a writer killed with SIGKILL (tests/test_checkpoint_crash.py) ---
+
+
+def crash_state(step: int) -> Any:
+    """A small TrainState in which every tensor, value and the torch generator say ``step``."""
+    import faccel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()  # creates the momentum buffers
+    state = faccel.TrainState.create(model=model, optimizer=optimizer, extras={"tensor": torch.zeros(16)})
+    return at_step(state, step)
+
+
+def at_step(state: Any, step: int) -> Any:
+    """``state`` with every tensor filled with ``step`` (in place), its values and generator at ``step``."""
+    import attrs
+
+    with torch.no_grad():
+        for tensor in state.model.parameters():
+            tensor.fill_(step)
+        for entry in state.optimizer.state.values():
+            entry["momentum_buffer"].fill_(step)
+        state.extras["tensor"].fill_(step)
+    torch.manual_seed(step)
+    extras = {"step": step, "tensor": state.extras["tensor"]}
+    return attrs.evolve(state, step=step, epoch=step, position=step, extras=extras)
+
+
+def crash_check(root: str) -> int:
+    """Restore the latest checkpoint under ``root`` into fresh objects; return its step if whole."""
+    import faccel
+
+    target = crash_state(0)
+    target = faccel.TrainState.create(
+        model=target.model, optimizer=target.optimizer, extras={"step": None, "tensor": torch.zeros(16)}
+    )
+    restored = faccel.restore(faccel.detect({}), target, root)
+    step = restored.step
+    assert [restored.epoch, restored.position, restored.extras["step"]] == [step, step, step]
+    tensors = [
+        *faccel.unwrap_model(restored.model).state_dict().values(),
+        *(entry["momentum_buffer"] for entry in restored.optimizer.state.values()),
+        restored.extras["tensor"],
+    ]
+    assert all(bool((t == step).all()) for t in tensors), f"a mix of checkpoints around step {step}"
+    expected_rng = torch.Generator().manual_seed(step).get_state()
+    assert torch.equal(torch.get_rng_state(), expected_rng), f"generator of another step than {step}"
+    return step
+
+
+def _fork(body: Any) -> int:
+    """Run ``body()`` in a forked child that never returns into the caller's code."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    """The child's exit code, or minus the signal that killed it."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def crash_trials(root: str, trials: int, max_delay: float, seed: int) -> dict:
+    """Fork writers that checkpoint step after step; SIGKILL each at a random moment; restore.
+
+    Runs in a one-thread helper process (the harness's), which forks the
+    writers: a fork inherits the built state and the warmed-up code, so a
+    trial costs the kill delay and one restore, not a process start.
+    Returns ``[committed, restored]`` per trial; raises if a restore fails or mixes.
+    """
+    import mmap
+    import signal
+    import struct
+    import time
+
+    import faccel
+
+    dist = faccel.detect({})
+    state = crash_state(0)
+    faccel.checkpoint(dist, state, root)
+    faccel.checkpoint(dist, state, os.path.join(root, ".warmup"))  # one-time costs, before any kill
+    shared = mmap.mmap(-1, 8)  # anonymous and shared with forked children: the last committed step
+    chooser = random.Random(seed)
+    latest, outcomes = 0, []
+    for _ in range(trials):
+        struct.pack_into("<q", shared, 0, latest)
+
+        def write(first: int = latest + 1) -> None:
+            for step in itertools.count(first):
+                faccel.checkpoint(dist, at_step(state, step), root, keep=2)
+                struct.pack_into("<q", shared, 0, step)
+
+        pid = _fork(write)
+        time.sleep(chooser.uniform(0, max_delay))
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(pid) == -signal.SIGKILL
+        committed = struct.unpack_from("<q", shared, 0)[0]
+        latest = crash_check(root)
+        outcomes.append([committed, latest])
+    return {"outcomes": outcomes}
+
+
+def kill_at_every_operation(root: str) -> dict:
+    """Checkpoint step 3 over steps 1 and 2 (keep=2), SIGKILLed at its 1st, 2nd, ... file operation.
+
+    Operations: ``os.open``, ``os.write``, ``os.fsync``, ``os.mkdir``,
+    ``os.rename``, ``os.replace`` and ``shutil.rmtree``. Returns the number
+    of operations and the step restored after each kill.
+    """
+    import shutil
+    import signal
+
+    import faccel
+
+    dist = faccel.detect({})
+    state = crash_state(0)
+    faccel.checkpoint(dist, state, os.path.join(root, ".warmup"))
+
+    def reset() -> None:
+        for name in os.listdir(root):
+            if name != ".warmup":
+                shutil.rmtree(os.path.join(root, name))
+        for step in (1, 2):
+            faccel.checkpoint(dist, at_step(state, step), root)
+
+    def write_and_die_at(kill_at: int) -> None:
+        count = 0
+
+        def counted(original: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                nonlocal count
+                count += 1
+                if count == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        patched = [(os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "open"), (os, "write")]
+        for module, name in [*patched, (shutil, "rmtree")]:
+            setattr(module, name, counted(getattr(module, name)))
+        faccel.checkpoint(dist, at_step(state, 3), root, keep=2)
+        if kill_at == 0:  # the dry run reports how many operations there were
+            with open(os.path.join(root, "..", "count"), "w") as handle:
+                handle.write(str(count))
+
+    reset()
+    assert _wait(_fork(lambda: write_and_die_at(0))) == 0
+    with open(os.path.join(root, "..", "count")) as handle:
+        total = int(handle.read())
+    restored = []
+    for kill_at in range(1, total + 1):
+        reset()
+        assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
+        restored.append(crash_check(root))
+    return {"operations": total, "restored": restored}
