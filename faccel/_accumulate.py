@@ -25,6 +25,9 @@ from faccel.errors import AccumulationError
 
 __all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step"]
 
+# nullcontext keeps no state, so one instance serves every `with` (in the hot loop).
+_NOTHING = contextlib.nullcontext()
+
 
 @attrs.frozen(kw_only=True, slots=True)
 class MicroStep:
@@ -131,13 +134,13 @@ def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextli
         >>> model.bias.grad.item()
         1.0
     """
-    if micro.sync:
-        return contextlib.nullcontext()
+    if micro.sync or not dist.distributed:
+        return _NOTHING  # one process: there is no all-reduce to skip
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
     if is_sharded(model):
         return _fsdp_no_sync(model)
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 @contextlib.contextmanager

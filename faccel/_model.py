@@ -98,7 +98,9 @@ def _check_prepared(dist: DistState, model: nn.Module) -> nn.Module:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2's ``fully_shard`` was applied to ``model`` (without importing FSDP)."""
-    return hasattr(model, "set_requires_gradient_sync") and hasattr(model, "reshard")
+    # Looked up on the class: Module.__getattr__ would build an error message per miss.
+    kind = type(model)
+    return hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard")
 
 
 ShardPolicy = Callable[[nn.Module], bool]
