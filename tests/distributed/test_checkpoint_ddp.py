@@ -1,0 +1,78 @@
+"""Checkpoints under real two-process DDP over gloo (see harness.py for the cost model)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import checkpoint_workers as cw
+from tests.distributed import harness
+from tests.strategies import checkpoint_specs
+
+
+def _assert_resumes_exactly(results: list[dict]) -> None:
+    assert [r["rank"] for r in results] == [0, 1]
+    # (The ranks' digests differ: batch norm's running statistics are each rank's own.)
+    for result in results:
+        for stop, case in result["resumed"].items():
+            assert case["restored"] == case["expected"], (result["rank"], stop)
+            assert case["digest"] == result["reference"], f"rank {result['rank']} resumed at {stop} diverged"
+
+
+def test_two_ranks_resume_mid_epoch_bitwise() -> None:
+    spec = cw.example_spec(samples=30)  # 15 a rank, batch 4: 3 full batches (batch norm drops the last)
+    with tempfile.TemporaryDirectory() as root:
+        results = harness.run(cw.resume_cases, world_size=2, spec=spec, stops=[0, 2, 3, 5, 9], root=root)
+    _assert_resumes_exactly(results)
+    assert results[0]["resumed"]["5"]["restored"] == [5, 1, 2]  # mid-epoch of epoch 1
+
+
+@given(spec=checkpoint_specs(), data=st.data())
+@settings(max_examples=6)
+def test_two_ranks_resume_bitwise_for_generated_runs(spec: dict, data: st.DataObject) -> None:
+    stops = data.draw(
+        st.lists(st.integers(min_value=0, max_value=spec["total_steps"]), min_size=1, max_size=3)
+    )
+    with tempfile.TemporaryDirectory() as root:
+        results = harness.run(cw.resume_cases, world_size=2, spec=spec, stops=sorted(set(stops)), root=root)
+    _assert_resumes_exactly(results)
+
+
+def test_every_rank_writes_and_restores_its_own_generators(tmp_path: Path) -> None:
+    results = harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path))
+    files = [
+        "extras.safetensors",
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng-00000.json",
+        "rng-00001.json",
+        "state.json",
+    ]
+    assert [r["files"] for r in results] == [files, files]  # complete on both ranks on return
+    assert results[0]["rng"] != results[1]["rng"]  # the ranks' generators differ...
+    assert [r["restored_rng"] for r in results] == [r["rng"] for r in results]  # ...and each gets its own
+
+
+def test_save_model_returns_on_every_rank_once_the_files_are_complete(tmp_path: Path) -> None:
+    results = harness.run(cw.save_model_then_read, world_size=2, directory=str(tmp_path), max_shard_size=300)
+    assert (
+        results[0]["files"] == results[1]["files"] and "model.safetensors.index.json" in results[0]["files"]
+    )
+    assert all(r["equal"] for r in results)
+
+
+def test_ranks_disagreeing_on_the_step_all_raise_and_commit_nothing(tmp_path: Path) -> None:
+    results = harness.run(cw.mismatched_steps, world_size=2, root=str(tmp_path))
+    assert all(r["error"] and "different steps" in r["error"] for r in results)
+    assert all(not r["listed"] for r in results)
+
+
+def test_a_rank_that_fails_validation_stops_every_rank_before_loading(tmp_path: Path) -> None:
+    results = harness.run(cw.one_rank_fails, world_size=2, root=str(tmp_path))
+    assert "does not fit" in results[1]["error"] and "model.safetensors" in results[1]["error"]
+    assert "failed on 1 other rank" in results[0]["error"]
+    assert all(r["unchanged"] for r in results)
