@@ -21,34 +21,46 @@ from torch.utils.data import DataLoader, TensorDataset
 import faccel
 
 
-def main(epochs: int = 5) -> float:
-    dist = faccel.detect()  # reads torchrun's variables; starts gloo/NCCL for > 1 process
-    log = faccel.get_logger(dist, __name__)
-
+def make_task() -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic regression data, the same on every rank (a fixed seed)."""
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(512, 32, generator=generator)
     weights = torch.randn(32, 1, generator=generator) / 32**0.5
-    targets = inputs @ weights + 0.1 * torch.randn(512, 1, generator=generator)
+    return inputs, inputs @ weights + 0.1 * torch.randn(512, 1, generator=generator)
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    loader = DataLoader(TensorDataset(inputs, targets), batch_size=32, shuffle=True)
-    model, loader = faccel.prepare(dist, model, loader)
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def learning_rate(step: int) -> float:
+    """seed_loop's SGD(lr=0.1) with LambdaLR(lambda step: 0.99**step), as a value of the step."""
+    return 0.1 * 0.99**step
+
+
+def train(dist: faccel.DistState, epochs: int) -> tuple[float, faccel.FunctionalState]:
+    """Train for ``epochs``; returns this rank's last loss and the final state."""
+    log = faccel.get_logger(dist, __name__)
+    inputs, targets = make_task()
+    loader = faccel.prepare(dist, DataLoader(TensorDataset(inputs, targets), batch_size=32, shuffle=True))
+    model = faccel.prepare(dist, make_model())  # under torchrun: DDP gives every rank rank 0's weights
 
     # Functional code bypasses DDP's gradient hooks: promise to sync, then do it below.
     params, buffers = faccel.model_params(dist, model, will_sync_grads=True)
+    # The DDP wrapper has done its job and functional code never calls it; drop it now
+    # rather than keep it alive past faccel.shutdown().
+    model = faccel.unwrap_model(model)
     state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.sgd(0.1))
-    grad_fn = faccel.loss_and_grad(dist, faccel.unwrap_model(model), nn.functional.mse_loss)
+    grad_fn = faccel.loss_and_grad(dist, model, nn.functional.mse_loss)
 
     loss = torch.zeros(())
     for epoch in range(epochs):
         for batch_inputs, batch_targets in loader.at(epoch=epoch):
             loss, grads = grad_fn(state.params, state.buffers, batch_inputs, batch_targets)
             grads = faccel.sync_grads(dist, grads)  # the average over ranks, as DDP would
-            # seed_loop's LambdaLR(lambda step: 0.99**step), as a value of the step
-            state = state.apply_gradients(grads, lr=0.1 * 0.99**state.step)
+            state = state.apply_gradients(grads, lr=learning_rate(state.step))
         log.info("epoch %d: loss %.4f", epoch, loss.item())
-
     log.info(
         "world size %d, %d batches per rank per epoch, %d optimizer steps, final loss %.4f",
         dist.world_size,
@@ -56,8 +68,14 @@ def main(epochs: int = 5) -> float:
         state.step,
         loss.item(),
     )
+    return loss.item(), state
+
+
+def main(epochs: int = 5) -> float:
+    dist = faccel.detect()  # reads torchrun's variables; starts gloo/NCCL for > 1 process
+    loss, _ = train(dist, epochs)
     faccel.shutdown(dist)
-    return loss.item()
+    return loss
 
 
 if __name__ == "__main__":

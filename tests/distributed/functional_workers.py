@@ -156,10 +156,19 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
     return out
 
 
-def run_example(name: str) -> Any:
-    """Run ``examples/<name>.py``'s main() on this rank."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+def load_example(name: str) -> Any:
+    """``examples/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main()
+    return module
+
+
+def functional_seed_example(epochs: int) -> dict[str, Any]:
+    """examples/functional_seed.py's training on this rank: its last loss and final parameters."""
+    import faccel
+
+    dist = faccel.detect()
+    loss, state = load_example("functional_seed").train(dist, epochs)
+    return {"loss": loss, "step": state.step, "params": [p.flatten().tolist() for p in state.params.values()]}
