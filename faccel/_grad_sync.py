@@ -37,6 +37,12 @@ def _buckets(leaves: list[Any], cap_bytes: float | None) -> list[list[int]]:
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            msg = (
+                f"sync_grads() averages floating-point gradients, but leaf {i} is a {leaf.dtype} tensor; "
+                "leave integer tensors (counters, indices) out of the tree"
+            )
+            raise FunctionalError(msg)
         key = (leaf.dtype, leaf.device)
         nbytes = leaf.numel() * leaf.element_size()
         buckets = groups.setdefault(key, [[]])
@@ -74,7 +80,8 @@ def sync_grads(dist: DistState, grads: Any, *, bucket_cap_mb: float | None = Non
     Raises:
         DistributedError: ``dist`` is simulated with more than one rank (there
             are no peers to average with), or no process group is running.
-        FunctionalError: ``bucket_cap_mb`` is not positive.
+        FunctionalError: ``bucket_cap_mb`` is not positive, or the tree holds
+            an integer tensor (an average of it is no integer).
 
     Example:
         >>> import torch, faccel

@@ -521,3 +521,11 @@ def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> N
         faccel.FunctionalState.from_state_dict(restored.extras["functional"], optimizer=faccel.adamw())
     with pytest.raises(FunctionalError, match="state_dict"):
         faccel.FunctionalState.from_state_dict({"params": {}}, optimizer=opt)
+
+
+def test_buckets_refuse_integer_tensors() -> None:
+    from faccel._grad_sync import _buckets
+    from faccel.errors import FunctionalError
+
+    with pytest.raises(FunctionalError, match=r"leaf 1 is a torch\.int64 tensor"):
+        _buckets([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], None)
