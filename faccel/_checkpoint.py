@@ -26,14 +26,14 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from faccel._consensus import agree_max, together
-from faccel._durable import FileRecord, fsync_dir, read_verified, write_durably
+from faccel._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
 from faccel._safetensors import parse_header, plan, tensor_views
 from faccel._snapshot import EXTRAS, MODEL, OPTIMIZER, STATE, capture, capture_rng, check, check_rng, load
 from faccel._state import DistState
@@ -185,10 +185,13 @@ def _rotate(root: Path, keep: int, step: int) -> None:
 def _write_rank0(
     temporary: Path, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
 ) -> dict[str, FileRecord]:
-    records = {}
-    for name in (MODEL, OPTIMIZER, EXTRAS):
+    def write(name: str) -> Callable[[], FileRecord]:
         metadata = {"format": "pt"} if name == MODEL else None
-        records[name] = write_durably(temporary / name, plan(files[name], metadata=metadata))
+        return lambda: write_durably(temporary / name, plan(files[name], metadata=metadata))
+
+    # Side by side: one file's fsync overlaps the next one's writing and hashing.
+    names = [MODEL, OPTIMIZER, EXTRAS]
+    records = dict(zip(names, in_parallel([write(name) for name in names]), strict=True))
     records[STATE] = write_durably(temporary / STATE, [_json_bytes(content)])
     return records
 
@@ -391,23 +394,21 @@ def _read_manifest(directory: Path, dist: DistState) -> dict[str, FileRecord]:
 
 def _read_checkpoint(dist: DistState, state: TrainState, directory: Path) -> Any:
     records = _read_manifest(directory, dist)
+
+    def read(name: str) -> Callable[[], torch.Tensor]:
+        return lambda: read_verified(directory / name, records[name], where=f"{directory}/{name}")[0]
+
+    # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
+    names = [MODEL, OPTIMIZER, EXTRAS, STATE, rng_name(dist.rank)]
+    buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name in (MODEL, OPTIMIZER, EXTRAS):
-        where = f"{directory}/{name}"
-        buffer, record = read_verified(directory / name, records[name], where=where)
-        header = parse_header(buffer.numpy().data, record.size, where=where)
-        tensors[name] = tensor_views(buffer, header)
+        header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
+        tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
-    content = _parse_json(
-        read_verified(directory / STATE, records[STATE], where=state_where)[0].numpy().tobytes(), state_where
-    )
+    content = _parse_json(buffers[STATE].numpy().tobytes(), state_where)
     rng_where = f"{directory}/{rng_name(dist.rank)}"
-    rng_content = _parse_json(
-        read_verified(directory / rng_name(dist.rank), records[rng_name(dist.rank)], where=rng_where)[0]
-        .numpy()
-        .tobytes(),
-        rng_where,
-    )
+    rng_content = _parse_json(buffers[rng_name(dist.rank)].numpy().tobytes(), rng_where)
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
         rng = check_rng(dist, rng_content, where=rng_where)

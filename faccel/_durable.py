@@ -15,17 +15,18 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
 
 from faccel.errors import CheckpointError
 
-__all__ = ["FileRecord", "atomic_write", "fsync_dir", "read_verified", "write_durably"]
+__all__ = ["FileRecord", "atomic_write", "fsync_dir", "in_parallel", "read_verified", "write_durably"]
 
+T = TypeVar("T")
 HASH = "sha256"
 # Below this many bytes a second thread costs more than it saves.
 _THREAD_BYTES = 1 << 20
@@ -177,3 +178,18 @@ def read_verified(path: Path, expected: FileRecord | None, *, where: str) -> tup
         msg = f"{where}: the {HASH} checksum differs from the manifest's (the file is corrupted)"
         raise CheckpointError(msg)
     return buffer, FileRecord(size=size, sha256=digest)
+
+
+def in_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
+    """Run file tasks on threads (I/O and hashing release the GIL); results in order.
+
+    Every task finishes before this returns; the first failing task's error,
+    in the order given, is raised.
+    """
+    if len(tasks) < 2:
+        return [task() for task in tasks]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(tasks), thread_name_prefix="faccel-io") as pool:
+        futures = [pool.submit(task) for task in tasks]
+        return [future.result() for future in futures]
