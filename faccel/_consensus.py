@@ -43,13 +43,17 @@ def agree_max(dist: DistState, values: Sequence[int]) -> list[int]:
 def together(dist: DistState, work: Callable[[], T], *, what: str) -> T:
     """Run ``work`` on this rank, then wait for all ranks; raise if any rank failed.
 
-    The rank that failed re-raises its own error; the others raise
+    The rank that failed re-raises its own error (an ``OSError`` as a
+    :class:`CheckpointError` naming ``what``); the others raise
     :class:`CheckpointError` saying how many ranks failed at ``what``.
     """
     try:
         result = work()
-    except Exception:
+    except Exception as error:
         _all_reduce(dist, [1], tdist.ReduceOp.SUM)
+        if isinstance(error, OSError):  # a full disk, a permission: say what was being done
+            msg = f"{what} failed on rank {dist.rank}: {error}"
+            raise CheckpointError(msg) from error
         raise
     (failures,) = _all_reduce(dist, [0], tdist.ReduceOp.SUM)
     if failures:

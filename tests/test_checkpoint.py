@@ -292,3 +292,16 @@ def test_restore_needs_the_same_world_size(tmp_path: Path) -> None:
         faccel.restore(faccel.DistState.simulated(world_size=2), state, tmp_path)
     with pytest.raises(faccel.errors.ArgumentValueError, match="simulated"):
         faccel.checkpoint(faccel.DistState.simulated(world_size=2), state, tmp_path)
+
+
+def test_file_system_errors_become_checkpoint_errors(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(faccel.errors.CheckpointError, match="preparing the checkpoint folder failed"):
+        faccel.checkpoint(dist, state, tmp_path / "file")
+    with pytest.raises(faccel.errors.CheckpointError, match="save_model failed"):
+        faccel.save_model(dist, model, tmp_path / "file")
