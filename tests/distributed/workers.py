@@ -152,3 +152,83 @@ def strategy_loop(strategy: str, accumulation_steps: int = 1, steps: int = 6) ->
                 break
     sharded = [type(p).__name__ for p in model.parameters()]
     return {"params": full_params(model), "norms": norms, "param_types": sorted(set(sharded))}
+
+
+def _train_blocks(dist: Any, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    import faccel
+
+    x, y = seed_task(n=32)
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    shard = slice(dist.rank * 8, dist.rank * 8 + 8)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        faccel.backward(dist, torch.nn.functional.mse_loss(model(x[shard]), y[shard]))
+        optimizer.step()
+    return model, optimizer
+
+
+def sharded_state_round_trip() -> dict[str, Any]:
+    """FSDP2 on 2 ranks: gather whole state dicts, scatter them into a fresh sharded model."""
+    import faccel
+    from faccel._sharded_state import full_state, load_full_state
+
+    dist = faccel.detect(strategy="fsdp")
+    model, optimizer = _train_blocks(dist)
+    model_state, optimizer_state = full_state(model, optimizer)
+    # every rank needs the whole dicts to load: rank 0's, as plain lists through the store
+    whole = [None]
+    if dist.rank == 0:
+        whole = [({k: v.tolist() for k, v in model_state.items()}, _plain(optimizer_state))]
+    torch.distributed.broadcast_object_list(whole, src=0)
+    saved_model = {k: torch.tensor(v) for k, v in whole[0][0].items()}
+    saved_opt = _tensors(whole[0][1])
+    torch.manual_seed(1)
+    fresh = Blocks()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    fresh, fresh_opt = faccel.prepare(dist, fresh, fresh_opt)
+    load_full_state(fresh, fresh_opt, saved_model, saved_opt)
+    return {
+        "rank": dist.rank,
+        "model_state": whole[0][0],
+        "optimizer_state": whole[0][1],
+        "trained": full_params(model),
+        "loaded": full_params(fresh),
+        "betas": list(fresh_opt.param_groups[0]["betas"]),
+        "betas_is_tuple": isinstance(fresh_opt.param_groups[0]["betas"], tuple),
+        "lr": fresh_opt.param_groups[0]["lr"],
+        "exp_avg_equal": all(
+            torch.equal(a["exp_avg"].full_tensor(), b["exp_avg"].full_tensor())
+            for a, b in zip(
+                (optimizer.state[p] for p in model.parameters()),
+                (fresh_opt.state[p] for p in fresh.parameters()),
+                strict=True,
+            )
+        ),
+    }
+
+
+def _plain(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return {"__t__": tree.tolist(), "dtype": str(tree.dtype)}
+    if isinstance(tree, dict):
+        return {str(k): _plain(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return {"__tuple__": [_plain(v) for v in tree]}
+    if isinstance(tree, list):
+        return [_plain(v) for v in tree]
+    return tree
+
+
+def _tensors(tree: Any) -> Any:
+    if isinstance(tree, dict) and "__tuple__" in tree:
+        return tuple(_tensors(v) for v in tree["__tuple__"])
+    if isinstance(tree, dict) and "__t__" in tree:
+        return torch.tensor(tree["__t__"], dtype=getattr(torch, tree["dtype"].split(".")[1]))
+    if isinstance(tree, dict):
+        return {(int(k) if k.isdigit() else k): _tensors(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_tensors(v) for v in tree]
+    return tree

@@ -1,0 +1,101 @@
+"""Whole state dicts of FSDP2-sharded models: gathered to save, scattered to load.
+
+A checkpoint of a sharded model is written in exactly the format of an
+unsharded one (whole tensors, the optimizer state keyed by parameter index as
+``torch.optim.Optimizer.state_dict`` keys it). That is what makes resharding
+free: a checkpoint written by N ranks loads into M ranks, or into a plain
+model in one process. The price is that rank 0 holds the whole model and
+optimizer state in host memory while saving (``cpu_offload``); models larger
+than one host's memory need a sharded format, which faccel does not write.
+
+Gathering and scattering go through ``torch.distributed.checkpoint.state_dict``
+(``get_state_dict`` / ``set_state_dict``), PyTorch's own API for FSDP2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["full_state", "load_full_state"]
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def _by_index(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
+    """FQN-keyed optimizer state (DCP's form) -> index-keyed (torch.optim's form)."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in optimizer_state["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            index.setdefault(name, len(index))
+            ids.append(index[name])
+        groups.append({**group, "params": ids})
+    state = {index[name]: value for name, value in optimizer_state["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _by_name(optimizer_state: Mapping[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """Index-keyed optimizer state -> FQN-keyed, with ``names`` the FQNs of each group's params."""
+    flat: dict[int, str] = {}
+    groups = []
+    for group, group_names in zip(optimizer_state["param_groups"], names, strict=True):
+        flat.update(dict(zip(group["params"], group_names, strict=True)))
+        groups.append({**group, "params": list(group_names)})
+    state = {flat[int(i)]: value for i, value in optimizer_state["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [[by_id[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole model (and optimizer) state of a sharded model, on rank 0, on the CPU.
+
+    A collective: every rank must call it. Other ranks get empty dicts.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    options = _options(cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=options), None
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    return model_state, (_by_index(optimizer_state) if optimizer_state else {})
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping[str, Any] | None,
+) -> None:
+    """Load whole state dicts into a sharded model (and its optimizer), each rank keeping its shard.
+
+    A collective: every rank must call it with the same whole dicts.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    options = _options()
+    if optimizer is None or optimizer_state is None:
+        set_model_state_dict(model, dict(model_state), options=options)
+        return
+    named = _by_name(optimizer_state, _group_names(model, optimizer))
+    set_state_dict(
+        model, optimizer, model_state_dict=dict(model_state), optim_state_dict=named, options=options
+    )
+    # set_state_dict rebuilds hyperparameters through lists (Adam's betas come back as a
+    # list); put back the saved values, tuples included, as load_state_dict would.
+    for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"], strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
