@@ -61,7 +61,7 @@ def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
 
 def full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The whole model (and optimizer) state of a sharded model, on rank 0, on the CPU.
 
     A collective: every rank must call it. Other ranks get empty dicts.
