@@ -166,6 +166,9 @@ def train(dist: Any, state: Any, loader: Any, *, until: int) -> Any:
     import faccel
 
     model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
+    if len(loader) == 0:
+        msg = "the loader has no batch on this rank: the loop would never end"
+        raise ValueError(msg)
     batches = iter(loader.at(epoch=state.epoch, start=state.position))
     while state.step < until:
         try:
