@@ -32,7 +32,8 @@ def test_sigkill_at_random_moments_leaves_the_previous_or_the_new_checkpoint(tmp
     assert outcomes[-1][1] > 10, "the writers hardly committed anything: the kills came too early"
     assert kills_mid_write > TRIALS // 2
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
-    assert names[-1] == f"step-{outcomes[-1][1]:012d}" and len(names) <= 2  # keep=2
+    # keep=2, plus at most one more when the last kill came between a commit and its rotation
+    assert names[-1] == f"step-{outcomes[-1][1]:012d}" and len(names) <= 3
 
 
 def test_sigkill_at_every_file_operation_of_a_commit(tmp_path: Path) -> None:
