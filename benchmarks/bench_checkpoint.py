@@ -13,7 +13,9 @@ optimizer state. Subjects, in interleaved rounds:
 
 Restore: ``faccel.restore`` (every file read and hashed, everything checked,
 then loaded into the objects) vs ``torch.load(weights_only=True)`` of the two
-files plus ``load_state_dict`` into the same objects.
+files plus ``load_state_dict`` into the same objects, beside a plain read of
+the same number of bytes (all three from the page cache: the files were just
+written).
 
     python benchmarks/bench_checkpoint.py            # 50M parameters, 7 rounds
     python benchmarks/bench_checkpoint.py --quick    # ~4M parameters, 3 rounds
@@ -166,8 +168,19 @@ def run(quick: bool) -> list[Row]:
             model.load_state_dict(torch.load(theirs / "model.pt", weights_only=True))
             state.optimizer.load_state_dict(torch.load(theirs / "optimizer.pt", weights_only=True))
 
+        def disk_read() -> None:
+            buffer = bytearray(nbytes)
+            with open(disk, "rb", buffering=0) as handle:
+                view, got = memoryview(buffer), 0
+                while got < nbytes:
+                    got += handle.readinto(view[got:]) or nbytes
+
         torch_save()
-        loads = interleave({PLAIN: _timed(torch_restore), FACCEL: _timed(faccel_restore)}, rounds=rounds)
+        disk_write()
+        loads = interleave(
+            {PLAIN: _timed(torch_restore), FACCEL: _timed(faccel_restore), DISK: _timed(disk_read)},
+            rounds=rounds,
+        )
         load_rows = rows(
             f"restore, MLP {parameters / 1e6:.1f}M params + AdamW",
             loads,
@@ -176,6 +189,7 @@ def run(quick: bool) -> list[Row]:
             notes={
                 PLAIN: "torch.load(weights_only=True) x2 + load_state_dict",
                 FACCEL: "faccel.restore: read + sha256 + all checks, then load in place",
+                DISK: f"plain read of the same {nbytes / 1e6:.0f} MB (page cache, as the others)",
             },
         )
     finally:
