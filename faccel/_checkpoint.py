@@ -35,7 +35,18 @@ import torch
 from faccel._consensus import agree_max, together
 from faccel._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
 from faccel._safetensors import parse_header, plan, tensor_views
-from faccel._snapshot import EXTRAS, MODEL, OPTIMIZER, STATE, capture, capture_rng, check, check_rng, load
+from faccel._snapshot import (
+    EXTRAS,
+    MODEL,
+    OPTIMIZER,
+    STATE,
+    Loadable,
+    capture,
+    capture_rng,
+    check,
+    check_rng,
+    load,
+)
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
@@ -392,7 +403,7 @@ def _read_manifest(directory: Path, dist: DistState) -> dict[str, FileRecord]:
     return records
 
 
-def _read_checkpoint(dist: DistState, state: TrainState, directory: Path) -> Any:
+def _read_checkpoint(dist: DistState, state: TrainState, directory: Path) -> tuple[Loadable, dict[str, Any]]:
     records = _read_manifest(directory, dist)
 
     def read(name: str) -> Callable[[], torch.Tensor]:

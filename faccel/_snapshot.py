@@ -20,7 +20,7 @@ import torch
 
 from faccel._model import unwrap_model
 from faccel._save_model import alias_groups, compare_tensors, model_tensors
-from faccel._serialize import TensorSink, decode, encode
+from faccel._serialize import TensorSink, decode, encode, tensor_refs
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel.errors import CheckpointError
@@ -224,8 +224,6 @@ def check(
 
 
 def _refs_by_file(content: Mapping[str, Any]) -> dict[str, set[str]]:
-    from faccel._serialize import tensor_refs
-
     refs: dict[str, set[str]] = {OPTIMIZER: set(), EXTRAS: set()}
     for part in ("optimizer", "scheduler", "scaler", "extras"):
         for file, key in tensor_refs(content.get(part)):
