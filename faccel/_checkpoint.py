@@ -31,10 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from faccel._consensus import agree_max, together
 from faccel._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
+from faccel._model import is_sharded, unwrap_model
 from faccel._safetensors import parse_header, plan, tensor_views
+from faccel._sharded_state import full_state
 from faccel._snapshot import (
     EXTRAS,
     MODEL,
@@ -320,10 +323,15 @@ def checkpoint(
         msg = f"the ranks are checkpointing different steps ({-low} to {high}); pass the same TrainState.step"
         raise CheckpointError(msg)
 
+    model = unwrap_model(train_state.model)
+    # FSDP2: every rank takes part in gathering whole tensors onto rank 0, which then
+    # writes them exactly as an unsharded model's (so any world size can restore them).
+    whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
+
     def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]] | None:
         if not dist.is_main_process:
             return None
-        captured = capture(dist, train_state)  # refuses unstorable values before any file exists
+        captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
         temporary.mkdir()
@@ -358,7 +366,7 @@ def _resolve(path: Path) -> Path:
     return directory
 
 
-def _read_manifest(directory: Path, dist: DistState) -> dict[str, FileRecord]:
+def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
     where = f"{directory}/{MANIFEST}"
     buffer, _ = read_verified(directory / MANIFEST, None, where=where)
     manifest = _parse_json(buffer.numpy().tobytes(), where)
@@ -372,23 +380,24 @@ def _read_manifest(directory: Path, dist: DistState) -> dict[str, FileRecord]:
         )
         raise CheckpointError(msg)
     world = manifest.get("world_size")
-    if world != dist.world_size:
+    if type(world) is not int or world < 1:
+        msg = f"{where}: world_size should be a positive int, got {world!r}"
+        raise CheckpointError(msg)
+    if world != dist.world_size and not is_sharded(unwrap_model(model)) and dist.world_size > 1:
         msg = (
-            f"{where}: written by {world!r} processes, restored by {dist.world_size}; each rank's data "
-            "position and random generators belong to one rank, so resume with the same world size "
-            "(or read the weights alone with faccel.load_model)"
+            f"{where}: written by {world} processes, restored by {dist.world_size}; a DDP run resumes "
+            "with the same world size (each rank's data position and generators belong to one rank). "
+            "Restore into one process, or into an FSDP2 (strategy='fsdp') model, which reshards; or "
+            "read the weights alone with faccel.load_model"
         )
         raise CheckpointError(msg)
     files = manifest.get("files")
     if not isinstance(files, dict):
         files = {}
     listed = set(files)
-    expected = set(expected_files(dist.world_size))
+    expected = set(expected_files(world))
     if listed != expected:
-        msg = (
-            f"{where}: lists files {sorted(listed)}, a checkpoint of {dist.world_size} rank(s) has "
-            f"{sorted(expected)}"
-        )
+        msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
         raise CheckpointError(msg)
     records = {}
     for name, entry in files.items():
@@ -400,17 +409,21 @@ def _read_manifest(directory: Path, dist: DistState) -> dict[str, FileRecord]:
             msg = f"{where}: the entry of {name} needs an int size and a sha256 string"
             raise CheckpointError(msg)
         records[name] = FileRecord(size=entry["size"], sha256=entry["sha256"])
-    return records
+    return records, world
 
 
-def _read_checkpoint(dist: DistState, state: TrainState, directory: Path) -> tuple[Loadable, dict[str, Any]]:
-    records = _read_manifest(directory, dist)
+def _read_checkpoint(
+    dist: DistState, state: TrainState, directory: Path
+) -> tuple[Loadable, dict[str, Any] | None]:
+    records, world = _read_manifest(directory, dist, state.model)
+    # A rank beyond the writers' (resharding to more ranks) has no generators saved.
+    rng_file = rng_name(dist.rank) if dist.rank < world else None
 
     def read(name: str) -> Callable[[], torch.Tensor]:
         return lambda: read_verified(directory / name, records[name], where=f"{directory}/{name}")[0]
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
-    names = [MODEL, OPTIMIZER, EXTRAS, STATE, rng_name(dist.rank)]
+    names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])
     buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name in (MODEL, OPTIMIZER, EXTRAS):
@@ -418,11 +431,11 @@ def _read_checkpoint(dist: DistState, state: TrainState, directory: Path) -> tup
         tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
     content = _parse_json(buffers[STATE].numpy().tobytes(), state_where)
-    rng_where = f"{directory}/{rng_name(dist.rank)}"
-    rng_content = _parse_json(buffers[rng_name(dist.rank)].numpy().tobytes(), rng_where)
+    rng_where = f"{directory}/{rng_file}"
+    rng_content = _parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
-        rng = check_rng(dist, rng_content, where=rng_where)
+        rng = check_rng(dist, rng_content, where=rng_where) if rng_file else None
     except RecursionError:
         msg = f"{directory}: a JSON file nests too deeply to be a faccel checkpoint"
         raise CheckpointError(msg) from None
@@ -447,7 +460,8 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
     uninterrupted run would have read next, without reading the skipped ones.
 
     Args:
-        dist: The run's :class:`DistState` (same world size as when saved).
+        dist: The run's :class:`DistState`: the world size of the writer under
+            DDP; any world size for one process or an FSDP2 model (resharding).
         train_state: The objects to load into, built as when saving; its
             extras name the entries to restore (any placeholder value; where
             it holds a tensor, the saved one must match its shape and dtype).

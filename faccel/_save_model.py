@@ -22,8 +22,9 @@ from torch import nn
 
 from faccel._consensus import together
 from faccel._durable import atomic_write, fsync_dir, read_verified
-from faccel._model import unwrap_model
+from faccel._model import is_sharded, unwrap_model
 from faccel._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
+from faccel._sharded_state import full_state
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError
@@ -86,6 +87,9 @@ def alias_groups(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     seen: dict[tuple[object, ...], str] = {}
     aliases: dict[str, str] = {}
     for name, tensor in state.items():
+        local = getattr(tensor, "to_local", None)
+        if local is not None:  # an FSDP2 DTensor: its storage is the local shard's
+            tensor = local()
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
         identity = (
@@ -103,14 +107,19 @@ def alias_groups(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
-def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The unwrapped model's tensors to store (each once) and its aliases ``{later: first}``."""
-    state = unwrap_model(model).state_dict()
+def model_tensors(
+    model: nn.Module, whole: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The unwrapped model's tensors to store (each once) and its aliases ``{later: first}``.
+
+    ``whole``: the gathered state dict of an FSDP2 model (see ``_sharded_state``).
+    """
+    state = dict(unwrap_model(model).state_dict()) if whole is None else dict(whole)
     sharded = [name for name, tensor in state.items() if type(tensor).__name__ == "DTensor"]
     if sharded:
         msg = (
-            f"the model's tensors are sharded (DTensor: {sharded[:3]}...); save_model and checkpoint "
-            "store whole tensors of unsharded (single-process or DDP) models only"
+            f"the model's tensors are sharded (DTensor: {sharded[:3]}...) but were not gathered; "
+            "prepare FSDP2 models with faccel.prepare (strategy='fsdp') so faccel recognises them"
         )
         raise CheckpointError(msg)
     aliases = alias_groups(state)
@@ -207,8 +216,9 @@ def save_model(
 
     Raises:
         ArgumentValueError: A bad ``max_shard_size``.
-        CheckpointError: A tensor dtype safetensors cannot hold, a sharded
-            (FSDP2) model, or a failed write (on any rank).
+        CheckpointError: A tensor dtype safetensors cannot hold, or a failed
+            write (on any rank). An FSDP2 model's shards are gathered into whole
+            weights first (every rank must call ``save_model``).
 
     Example:
         >>> import tempfile, torch, faccel
@@ -220,10 +230,12 @@ def save_model(
     """
     target = Path(directory)
     limit = parse_size(max_shard_size)
+    # FSDP2: every rank takes part in gathering the whole weights onto rank 0.
+    whole = full_state(unwrap_model(model), None)[0] if is_sharded(unwrap_model(model)) else None
 
     def write() -> None:
         if dist.is_main_process:
-            stored, _ = model_tensors(model)
+            stored, _ = model_tensors(model, whole)
             _write_model(target, stored, limit)
 
     together(dist, write, what="save_model")

@@ -18,9 +18,10 @@ import attrs
 import numpy as np
 import torch
 
-from faccel._model import unwrap_model
+from faccel._model import is_sharded, unwrap_model
 from faccel._save_model import alias_groups, compare_tensors, model_tensors
 from faccel._serialize import TensorSink, decode, encode, tensor_refs
+from faccel._sharded_state import load_full_state
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel.errors import CheckpointError
@@ -73,12 +74,20 @@ def _is_stateful(value: object) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
-def capture(dist: DistState, state: TrainState) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+def capture(
+    dist: DistState,
+    state: TrainState,
+    whole: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None,
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """``state.json``'s content and each safetensors file's tensors, for ``state``.
 
     Tensors are the live ones (no copy): write them before training goes on.
+    ``whole``: an FSDP2 model's gathered model and optimizer state dicts, which
+    are stored exactly as an unsharded model's would be.
     """
-    stored, aliases = model_tensors(state.model)
+    model_state = None if whole is None else whole[0]
+    optimizer_state = state.optimizer.state_dict() if whole is None else whole[1]
+    stored, aliases = model_tensors(state.model, model_state)
     optimizer_sink = TensorSink(file=OPTIMIZER)
     extras_sink = TensorSink(file=EXTRAS)
     scheduler = state.scheduler
@@ -94,10 +103,13 @@ def capture(dist: DistState, state: TrainState) -> tuple[dict[str, Any], dict[st
         "epoch": state.epoch,
         "position": state.position,
         "world_size": dist.world_size,
-        "model": {"keys": list(unwrap_model(state.model).state_dict()), "aliases": aliases},
+        "model": {
+            "keys": list(unwrap_model(state.model).state_dict() if model_state is None else model_state),
+            "aliases": aliases,
+        },
         "optimizer": {
             "class": _class_name(state.optimizer),
-            "state_dict": encode(state.optimizer.state_dict(), sink=optimizer_sink),
+            "state_dict": encode(optimizer_state, sink=optimizer_sink),
         },
         "scheduler": None
         if scheduler is None
@@ -501,14 +513,21 @@ def check_rng(dist: DistState, content: Any, *, where: str) -> dict[str, Any]:
     return states
 
 
-def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any]) -> TrainState:
+def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -> TrainState:
     """Load a checked checkpoint into ``state``'s objects (in place) and set the generators.
 
     Returns a new TrainState with the saved step, epoch, position and extras.
+    ``rng`` is None for a rank the checkpoint has no generators of (resharding
+    to more ranks): its generators are left as they are.
     """
-    with torch.no_grad():
-        unwrap_model(state.model).load_state_dict(dict(loadable.model), strict=True)
-    state.optimizer.load_state_dict(dict(loadable.optimizer))
+    model = unwrap_model(state.model)
+    if is_sharded(model):
+        # A collective: every rank scatters the whole tensors into its own shards.
+        load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
+    else:
+        with torch.no_grad():
+            model.load_state_dict(dict(loadable.model), strict=True)
+        state.optimizer.load_state_dict(dict(loadable.optimizer))
     if state.scheduler is not None and loadable.scheduler is not None:
         state.scheduler.load_state_dict(dict(loadable.scheduler))
     if state.scaler is not None and loadable.scaler:
@@ -521,11 +540,12 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any]) -> Train
             extras[name] = live
         else:
             extras[name] = _placed(value, live)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if rng is not None:
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return attrs.evolve(
         state, step=loadable.step, epoch=loadable.epoch, position=loadable.position, extras=extras
     )

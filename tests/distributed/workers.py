@@ -232,3 +232,57 @@ def _tensors(tree: Any) -> Any:
     if isinstance(tree, list):
         return [_tensors(v) for v in tree]
     return tree
+
+
+def _fsdp_run(dist: Any, root: str | None, stop: int | None, total: int, resume: bool) -> Any:
+    """Train Blocks under FSDP2 for `total` optimizer steps over a shuffled prepared loader,
+    checkpointing at `stop` (and returning there), or resuming from `root` first."""
+    import attrs
+
+    import faccel
+
+    x, y = seed_task(n=40)
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.85, 0.99))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+    model, optimizer, scheduler, loader = faccel.prepare(dist, model, optimizer, scheduler, loader)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler)
+    if resume:
+        state = faccel.restore(dist, state, root)
+    while state.step < total:
+        for inputs, targets in loader.at(epoch=state.epoch, start=state.position):
+            optimizer.zero_grad()
+            faccel.backward(dist, torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            scheduler.step()
+            state = attrs.evolve(state, step=state.step + 1, position=state.position + 1)
+            if state.step == stop:
+                faccel.checkpoint(dist, state, root)
+                return state
+            if state.step == total:
+                return state
+        state = attrs.evolve(state, epoch=state.epoch + 1, position=0)
+    return state
+
+
+def fsdp_checkpoint(root: str, stop: int, total: int, model_dir: str) -> dict[str, Any]:
+    """Uninterrupted vs stop-checkpoint-restore-continue under FSDP2; plus save_model."""
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp")
+    reference = _fsdp_run(dist, None, None, total, resume=False)
+    stopped = _fsdp_run(dist, root, stop, total, resume=False)
+    at_stop = full_params(stopped.model)
+    faccel.save_model(dist, stopped.model, model_dir)
+    resumed = _fsdp_run(dist, root, None, total, resume=True)
+    return {
+        "reference": full_params(reference.model),
+        "resumed": full_params(resumed.model),
+        "at_stop": at_stop,
+        "stop_epoch_position": [stopped.epoch, stopped.position],
+        "lr": resumed.optimizer.param_groups[0]["lr"],
+        "reference_lr": reference.optimizer.param_groups[0]["lr"],
+        "param_types": sorted({type(p).__name__ for p in resumed.model.parameters()}),
+    }
