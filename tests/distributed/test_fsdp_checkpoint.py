@@ -10,8 +10,9 @@ from tests.distributed import harness, workers
 
 
 def test_fsdp_resumes_bitwise_and_reshards_into_one_plain_process(tmp_path: Path) -> None:
-    import faccel
     from safetensors.torch import load_file
+
+    import faccel
 
     root, model_dir = tmp_path / "ckpt", tmp_path / "model"
     results = harness.run(
