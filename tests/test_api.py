@@ -76,3 +76,33 @@ def test_every_public_function_has_a_runnable_example() -> None:
         obj = getattr(faccel, name)
         if inspect.isfunction(obj) or inspect.isclass(obj):
             assert obj.__doc__ and ">>>" in obj.__doc__, f"{name} has no >>> example"
+
+
+def test_lazy_exports_resolve_and_match_the_typing_imports() -> None:
+    import ast
+    from pathlib import Path
+
+    import faccel
+
+    tree = ast.parse(Path(faccel.__file__).read_text())
+    typed = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for stmt in node.body
+        if isinstance(stmt, ast.ImportFrom)
+        for alias in stmt.names
+    }
+    assert typed == set(faccel.__all__)
+    for name in faccel.__all__:
+        assert getattr(faccel, name) is not None
+    assert sorted(dir(faccel)) == sorted(faccel.__all__)
+
+
+def test_import_is_lazy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, faccel; print(sorted(m for m in sys.modules if m.startswith('faccel')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['faccel']"
