@@ -71,8 +71,13 @@ def micro_step(index: int, *, accumulation_steps: int, num_batches: int | None) 
     if index < 0 or (num_batches is not None and index >= num_batches):
         msg = f"micro-step index must be in [0, {num_batches}), got {index!r}"
         raise AccumulationError(msg)
-    first = index - index % accumulation_steps
-    end = first + accumulation_steps if num_batches is None else min(first + accumulation_steps, num_batches)
+    return _micro(index, accumulation_steps, num_batches)
+
+
+def _micro(index: int, k: int, num_batches: int | None) -> MicroStep:
+    # The boundary itself, for arguments already known to be valid (the hot loop).
+    first = index - index % k
+    end = first + k if num_batches is None else min(first + k, num_batches)
     return MicroStep(index=index, sync=index == end - 1, group_size=end - first)
 
 
@@ -105,7 +110,7 @@ def micro_batches(dist: DistState, loader: Iterable[Any]) -> Iterator[tuple[Micr
         total = None
     if total is not None:
         for offset, batch in enumerate(loader):
-            yield micro_step(start + offset, accumulation_steps=k, num_batches=total), batch
+            yield _micro(start + offset, k, total), batch
         return
     # Groups stay aligned to the epoch (index // k) when resuming mid-epoch.
     index = start

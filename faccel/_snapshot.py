@@ -86,7 +86,9 @@ def capture(
     are stored exactly as an unsharded model's would be.
     """
     model_state = None if whole is None else whole[0]
-    optimizer_state = state.optimizer.state_dict() if whole is None else whole[1]
+    optimizer_state: Any = whole[1] if whole is not None else None
+    if whole is None and state.optimizer is not None:
+        optimizer_state = state.optimizer.state_dict()
     stored, aliases = model_tensors(state.model, model_state)
     optimizer_sink = TensorSink(file=OPTIMIZER)
     extras_sink = TensorSink(file=EXTRAS)
@@ -107,7 +109,9 @@ def capture(
             "keys": list(unwrap_model(state.model).state_dict() if model_state is None else model_state),
             "aliases": aliases,
         },
-        "optimizer": {
+        "optimizer": None
+        if state.optimizer is None
+        else {
             "class": _class_name(state.optimizer),
             "state_dict": encode(optimizer_state, sink=optimizer_sink),
         },
@@ -288,6 +292,13 @@ def _check_optimizer(
     state: TrainState, section: Any, decoded: Callable[[Any], Any], problems: _Problems
 ) -> dict[str, Any]:
     target = state.optimizer
+    if target is None or section is None:
+        # Functional training keeps its optimizer state in extras: no torch optimizer.
+        if (target is None) != (section is None):
+            saved_kind = "no optimizer" if section is None else "an optimizer"
+            target_kind = "none" if target is None else "one"
+            problems.add(STATE, f"{saved_kind} was saved, and the target has {target_kind}")
+        return {}
     if not isinstance(section, dict) or "state_dict" not in section:
         problems.add(STATE, "optimizer section is missing")
         return {}
@@ -527,7 +538,8 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     else:
         with torch.no_grad():
             model.load_state_dict(dict(loadable.model), strict=True)
-        state.optimizer.load_state_dict(dict(loadable.optimizer))
+        if state.optimizer is not None:
+            state.optimizer.load_state_dict(dict(loadable.optimizer))
     if state.scheduler is not None and loadable.scheduler is not None:
         state.scheduler.load_state_dict(dict(loadable.scheduler))
     if state.scaler is not None and loadable.scaler:

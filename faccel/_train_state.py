@@ -40,7 +40,8 @@ class TrainState:
 
     Attributes:
         model: The model, wrapped by :func:`faccel.prepare` or not.
-        optimizer: Its optimizer.
+        optimizer: Its optimizer, or None when the optimizer state lives
+            elsewhere (functional training keeps it in ``extras``).
         scheduler: An LR scheduler, or None. Schedulers built on functions
             (``LambdaLR``) keep their functions: rebuild them as in PyTorch.
         scaler: A ``torch.amp.GradScaler`` for fp16 training, or None.
@@ -65,7 +66,7 @@ class TrainState:
     """
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     scaler: torch.amp.GradScaler | None = None
     step: int = attrs.field(default=0, validator=_non_negative)
@@ -78,7 +79,7 @@ class TrainState:
         cls,
         *,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         scaler: torch.amp.GradScaler | None = None,
         step: int = 0,

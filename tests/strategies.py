@@ -164,8 +164,10 @@ _json_leaves = (
 # Values a checkpoint's extras may hold without tensors: JSON, tuples, non-string keys, bytes.
 plain_trees = st.recursive(
     _json_leaves,
-    lambda inner: st.lists(inner, max_size=3)
-    | st.lists(inner, max_size=3).map(tuple)
-    | st.dictionaries(st.text(max_size=6) | st.integers(min_value=-5, max_value=5), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=6) | st.integers(min_value=-5, max_value=5), inner, max_size=3)
+    ),
     max_leaves=12,
 )

@@ -305,3 +305,22 @@ def test_file_system_errors_become_checkpoint_errors(tmp_path: Path) -> None:
         faccel.checkpoint(dist, state, tmp_path / "file")
     with pytest.raises(faccel.errors.CheckpointError, match="save_model failed"):
         faccel.save_model(dist, model, tmp_path / "file")
+
+
+def test_a_state_without_a_torch_optimizer_round_trips_and_mismatches_are_named(tmp_path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(3, 2)
+    state = faccel.TrainState.create(model=model, optimizer=None, step=4, extras={"m": torch.ones(2)})
+    faccel.checkpoint(dist, state, tmp_path)
+    fresh = torch.nn.Linear(3, 2)
+    target = faccel.TrainState.create(model=fresh, optimizer=None, extras={"m": torch.zeros(2)})
+    restored = faccel.restore(dist, target, tmp_path)
+    assert restored.step == 4 and torch.equal(fresh.weight, model.weight)
+    assert torch.equal(restored.extras["m"], torch.ones(2))
+    with_optimizer = faccel.TrainState.create(
+        model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1), extras={"m": torch.zeros(2)}
+    )
+    with pytest.raises(faccel.errors.CheckpointError, match="no optimizer was saved"):
+        faccel.restore(dist, with_optimizer, tmp_path)

@@ -487,12 +487,11 @@ def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> N
     for _ in range(3):  # the forward updates the BatchNorm buffers in place, as functional_call does
         state = state.apply_gradients(grad_fn(state.params, state.buffers, x, y)[1])
 
-    # TrainState wants a torch optimizer; functional training has none, so a placeholder.
+    # No torch optimizer: the functional optimizer's state travels in the extras.
     def train_state(module: torch.nn.Module, functional: Any) -> Any:
-        placeholder = torch.optim.SGD(module.parameters(), lr=0.0)
         return faccel.TrainState.create(
             model=module,
-            optimizer=placeholder,
+            optimizer=None,
             step=functional.step,
             extras={"functional": functional.state_dict()},
         )
