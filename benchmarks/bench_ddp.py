@@ -12,14 +12,11 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import multiprocessing as mp
 import os
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.common import FACCEL, Row, interleave, per_call, rows
+from benchmarks.common import FACCEL, Row, interleave, per_call, rows, run_ranks
 
 RAW = "raw DDP"
 SIZES = (32, 64, 64, 1)
@@ -80,31 +77,8 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
 
 
 def run(quick: bool) -> list[Row]:
-    import torch.distributed as tdist
-
     plan = (15, 30) if quick else (60, 100)
-    # The parent hosts the rendezvous on a port the OS picks, as torchrun's agent does.
-    store = tdist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
-    )
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "samples.json")
-        procs = [ctx.Process(target=_worker, args=(rank, store.port, plan, out)) for rank in range(2)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(600)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
-        if failed:
-            msg = f"DDP benchmark ranks {failed} failed (exit codes {[p.exitcode for p in procs]})"
-            raise RuntimeError(msg)
-        samples = json.loads(Path(out).read_text())
-    del store
+    samples = run_ranks(_worker, plan, what="DDP benchmark")
     return rows(
         f"small MLP {'-'.join(map(str, SIZES))}, batch {BATCH} per rank, 2 gloo processes "
         f"({plan[1]} steps a block)",

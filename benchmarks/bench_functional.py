@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing as mp
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,7 @@ import attrs
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import FACCEL, Row, interleave, per_call, rows
+from benchmarks.common import FACCEL, Row, interleave, per_call, rows, run_ranks
 
 TARGET = 1.2
 TENSORS = 100
@@ -120,30 +117,8 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
 
 
 def bench_sync(quick: bool) -> list[Row]:
-    import torch.distributed as tdist
-
     plan = {"sizes": [(0.8, 10), (13.0, 2)], "rounds": 10 if quick else 40}
-    store = tdist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5)
-    )
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "samples.json")
-        procs = [ctx.Process(target=_sync_worker, args=(rank, store.port, plan, out)) for rank in range(2)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(600)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
-        if failed:
-            msg = f"sync_grads benchmark ranks {failed} failed (exit codes {[p.exitcode for p in procs]})"
-            raise RuntimeError(msg)
-        results = json.loads(Path(out).read_text())
-    del store
+    results = run_ranks(_sync_worker, plan, what="sync_grads benchmark")
     found = []
     for size_mb, calls in plan["sizes"]:
         case = f"sync_grads, {TENSORS} float32 tensors, {size_mb:g} MB, 2 gloo processes"

@@ -206,3 +206,43 @@ def anchors() -> dict[str, bool]:
         else:
             found[subject] = True
     return found
+
+
+def run_ranks(target: Callable[..., None], payload: object, *, what: str, world_size: int = 2) -> object:
+    """Run ``target(rank, port, payload, out)`` on ``world_size`` spawned processes; return ``out``'s JSON.
+
+    The parent hosts the rendezvous store on a port the OS picks, as torchrun's agent
+    does; the ranks connect to it, and one of them writes its figures as JSON to ``out``.
+    """
+    import json
+    import multiprocessing as mp
+    import tempfile
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as tdist
+
+    store = tdist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5)
+    )
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "samples.json")
+        procs = [
+            ctx.Process(target=target, args=(rank, store.port, payload, out)) for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(600)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
+        if failed:
+            msg = f"{what}: ranks {failed} failed (exit codes {[p.exitcode for p in procs]})"
+            raise RuntimeError(msg)
+        result = json.loads(Path(out).read_text())
+    del store
+    return result
