@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,9 +28,12 @@ __all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step"]
 _NOTHING = contextlib.nullcontext()
 
 
-@attrs.frozen(kw_only=True, slots=True)
-class MicroStep:
+class MicroStep(NamedTuple):
     """Where a micro-batch sits in its accumulation group.
+
+    A named tuple rather than an attrs record: one is made per micro-batch in
+    the training loop, and a frozen attrs instance measured ~1.5% of a small
+    model's micro-step (a named tuple: within noise of none).
 
     Attributes:
         index: The micro-step's index in the epoch (batches consumed before it).
@@ -44,7 +46,8 @@ class MicroStep:
         MicroStep(index=9, sync=True, group_size=2)
     """
 
-    index: int
+    # Shadows tuple.index (a method nobody calls on a MicroStep): the name reads best.
+    index: int  # type: ignore[assignment]
     sync: bool
     group_size: int
 
