@@ -44,7 +44,7 @@ TENSORS = 100
 FLOOR = "flat all_reduce (floor)"
 PER_TENSOR = "all_reduce per tensor"
 BY_HAND = "cat + all_reduce + split, by hand"
-BUCKETS = "faccel, bucket_cap_mb=4"
+BUCKETS = "faccel, bucket_cap_mb=None (one bucket)"
 MODULE = "nn.Module step"
 FUNC_BY_HAND = "torch.func step, by hand"
 
@@ -106,7 +106,7 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
         subjects = {
             FLOOR: block(lambda flat=flat: tdist.all_reduce(flat)),
             FACCEL: block(lambda grads=grads: faccel.sync_grads(dist, grads)),
-            BUCKETS: block(lambda grads=grads: faccel.sync_grads(dist, grads, bucket_cap_mb=4)),
+            BUCKETS: block(lambda grads=grads: faccel.sync_grads(dist, grads, bucket_cap_mb=None)),
             BY_HAND: block(by_hand),
             PER_TENSOR: block(per_tensor),
         }
