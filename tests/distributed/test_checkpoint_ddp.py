@@ -5,8 +5,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from tests.distributed import checkpoint_workers as cw
 from tests.distributed import harness
@@ -76,3 +78,20 @@ def test_a_rank_that_fails_validation_stops_every_rank_before_loading(tmp_path: 
     assert "does not fit" in results[1]["error"] and "model.safetensors" in results[1]["error"]
     assert "failed on 1 other rank" in results[0]["error"]
     assert all(r["unchanged"] for r in results)
+
+
+def test_a_two_rank_checkpoint_restores_into_one_process(tmp_path: Path) -> None:
+    import faccel
+
+    harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path))
+    spec = cw.example_spec()
+    dist = faccel.detect({})
+    target, _ = cw.fresh(dist, spec, seed=1)
+    before = [p.detach().clone() for p in target.model.parameters()]
+    restored = faccel.restore(dist, target, tmp_path)
+    assert restored.step == 3
+    # the saved weights (rank 0's, equal on both ranks under DDP), not the fresh ones
+    assert not all(torch.equal(a, b) for a, b in zip(before, target.model.parameters(), strict=True))
+    saved = load_file(faccel.latest_checkpoint(tmp_path) / "model.safetensors")
+    live = faccel.unwrap_model(target.model).state_dict()
+    assert saved and all(torch.equal(saved[name], live[name]) for name in saved)
