@@ -563,3 +563,18 @@ def kill_at_every_operation(root: str) -> dict:
         assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
         restored.append(crash_check(root))
     return {"operations": total, "restored": restored}
+
+
+def restore_at_another_world_size(root: str) -> dict:
+    """A DDP run restoring a checkpoint written by another number of ranks: every rank refuses."""
+    import faccel
+
+    dist = faccel.detect()
+    state, _ = fresh(dist, example_spec(), seed=1)
+    before = [p.detach().clone() for p in state.model.parameters()]
+    try:
+        faccel.restore(dist, state, root)
+    except faccel.errors.CheckpointError as error:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
+        return {"rank": dist.rank, "error": str(error), "unchanged": unchanged}
+    return {"rank": dist.rank, "error": None, "unchanged": None}

@@ -95,3 +95,11 @@ def test_a_two_rank_checkpoint_restores_into_one_process(tmp_path: Path) -> None
     saved = load_file(faccel.latest_checkpoint(tmp_path) / "model.safetensors")
     live = faccel.unwrap_model(target.model).state_dict()
     assert saved and all(torch.equal(saved[name], live[name]) for name in saved)
+
+
+def test_ddp_restore_at_another_world_size_is_refused_on_every_rank(tmp_path: Path) -> None:
+    harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path))
+    results = harness.run(cw.restore_at_another_world_size, world_size=3, root=str(tmp_path))
+    for r in results:
+        assert r["error"] and "written by 2 processes, restored by 3" in r["error"]
+        assert r["unchanged"]
