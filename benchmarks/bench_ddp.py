@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import FACCEL, Row, interleave, per_call, rows, run_ranks
+from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows, run_ranks
 
 RAW = "raw DDP"
 SIZES = (32, 64, 64, 1)
@@ -24,17 +24,7 @@ BATCH = 32
 
 
 def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }
-    )
+    os.environ.update(rank_env(rank, port))
     import torch
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel

@@ -37,7 +37,7 @@ import attrs
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import FACCEL, Row, interleave, per_call, rows, run_ranks
+from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows, run_ranks
 
 TARGET = 1.2
 TENSORS = 100
@@ -67,16 +67,7 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
     import faccel
 
     torch.set_num_threads(1)
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-    dist = faccel.detect(env)
+    dist = faccel.detect(rank_env(rank, port))
     world = dist.world_size
     results = {}
     for size_mb, calls in plan["sizes"]:

@@ -208,6 +208,20 @@ def anchors() -> dict[str, bool]:
     return found
 
 
+def rank_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
+    """The torchrun-like environment of ``rank``, meeting at the parent's store on ``port``."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # The parent hosts the store: every rank connects, as to torchrun's agent.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
 def run_ranks(target: Callable[..., None], payload: object, *, what: str, world_size: int = 2) -> object:
     """Run ``target(rank, port, payload, out)`` on ``world_size`` spawned processes; return ``out``'s JSON.
 
