@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._model import Autocast, unwrap_model
+from faccel._module_call import bind, call
 from faccel._optim import SGD, AdamW, AdamWState, SGDState
 from faccel._pytree import flatten, register_pytree, same_structure, static_field
 from faccel._state import DistState
@@ -124,7 +125,11 @@ def loss_and_grad(
     *loss_args)``, and the gradient of ``loss`` with respect to every tensor in
     ``params`` (zeros for unused ones), as a dict like ``params``. Under a
     ``dist`` with mixed precision the forward runs under autocast and the
-    outputs are cast to float32, as for a prepared model.
+    outputs are cast to float32, as for a prepared model. What
+    ``functional_call`` works out on every call (tied weights, where each
+    name lives) is worked out once here, so a call costs about what
+    ``model(inputs)`` costs; like ``functional_call``, it swaps your tensors
+    into ``model`` while it runs.
 
     Engines:
 
@@ -180,15 +185,15 @@ def loss_and_grad(
     module = unwrap_model(model)
     dtype = dist.autocast_dtype
     device_type = dist.device.type
-    call = torch.func.functional_call
+    # functional_call's per-call bookkeeping, done once (see _module_call).
+    bound = bind(module)
 
     def forward_loss(params: Any, buffers: Any, inputs: Any, *loss_args: Any) -> Any:
-        tensors = (params, buffers) if buffers else params  # one dict: no merge, no key check
         if dtype is None:
-            outputs = call(module, tensors, inputs)
+            outputs = call(bound, module, params, buffers, inputs)
         else:
             with torch.autocast(device_type, dtype=dtype):
-                outputs = call(module, tensors, inputs)
+                outputs = call(bound, module, params, buffers, inputs)
             outputs = _to_float32(outputs)
         return loss_fn(outputs, *loss_args)
 

@@ -126,6 +126,26 @@ def adamw_hyperparams(draw: st.DrawFn) -> dict:
     }
 
 
+@st.composite
+def module_specs(draw: st.DrawFn) -> dict:
+    """A small module to call functionally: an MLP, maybe normalised, tied, or given a subset of names.
+
+    ``widths``: feature sizes, input first; ``norm``: a BatchNorm1d (buffers) after the
+    first layer; ``tie``: ``"none"``, ``"alias"`` (one Linear reachable under two names)
+    or ``"weight"`` (two Linears sharing one weight); ``drop``: how many parameter
+    names to leave out of the dict passed in (0: all of them).
+    """
+    width = draw(st.integers(min_value=1, max_value=5))
+    hidden = draw(st.lists(st.integers(min_value=1, max_value=5), min_size=0, max_size=2))
+    return {
+        "widths": [width, *hidden, width],
+        "norm": draw(st.booleans()),
+        "tie": draw(st.sampled_from(["none", "alias", "weight"])),
+        "drop": draw(st.sampled_from([0, 0, 0, 1])),
+        "seed": draw(st.integers(min_value=0, max_value=2**16)),
+    }
+
+
 # --- checkpoints (tests/test_checkpoint*.py, tests/test_serialize.py) ---
 
 

@@ -1,0 +1,149 @@
+"""faccel._module_call: a bound call equals torch.func.functional_call and leaves the module as it was."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+
+from faccel._module_call import bind, call
+from tests import strategies as fst
+
+
+def _build(spec: dict) -> nn.Module:
+    torch.manual_seed(spec["seed"])
+    widths = spec["widths"]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(nn.Linear(a, b))
+        if i == 0 and spec["norm"]:
+            layers.append(nn.BatchNorm1d(b))
+        layers.append(nn.Tanh())
+    # The first and last layers map width -> ... -> width; a square extra layer to tie with.
+    layers.append(nn.Linear(widths[-1], widths[-1]))
+    model = nn.Sequential(*layers)
+    if spec["tie"] == "alias":
+        model.add_module("alias", layers[-1])  # one Linear under two names
+    elif spec["tie"] == "weight" and widths[0] == widths[-1]:
+        first = next(m for m in model if isinstance(m, nn.Linear))
+        if first.weight.shape == layers[-1].weight.shape:
+            layers[-1].weight = first.weight  # two Linears, one weight
+    return model
+
+
+def _tensors(model: nn.Module, spec: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    params = {n: torch.randn(p.shape, generator=g).requires_grad_() for n, p in model.named_parameters()}
+    for name in list(params)[: spec["drop"]]:
+        del params[name]  # the module's own tensor is used for a name left out
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named
+
+
+def _reference(model: nn.Module, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
+    # On a copy: functional_call itself leaves a module reachable under two names holding
+    # the given tensor afterwards (torch 2.13), which a later comparison would inherit.
+    model = copy.deepcopy(model)
+    return torch.func.functional_call(model, (params, buffers) if buffers else params, x)
+
+
+@given(spec=fst.module_specs(), with_buffers=fst.st.booleans())
+def test_a_bound_call_equals_functional_call_with_its_gradients(spec: dict, with_buffers: bool) -> None:
+    model = _build(spec).train()
+    params, buffers = _tensors(model, spec)
+    buffers = buffers if with_buffers else {}
+    x = torch.randn(4, spec["widths"][0], generator=torch.Generator().manual_seed(spec["seed"]))
+    before = _snapshot(model)
+    bound = bind(model)
+
+    # Buffers are updated in place by BatchNorm in train mode: each side gets its own copy.
+    got = call(bound, model, params, {k: v.clone() for k, v in buffers.items()}, x)
+    want = _reference(model, params, {k: v.clone() for k, v in buffers.items()}, x)
+
+    assert torch.equal(got, want)
+    grads_got = torch.autograd.grad(got.sum(), list(params.values()), allow_unused=True)
+    grads_want = torch.autograd.grad(want.sum(), list(params.values()), allow_unused=True)
+    for a, b in zip(grads_got, grads_want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    after = _snapshot(model)
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+
+
+def test_bind_records_every_slot_of_a_tied_weight_under_its_first_name() -> None:
+    model = _build({"widths": [3, 3], "norm": True, "tie": "weight", "drop": 0, "seed": 0})
+    bound = bind(model)
+
+    assert list(bound.params) == [name for name, _ in model.named_parameters()]
+    assert len(bound.params["0.weight"]) == 2  # layers 0 and 3 share it
+    assert list(bound.buffers) == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+
+
+def test_a_submodule_replaced_after_bind_is_used_not_ignored() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    bound = bind(model)
+    model[2] = nn.Linear(2, 1)  # new weights: the bound slots now point at a detached module
+    params = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    x = torch.ones(1, 2)
+
+    assert torch.equal(call(bound, model, params, {}, x), _reference(model, params, {}, x))
+    assert call(bound, model, params, {}, x).item() == 7.0  # relu(2*1+1)=3 per unit; 3+3+1
+
+
+def test_a_parameter_deleted_after_bind_gives_torchs_own_answer() -> None:
+    model = nn.Linear(2, 1)
+    bound = bind(model)
+    del model.bias
+    params = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
+
+    # functional_call sets the missing name as a plain attribute, so the answer is still 3.
+    assert call(bound, model, params, {}, torch.ones(1, 2)).item() == 3.0
+    assert "bias" not in model._parameters
+
+
+def test_a_failing_forward_puts_the_modules_own_tensors_back() -> None:
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise ValueError("boom")
+
+    model = Boom()
+    before = _snapshot(model)
+    zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="boom"):
+        call(bind(model), model, zeros, {}, torch.ones(1, 2))
+    assert all(_snapshot(model)[name] is before[name] for name in before)
+
+
+def test_parametrized_lazy_and_scripted_modules() -> None:
+    class Symmetric(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    model = nn.Linear(3, 3)
+    torch.nn.utils.parametrize.register_parametrization(model, "weight", Symmetric())
+    params = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    x = torch.randn(2, 3)
+    assert torch.equal(call(bind(model), model, params, {}, x), _reference(model, params, {}, x))
+
+    assert bind(nn.LazyLinear(2)) is None  # no parameters to bind yet
+    with warnings.catch_warnings():  # torch.jit.script is deprecated; scripted modules still exist
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(nn.Linear(2, 2))
+    assert bind(scripted) is None
