@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from faccel._collectives import broadcast, gather, gather_object, pad_across_processes, reduce
     from faccel._data import PreparedLoader, to_device
     from faccel._functional import FunctionalState, loss_and_grad, model_params
-    from faccel._grad_sync import sync_grads
+    from faccel._grad_sync import GradBuckets, grad_buckets, sync_grads
     from faccel._launch import LaunchInfo, parse_launch
     from faccel._logging import RankLogger, get_logger
     from faccel._metrics import gather_for_metrics
@@ -50,7 +50,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "faccel._collectives": ("broadcast", "gather", "gather_object", "pad_across_processes", "reduce"),
     "faccel._data": ("PreparedLoader", "to_device"),
     "faccel._functional": ("FunctionalState", "loss_and_grad", "model_params"),
-    "faccel._grad_sync": ("sync_grads",),
+    "faccel._grad_sync": ("GradBuckets", "grad_buckets", "sync_grads"),
     "faccel._launch": ("LaunchInfo", "parse_launch"),
     "faccel._logging": ("RankLogger", "get_logger"),
     "faccel._metrics": ("gather_for_metrics",),
@@ -76,6 +76,7 @@ __all__ = [
     "AdamWState",
     "DistState",
     "FunctionalState",
+    "GradBuckets",
     "LaunchInfo",
     "MicroStep",
     "PreparedLoader",
@@ -97,6 +98,7 @@ __all__ = [
     "gather_for_metrics",
     "gather_object",
     "get_logger",
+    "grad_buckets",
     "grad_scaler",
     "is_main_process",
     "latest_checkpoint",

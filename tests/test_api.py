@@ -49,8 +49,10 @@ def test_public_names_are_pinned() -> None:
             # functional training (torch.func): pytrees, gradient sync, pure optimizers
             "AdamWState",
             "FunctionalState",
+            "GradBuckets",
             "SGDState",
             "adamw",
+            "grad_buckets",
             "loss_and_grad",
             "model_params",
             "register_pytree",

@@ -412,6 +412,47 @@ def test_buckets_partition_the_tensors_by_dtype_within_the_cap(sizes: list, cap_
         assert len(buckets) == len({leaf.dtype for leaf in leaves if leaf is not None})
 
 
+@given(
+    shapes=st.lists(fst.tensor_shapes, min_size=1, max_size=12),
+    dtypes=st.lists(st.sampled_from([torch.float32, torch.float64]), min_size=12, max_size=12),
+    cap_kb=st.none() | st.integers(min_value=1, max_value=2),
+)
+def test_grad_buckets_lay_every_tensor_out_once_in_order_in_its_dtypes_buffer(
+    shapes: list, dtypes: list, cap_kb: int | None
+) -> None:
+    import faccel
+    from faccel._grad_sync import _buckets
+
+    like = [torch.zeros(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=False)]
+    cap_mb = None if cap_kb is None else cap_kb / 1024
+    dist = faccel.DistState.simulated(rank=0, world_size=2)
+    buckets = faccel.grad_buckets(dist, like, bucket_cap_mb=cap_mb)
+
+    assert [list(m) for m in buckets.members] == _buckets(like, None if cap_kb is None else cap_kb * 1024)
+    for buffer, members, views in zip(buckets.buffers, buckets.members, buckets.views, strict=True):
+        offset = 0
+        for i, view in zip(members, views, strict=True):
+            assert view.shape == like[i].shape and view.dtype == like[i].dtype == buffer.dtype
+            if view.numel():  # an empty view's address is anyone's
+                assert view.data_ptr() == buffer.data_ptr() + offset * buffer.element_size()
+            offset += view.numel()
+        assert offset == buffer.numel()  # the views tile the buffer, nothing left over
+
+
+def test_grad_buckets_allocate_nothing_alone_and_refuse_what_sync_grads_refuses() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    alone = faccel.detect({})
+    grads = {"w": torch.ones(3)}
+    buckets = faccel.grad_buckets(alone, grads)
+    assert buckets.buffers == () and faccel.sync_grads(alone, grads, buckets=buckets) is grads
+    with pytest.raises(FunctionalError, match="bucket_cap_mb"):
+        faccel.grad_buckets(alone, grads, bucket_cap_mb=-1.0)
+    with pytest.raises(FunctionalError, match="int64"):
+        faccel.grad_buckets(alone, {"step": torch.zeros(1, dtype=torch.int64)})
+
+
 # --- FunctionalState -------------------------------------------------------------------------
 
 

@@ -147,6 +147,29 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
             "equal": all(torch.equal(a, b) for a, b in zip(leaves, reference, strict=True)),
             "dtypes": [str(t.dtype) for t in leaves] == [str(t.dtype) for t in reference],
         }
+    for label, cap in (("reused_one_bucket", None), ("reused_capped", 40 / 2**20)):
+        buckets = faccel.grad_buckets(dist, grads, bucket_cap_mb=cap)
+        first = faccel.sync_grads(dist, grads, buckets=buckets)
+        second = faccel.sync_grads(dist, grads, buckets=buckets)
+        # Passed back in, a result is this bucket's own memory: the aliasing path. Its
+        # values are equal on both ranks, so their average is themselves (x/2 + x/2 == x).
+        third = faccel.sync_grads(dist, second, buckets=buckets)
+        out[label] = {
+            "equal": all(torch.equal(a, b) for a, b in zip(tensors(second), reference, strict=True)),
+            "reused": all(
+                a.data_ptr() == b.data_ptr() for a, b in zip(tensors(first), tensors(second), strict=True)
+            ),
+            "in_buffers": {t.untyped_storage().data_ptr() for t in tensors(second) if t.numel()}
+            <= {b.untyped_storage().data_ptr() for b in buckets.buffers},
+            "round_trip": all(torch.equal(a, b) for a, b in zip(tensors(third), reference, strict=True)),
+            "static_kept": third["record"].step == 7 and third["f64"][1] is None,
+        }
+    misfit = dict(grads, w=torch.zeros(4, 5))
+    try:
+        faccel.sync_grads(dist, misfit, buckets=faccel.grad_buckets(dist, grads))
+        out["misfit"] = "no error"
+    except faccel.errors.FunctionalError as error:
+        out["misfit"] = str(error)
     out["input_untouched"] = all(torch.equal(a, b) for a, b in zip(tensors(grads), before, strict=True))
     # A dict of tensors takes the fast path: check it too, with a cap that makes three buckets.
     flat = {name: t for name, t in grads.items() if isinstance(t, torch.Tensor)}

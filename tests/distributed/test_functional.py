@@ -39,11 +39,20 @@ def test_the_guards_refuse_unsynced_functional_code_under_a_process_group() -> N
         assert rank["ddp_func_grads_equal_across_ranks"] is False
 
 
-def test_sync_grads_equals_a_per_tensor_all_reduce_average() -> None:
+def test_sync_grads_equals_a_per_tensor_all_reduce_average_with_fresh_or_reused_buckets() -> None:
     results = harness.run(functional_workers.sync_grads_vs_per_tensor, world_size=2)
     for rank in results:
         for label in ("one_bucket", "capped"):
             assert rank[label] == {"same_structure": True, "static_kept": True, "equal": True, "dtypes": True}
+        for label in ("reused_one_bucket", "reused_capped"):
+            assert rank[label] == {
+                "equal": True,
+                "reused": True,
+                "in_buffers": True,
+                "round_trip": True,
+                "static_kept": True,
+            }
+        assert "do not fit its buckets" in rank["misfit"]
         assert rank["input_untouched"] and rank["dict_equal"]
 
 
