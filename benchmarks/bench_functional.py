@@ -5,13 +5,17 @@ python benchmarks/bench_functional.py [--quick]   # alone, printing the rows
 
 1. ``faccel.sync_grads`` over 100 float32 gradient tensors (0.8 MB and 13 MB in all:
    50 weight matrices and 50 bias vectors), two gloo processes spawned here (the
-   parent hosts the TCPStore on a port the OS picks). Baseline: a single
-   ``all_reduce`` of an already flat buffer of the same size (the floor: no copy, no
-   division). Also timed: one ``all_reduce`` per tensor, and the flat approach written
-   by hand (``torch.cat`` -> divide -> one ``all_reduce`` -> split and view back), and
-   sync_grads with 4 MB buckets (reduced concurrently, copies overlapping the reduction).
-   Target: sync_grads <= 1.2x the floor. Rank 0's wall clock; every block starts at a
-   barrier.
+   parent hosts the TCPStore on a port the OS picks). The issue's two ways of averaging
+   100 tensors by hand are timed beside it: one ``all_reduce`` per tensor, and one flat
+   ``all_reduce`` (DESIGN.md's "one flat bucket per dtype (``torch.cat``)": cat ->
+   divide -> one ``all_reduce`` -> split and view back), the baseline. Target: sync_grads
+   <= 1.2x the one flat all_reduce. Also timed, for context: a bare ``all_reduce`` of a
+   buffer that is already flat (no copy, no division: a floor no way of averaging 100
+   separate tensors reaches), the same floor plus one in-place pass over the buffer
+   (what the unavoidable copy costs at least, on this machine), sync_grads as one
+   bucket per dtype, and sync_grads reusing its buffers (``grad_buckets``). Each row's
+   note gives its median ratio to the floor. Rank 0's wall clock; every block starts
+   at a barrier.
 2. One training step of the small MLP (32-64-64-1, batch 32, one thread, MSE, SGD):
    ``loss_and_grad`` + ``FunctionalState.apply_gradients`` vs ``zero_grad`` / forward /
    ``backward`` / ``optimizer.step`` on the module; also the step written by hand with
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,10 +46,12 @@ from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows,
 
 TARGET = 1.2
 TENSORS = 100
-FLOOR = "flat all_reduce (floor)"
+FLAT = "one flat all_reduce, by hand (cat, divide, all_reduce, split)"
+FLOOR = "all_reduce of an already flat buffer (floor)"
+TOUCHED = "floor + one in-place pass over the buffer"
 PER_TENSOR = "all_reduce per tensor"
-BY_HAND = "cat + all_reduce + split, by hand"
 BUCKETS = "faccel, bucket_cap_mb=None (one bucket)"
+REUSED = "faccel, reused buckets (grad_buckets)"
 MODULE = "nn.Module step"
 FUNC_BY_HAND = "torch.func step, by hand"
 
@@ -74,14 +81,15 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
         g = torch.Generator().manual_seed(rank)
         grads = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(_shapes(int(size_mb * 1e6 / 4)))}
         leaves = list(grads.values())
-        flat = torch.randn(sum(t.numel() for t in leaves), generator=g)
+        # Zeros: summed again and again, they stay finite (random values would reach inf).
+        flat = torch.zeros(sum(t.numel() for t in leaves))
 
         def per_tensor(leaves: list = leaves) -> None:
             for t in leaves:
                 t.div_(world)  # keeps the values' scale steady across calls
                 tdist.all_reduce(t)
 
-        def by_hand(leaves: list = leaves) -> list:
+        def flat_by_hand(leaves: list = leaves) -> list:
             buffer = torch.cat([t.reshape(-1) for t in leaves]).div_(world)
             tdist.all_reduce(buffer)
             chunks = buffer.split([t.numel() for t in leaves])
@@ -94,12 +102,20 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
 
             return timed
 
+        buckets = faccel.grad_buckets(dist, grads)
+
+        def touched(flat: Any = flat) -> None:
+            flat.mul_(1.0)
+            tdist.all_reduce(flat)
+
         subjects = {
-            FLOOR: block(lambda flat=flat: tdist.all_reduce(flat)),
+            FLAT: block(flat_by_hand),
             FACCEL: block(lambda grads=grads: faccel.sync_grads(dist, grads)),
             BUCKETS: block(lambda grads=grads: faccel.sync_grads(dist, grads, bucket_cap_mb=None)),
-            BY_HAND: block(by_hand),
+            REUSED: block(lambda grads=grads, b=buckets: faccel.sync_grads(dist, grads, buckets=b)),
             PER_TENSOR: block(per_tensor),
+            FLOOR: block(lambda flat=flat: tdist.all_reduce(flat)),
+            TOUCHED: block(touched),
         }
         results[str(size_mb)] = interleave(subjects, rounds=plan["rounds"])
     if rank == 0:
@@ -114,7 +130,15 @@ def bench_sync(quick: bool) -> list[Row]:
     for size_mb, calls in plan["sizes"]:
         case = f"sync_grads, {TENSORS} float32 tensors, {size_mb:g} MB, 2 gloo processes"
         case += f" ({calls} calls a block)"
-        found += rows(case, results[str(size_mb)], baseline=FLOOR, unit="ms/call", scale=1e3)
+        samples = results[str(size_mb)]
+        # How far each way of averaging 100 tensors is from the floor that none reaches.
+        floor = samples[FLOOR]
+        to_floor = {
+            name: statistics.median(a / b for a, b in zip(samples[name], floor, strict=True))
+            for name in (FLAT, FACCEL, BUCKETS, REUSED, TOUCHED)
+        }
+        notes = {name: f"{ratio:.2f}x the floor" for name, ratio in to_floor.items()}
+        found += rows(case, samples, baseline=FLAT, unit="ms/call", scale=1e3, notes=notes)
     return found
 
 
