@@ -14,6 +14,7 @@ from the ``bench`` extra: ``pip install -c constraints.txt -e '.[bench]'``.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import importlib
 import importlib.metadata
@@ -277,6 +278,16 @@ def _rows(record: Mapping[str, Any]) -> list[Row]:
     return [Row(**row) for row in record.get("rows", [])]
 
 
+def _about(name: str) -> str:
+    """``bench_NAME``'s docstring after its title line; empty if it cannot be read."""
+    path = Path(__file__).with_name(f"bench_{name}.py")
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+    except (OSError, SyntaxError):
+        return ""
+    return "\n".join((doc or "").splitlines()[1:]).strip()
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     """docs/benchmarks.md from the merged results."""
     benches: Mapping[str, Any] = results["benchmarks"]
@@ -326,6 +337,20 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             f"{record['seconds']} s, {load}.",
             "",
         ]
+        about = _about(name)
+        if about:
+            # The module's own account of what it measures against what: read at render time,
+            # so it is the current one even for results kept from an older run.
+            lines += [
+                "<details><summary>What is measured</summary>",
+                "",
+                "```text",
+                about,
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
         if record.get("error"):
             last = record["error"].strip().splitlines()[-1]
             lines += [f"Failed: `{last}`", ""]

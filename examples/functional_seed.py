@@ -5,8 +5,9 @@ torchrun --standalone --nproc-per-node 2 examples/functional_seed.py
 
 Same data, model, learning rate and schedule as examples/seed_loop.py, and the
 same result: parameters live in a frozen ``FunctionalState``, gradients come
-from a pure function, ``sync_grads`` averages them across ranks (DDP's hooks do
-not run for functional code), and a pure SGD returns the next state.
+from a pure function, ``sync_grads`` averages them across ranks in reused flat
+buffers (DDP's hooks do not run for functional code), and a pure SGD returns the
+next state.
 """
 
 from __future__ import annotations
@@ -53,12 +54,16 @@ def train(dist: faccel.DistState, epochs: int) -> tuple[float, faccel.Functional
     model = faccel.unwrap_model(model)
     state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.sgd(0.1))
     grad_fn = faccel.loss_and_grad(dist, model, nn.functional.mse_loss)
+    # Flat buffers sync_grads reuses every step (nothing is allocated with one process). Each
+    # step's averaged gradients are views of them: apply_gradients uses them before the next
+    # sync_grads overwrites them.
+    buckets = faccel.grad_buckets(dist, params)
 
     loss = torch.zeros(())
     for epoch in range(epochs):
         for batch_inputs, batch_targets in loader.at(epoch=epoch):
             loss, grads = grad_fn(state.params, state.buffers, batch_inputs, batch_targets)
-            grads = faccel.sync_grads(dist, grads)  # the average over ranks, as DDP would
+            grads = faccel.sync_grads(dist, grads, buckets=buckets)  # the average over ranks, as DDP would
             state = state.apply_gradients(grads, lr=learning_rate(state.step))
         log.info("epoch %d: loss %.4f", epoch, loss.item())
     log.info(
