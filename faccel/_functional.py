@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._model import Autocast, unwrap_model
-from faccel._module_call import bind, call
+from faccel._module_call import ModuleCaller
 from faccel._optim import SGD, AdamW, AdamWState, SGDState
 from faccel._pytree import flatten, register_pytree, same_structure, static_field
 from faccel._state import DistState
@@ -186,14 +186,14 @@ def loss_and_grad(
     dtype = dist.autocast_dtype
     device_type = dist.device.type
     # functional_call's per-call bookkeeping, done once (see _module_call).
-    bound = bind(module)
+    call = ModuleCaller(module)
 
     def forward_loss(params: Any, buffers: Any, inputs: Any, *loss_args: Any) -> Any:
         if dtype is None:
-            outputs = call(bound, module, params, buffers, inputs)
+            outputs = call(params, buffers, inputs)
         else:
             with torch.autocast(device_type, dtype=dtype):
-                outputs = call(bound, module, params, buffers, inputs)
+                outputs = call(params, buffers, inputs)
             outputs = _to_float32(outputs)
         return loss_fn(outputs, *loss_args)
 

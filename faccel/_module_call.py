@@ -4,16 +4,17 @@
 where each name lives (walking the module tree) and checks every name and
 tensor before swapping them in: about 38 us per call for a four-layer MLP,
 as much as that MLP's forward (measured here, torch 2.13, one thread). A
-training loop calls the same module with the same names every step, so
-:func:`bind` does that work once and :func:`call` only swaps tensors in,
-runs the module and swaps the originals back (~1.5 us).
+training loop calls the same module with the same names every step, so a
+:class:`ModuleCaller` does that work once (:func:`bind`) and each call only
+checks, swaps the tensors in, runs the module and swaps the originals back.
 
-It stays exact by checking, per call, what could have changed since
-:func:`bind`: the given names must all be bound ones and every
-submodule must still sit where it sat (``model.fc = nn.Linear(...)`` after
-binding would otherwise have its new weights ignored). Anything else (other
-names, a rebuilt tree, a removed parameter) goes to ``functional_call``
-itself, which gives torch's own answer or error.
+It stays exact by checking, per call, everything :func:`bind` relied on:
+the given names are all bound ones and tensors, every submodule still sits
+where it sat (``model.fc = nn.Linear(...)``), and every slot still holds the
+tensor it held (weights tied or untied since, ``head.weight = emb.weight``,
+change which slots share a name). When the module changed, it binds again;
+names it does not know go to ``functional_call`` itself, which gives torch's
+own answer or error.
 """
 
 from __future__ import annotations
@@ -23,20 +24,22 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Bound", "bind", "call"]
+__all__ = ["Bound", "ModuleCaller", "bind"]
 
 # (the dict a tensor lives in: a module's _parameters or _buffers, its key there)
 _Slot = tuple[dict[str, Any], str]
 
 
 class Bound(NamedTuple):
-    """Where each name's tensor goes in one module; made by :func:`bind`.
+    """Where each name's tensor goes in one module, as it was; made by :func:`bind`.
 
     A NamedTuple, not an attrs record: it is read on every training step.
     """
 
     # (parent._modules, child's name, child) for every submodule: all must still hold.
     links: tuple[tuple[dict[str, Any], str, nn.Module], ...]
+    # (slot's dict, key, the tensor it held) for every slot, tied ones included.
+    held: tuple[tuple[dict[str, Any], str, Any], ...]
     # Canonical name -> every slot that shares its tensor (tied weights get them all).
     params: dict[str, tuple[_Slot, ...]]
     buffers: dict[str, tuple[_Slot, ...]]
@@ -59,18 +62,25 @@ def _slots(module: nn.Module, named: Any, store: str) -> dict[str, tuple[_Slot, 
 def bind(module: nn.Module) -> Bound | None:
     """The slots of ``module``'s parameters and buffers; None when only ``functional_call`` will do.
 
-    None for lazy modules (their parameters do not exist yet) and scripted ones.
+    None for lazy modules (their parameters do not exist yet), scripted ones
+    and ``nn.DataParallel`` (``functional_call`` refuses both), and a module
+    with a tensor registered as a parameter and as a buffer too
+    (``functional_call`` ties those across the two dicts).
 
     Example:
         >>> import torch
         >>> from faccel._module_call import bind
         >>> bound = bind(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-        >>> sorted(bound.params), len(bound.links)
-        (['0.bias', '0.weight'], 1)
+        >>> sorted(bound.params), len(bound.links), len(bound.held)
+        (['0.bias', '0.weight'], 1, 2)
     """
-    if isinstance(module, torch.jit.ScriptModule):
+    if isinstance(module, torch.jit.ScriptModule | nn.DataParallel):
         return None
-    if any(nn.parameter.is_lazy(p) for p in module.parameters()):
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    if any(nn.parameter.is_lazy(p) for p in params.values()):
+        return None
+    if {id(t) for t in params.values()} & {id(t) for t in buffers.values()}:
         return None
     links = tuple(
         (parent._modules, name, child)
@@ -78,55 +88,76 @@ def bind(module: nn.Module) -> Bound | None:
         for name, child in parent._modules.items()
         if child is not None
     )
-    return Bound(
-        links=links,
-        params=_slots(module, module.named_parameters, "_parameters"),
-        buffers=_slots(module, module.named_buffers, "_buffers"),
+    param_slots = _slots(module, module.named_parameters, "_parameters")
+    buffer_slots = _slots(module, module.named_buffers, "_buffers")
+    held = tuple(
+        (store, attr, store[attr])
+        for slots_of in (param_slots, buffer_slots)
+        for slots in slots_of.values()
+        for store, attr in slots
+    )
+    return Bound(links=links, held=held, params=param_slots, buffers=buffer_slots)
+
+
+def _current(bound: Bound) -> bool:
+    """Whether the module is still as :func:`bind` saw it: same submodules, same tensors in every slot."""
+    return all(parent.get(name) is child for parent, name, child in bound.links) and all(
+        store.get(attr) is tensor for store, attr, tensor in bound.held
     )
 
 
-def _fits(bound: Bound, params: dict[str, Any], buffers: dict[str, Any]) -> bool:
-    return (
-        params.keys() <= bound.params.keys()
-        and buffers.keys() <= bound.buffers.keys()
-        and all(parent.get(name) is child for parent, name, child in bound.links)
-    )
-
-
-def call(
-    bound: Bound | None, module: nn.Module, params: dict[str, Any], buffers: dict[str, Any], args: Any
-) -> Any:
-    """``functional_call(module, (params, buffers), args)``, through ``bound`` when it still fits.
+class ModuleCaller:
+    """``functional_call(module, (params, buffers), args)`` for one module, its bookkeeping done once.
 
     ``args``: one argument or a tuple of positional arguments. A name left
     out of ``params`` or ``buffers`` keeps the module's own tensor, as in
-    ``functional_call``.
+    ``functional_call``. Like ``functional_call``, it puts the given tensors
+    into the module while it runs: one thread at a time per module.
 
     Example:
         >>> import torch
-        >>> from faccel._module_call import bind, call
+        >>> from faccel._module_call import ModuleCaller
         >>> layer = torch.nn.Linear(1, 1, bias=False)
-        >>> call(bind(layer), layer, {"weight": torch.full((1, 1), 3.0)}, {}, torch.ones(1, 1)).item()
+        >>> ModuleCaller(layer)({"weight": torch.full((1, 1), 3.0)}, {}, torch.ones(1, 1)).item()
         3.0
     """
-    if bound is None or not _fits(bound, params, buffers):
-        return torch.func.functional_call(module, (params, buffers) if buffers else params, args)
-    args = args if isinstance(args, tuple) else (args,)
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    try:
+
+    __slots__ = ("_bound", "module")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._bound = bind(module)
+
+    def __call__(self, params: dict[str, Any], buffers: dict[str, Any], args: Any) -> Any:
+        bound = self._bound
+        if bound is None or not (
+            params.keys() <= bound.params.keys() and buffers.keys() <= bound.buffers.keys()
+        ):
+            return self._functional_call(params, buffers, args)
+        if not _current(bound):
+            # The module changed since bind (a submodule replaced, weights tied or untied):
+            # bind again, a cache refresh, rather than swap into slots that no longer count.
+            bound = self._bound = bind(self.module)
+            if bound is None or not (
+                params.keys() <= bound.params.keys() and buffers.keys() <= bound.buffers.keys()
+            ):
+                return self._functional_call(params, buffers, args)
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
         for slots_of, values in ((bound.params, params), (bound.buffers, buffers)):
             for name, value in values.items():
+                if not isinstance(value, torch.Tensor):
+                    _restore(swapped)  # functional_call says what is wrong with it
+                    return self._functional_call(params, buffers, args)
                 for store, attr in slots_of[name]:
-                    # KeyError here: a parameter was deleted since bind(); restored below.
                     swapped.append((store, attr, store[attr]))
                     store[attr] = value
-    except KeyError:
-        _restore(swapped)
-        return torch.func.functional_call(module, (params, buffers) if buffers else params, args)
-    try:
-        return module(*args)
-    finally:
-        _restore(swapped)
+        try:
+            return self.module(*(args if isinstance(args, tuple) else (args,)))
+        finally:
+            _restore(swapped)
+
+    def _functional_call(self, params: dict[str, Any], buffers: dict[str, Any], args: Any) -> Any:
+        return torch.func.functional_call(self.module, (params, buffers) if buffers else params, args)
 
 
 def _restore(swapped: list[tuple[dict[str, Any], str, Any]]) -> None:

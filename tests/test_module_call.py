@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from faccel._module_call import bind, call
+from faccel._module_call import ModuleCaller, bind
 from tests import strategies as fst
 
 
@@ -66,10 +66,10 @@ def test_a_bound_call_equals_functional_call_with_its_gradients(spec: dict, with
     buffers = buffers if with_buffers else {}
     x = torch.randn(4, spec["widths"][0], generator=torch.Generator().manual_seed(spec["seed"]))
     before = _snapshot(model)
-    bound = bind(model)
+    caller = ModuleCaller(model)
 
     # Buffers are updated in place by BatchNorm in train mode: each side gets its own copy.
-    got = call(bound, model, params, {k: v.clone() for k, v in buffers.items()}, x)
+    got = caller(params, {k: v.clone() for k, v in buffers.items()}, x)
     want = _reference(model, params, {k: v.clone() for k, v in buffers.items()}, x)
 
     assert torch.equal(got, want)
@@ -93,23 +93,23 @@ def test_bind_records_every_slot_of_a_tied_weight_under_its_first_name() -> None
 
 def test_a_submodule_replaced_after_bind_is_used_not_ignored() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
-    bound = bind(model)
+    caller = ModuleCaller(model)
     model[2] = nn.Linear(2, 1)  # new weights: the bound slots now point at a detached module
     params = {n: torch.ones_like(p) for n, p in model.named_parameters()}
     x = torch.ones(1, 2)
 
-    assert torch.equal(call(bound, model, params, {}, x), _reference(model, params, {}, x))
-    assert call(bound, model, params, {}, x).item() == 7.0  # relu(2*1+1)=3 per unit; 3+3+1
+    assert torch.equal(caller(params, {}, x), _reference(model, params, {}, x))
+    assert caller(params, {}, x).item() == 7.0  # relu(2*1+1)=3 per unit; 3+3+1
 
 
 def test_a_parameter_deleted_after_bind_gives_torchs_own_answer() -> None:
     model = nn.Linear(2, 1)
-    bound = bind(model)
+    caller = ModuleCaller(model)
     del model.bias
     params = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
 
     # functional_call sets the missing name as a plain attribute, so the answer is still 3.
-    assert call(bound, model, params, {}, torch.ones(1, 2)).item() == 3.0
+    assert caller(params, {}, torch.ones(1, 2)).item() == 3.0
     assert "bias" not in model._parameters
 
 
@@ -127,7 +127,7 @@ def test_a_failing_forward_puts_the_modules_own_tensors_back() -> None:
     before = _snapshot(model)
     zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="boom"):
-        call(bind(model), model, zeros, {}, torch.ones(1, 2))
+        ModuleCaller(model)(zeros, {}, torch.ones(1, 2))
     assert all(_snapshot(model)[name] is before[name] for name in before)
 
 
@@ -140,10 +140,69 @@ def test_parametrized_lazy_and_scripted_modules() -> None:
     torch.nn.utils.parametrize.register_parametrization(model, "weight", Symmetric())
     params = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     x = torch.randn(2, 3)
-    assert torch.equal(call(bind(model), model, params, {}, x), _reference(model, params, {}, x))
+    assert torch.equal(ModuleCaller(model)(params, {}, x), _reference(model, params, {}, x))
 
     assert bind(nn.LazyLinear(2)) is None  # no parameters to bind yet
     with warnings.catch_warnings():  # torch.jit.script is deprecated; scripted modules still exist
         warnings.simplefilter("ignore", DeprecationWarning)
         scripted = torch.jit.script(nn.Linear(2, 2))
     assert bind(scripted) is None
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def _grads(fn: Any, params: dict[str, torch.Tensor], *args: Any) -> dict[str, torch.Tensor]:
+    live = {name: p.detach().requires_grad_() for name, p in params.items()}
+    return dict(zip(live, torch.autograd.grad(fn(live, *args).sum(), list(live.values())), strict=True))
+
+
+def test_weights_tied_or_untied_after_the_caller_was_made_count() -> None:
+    torch.manual_seed(0)
+    model = _TinyLM()
+    caller = ModuleCaller(model)
+    ids = torch.tensor([[0, 1, 2]])
+
+    def check() -> None:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        got = _grads(lambda p, x: caller(p, {}, x), params, ids)
+        want = _grads(lambda p, x: _reference(model, p, {}, x), params, ids)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[name], want[name]) for name in want)
+
+    check()
+    model.head.weight = model.emb.weight  # tied afterwards (Hugging Face's tie_weights)
+    check()  # one name now feeds both slots: emb's gradient has head's share in it
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())  # and untied again
+    check()
+
+
+def test_what_functional_call_refuses_or_ties_goes_to_functional_call() -> None:
+    layer = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"not an instance of torch\.Tensor"):
+        ModuleCaller(layer)({"weight": [[1.0, 0.0], [0.0, 1.0]]}, {}, torch.ones(1, 2))
+    assert all(p is layer._parameters[n] for n, p in layer.named_parameters())  # put back
+
+    class Both(nn.Module):  # one tensor as a parameter and as a buffer: functional_call ties them
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+            self.register_buffer("b", self.w)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w + self.b
+
+    both = Both()
+    assert bind(both) is None
+    params = {"w": torch.full((1,), 3.0)}
+    assert torch.equal(
+        ModuleCaller(both)(params, {}, torch.ones(1)), _reference(both, params, {}, torch.ones(1))
+    )
+    assert bind(nn.DataParallel(nn.Linear(1, 1))) is None  # functional_call refuses it, and says so
