@@ -13,7 +13,8 @@ python benchmarks/bench_functional.py [--quick]   # alone, printing the rows
    buffer that is already flat (no copy, no division: a floor no way of averaging 100
    separate tensors reaches), the same floor plus one in-place pass over the buffer
    (what the unavoidable copy costs at least, on this machine), sync_grads as one
-   bucket per dtype, and sync_grads reusing its buffers (``grad_buckets``). Each row's
+   bucket per dtype, sync_grads reusing its buffers (``grad_buckets``) and, to compare
+   that with, the flat approach by hand into a buffer it reuses. Each row's
    note gives its median ratio to the floor. Rank 0's wall clock; every block starts
    at a barrier.
 2. One training step of the small MLP (32-64-64-1, batch 32, one thread, MSE, SGD):
@@ -52,6 +53,7 @@ TOUCHED = "floor + one in-place pass over the buffer"
 PER_TENSOR = "all_reduce per tensor"
 BUCKETS = "faccel, bucket_cap_mb=None (one bucket)"
 REUSED = "faccel, reused buckets (grad_buckets)"
+FLAT_REUSED = "one flat all_reduce, by hand, into a reused buffer"
 MODULE = "nn.Module step"
 FUNC_BY_HAND = "torch.func step, by hand"
 
@@ -103,6 +105,13 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
             return timed
 
         buckets = faccel.grad_buckets(dist, grads)
+        reused = torch.empty(sum(t.numel() for t in leaves))
+
+        def flat_reused(leaves: list = leaves, buffer: Any = reused) -> list:
+            torch.cat([t.reshape(-1) for t in leaves], out=buffer).div_(world)
+            tdist.all_reduce(buffer)
+            chunks = buffer.split([t.numel() for t in leaves])
+            return [c.view(t.shape) for c, t in zip(chunks, leaves, strict=True)]
 
         def touched(flat: Any = flat) -> None:
             flat.mul_(1.0)
@@ -113,6 +122,7 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
             FACCEL: block(lambda grads=grads: faccel.sync_grads(dist, grads)),
             BUCKETS: block(lambda grads=grads: faccel.sync_grads(dist, grads, bucket_cap_mb=None)),
             REUSED: block(lambda grads=grads, b=buckets: faccel.sync_grads(dist, grads, buckets=b)),
+            FLAT_REUSED: block(flat_reused),
             PER_TENSOR: block(per_tensor),
             FLOOR: block(lambda flat=flat: tdist.all_reduce(flat)),
             TOUCHED: block(touched),
@@ -135,7 +145,7 @@ def bench_sync(quick: bool) -> list[Row]:
         floor = samples[FLOOR]
         to_floor = {
             name: statistics.median(a / b for a, b in zip(samples[name], floor, strict=True))
-            for name in (FLAT, FACCEL, BUCKETS, REUSED, TOUCHED)
+            for name in (FLAT, FACCEL, BUCKETS, REUSED, FLAT_REUSED, TOUCHED)
         }
         notes = {name: f"{ratio:.2f}x the floor" for name, ratio in to_floor.items()}
         found += rows(case, samples, baseline=FLAT, unit="ms/call", scale=1e3, notes=notes)

@@ -14,7 +14,6 @@ from the ``bench`` extra: ``pip install -c constraints.txt -e '.[bench]'``.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import importlib
 import importlib.metadata
@@ -246,6 +245,8 @@ def run_one(name: str, *, quick: bool) -> dict[str, Any]:
     try:
         module = importlib.import_module(f"benchmarks.bench_{name}")
         record["title"] = (module.__doc__ or name).strip().splitlines()[0]
+        # What it measured, kept with the figures: a later change of method must not relabel them.
+        record["about"] = _about(module.__doc__ or "")
         if callable(getattr(module, "run", None)):
             record["rows"] = [attrs.asdict(coerce(row, name)) for row in module.run(quick)]
         elif quick:
@@ -278,14 +279,9 @@ def _rows(record: Mapping[str, Any]) -> list[Row]:
     return [Row(**row) for row in record.get("rows", [])]
 
 
-def _about(name: str) -> str:
-    """``bench_NAME``'s docstring after its title line; empty if it cannot be read."""
-    path = Path(__file__).with_name(f"bench_{name}.py")
-    try:
-        doc = ast.get_docstring(ast.parse(path.read_text()))
-    except (OSError, SyntaxError):
-        return ""
-    return "\n".join((doc or "").splitlines()[1:]).strip()
+def _about(doc: str) -> str:
+    """A bench module's docstring after its title line: what it measures, against what."""
+    return "\n".join(doc.strip().splitlines()[1:]).strip()
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
@@ -337,10 +333,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             f"{record['seconds']} s, {load}.",
             "",
         ]
-        about = _about(name)
+        about = record.get("about", "")
         if about:
-            # The module's own account of what it measures against what: read at render time,
-            # so it is the current one even for results kept from an older run.
             lines += [
                 "<details><summary>What is measured</summary>",
                 "",

@@ -23,7 +23,7 @@ import attrs
 import torch
 import torch.distributed as tdist
 
-from faccel._pytree import flatten, tree_flatten, unflatten
+from faccel._pytree import flatten, tree_flatten, tree_flatten_with_path, unflatten
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FunctionalError
@@ -71,13 +71,16 @@ class GradBuckets:
     returns views of them, so the **next call with the same buckets
     overwrites the previous result** (DDP's ``gradient_as_bucket_view``
     trade). Use the averaged gradients (the optimizer update) before the next
-    call, or ``clone()`` what you keep.
+    call, or ``clone()`` what you keep. Passing a result back in is safe: its
+    tensors are copied out of the buffers first.
 
     Attributes:
         bucket_cap_mb: The cap the buckets were cut at (None: one per dtype and device).
-        buffers: The flat buffers; empty in a world of one process, where
-            ``sync_grads`` averages nothing.
-        members: For each buffer, the indices of the tree's leaves it holds.
+        world_size: The world they were made for; ``sync_grads`` refuses another.
+        members: For each bucket, the indices of the tree's leaves it holds.
+        layout: For each leaf in ``members`` (in that order), its ``(shape, dtype, device)``.
+        buffers: The flat buffers, one per bucket; empty in a world of one
+            process, where ``sync_grads`` averages nothing (but still checks the tree).
         views: For each buffer, its members' views of it, shaped like them.
 
     Example:
@@ -89,11 +92,20 @@ class GradBuckets:
     """
 
     bucket_cap_mb: float | None
-    buffers: tuple[torch.Tensor, ...]
+    world_size: int
     members: tuple[tuple[int, ...], ...]
+    layout: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+    buffers: tuple[torch.Tensor, ...]
     views: tuple[tuple[torch.Tensor, ...], ...]
     token: Any = attrs.field(repr=False)  # flatten()'s structure token, for the quick check
     spec: Any = attrs.field(repr=False)  # the full TreeSpec, for the slow one
+
+
+def _token(tree: Any) -> Any:
+    """flatten()'s token; a dict of Parameters gets the dict token its plain gradients will have."""
+    if type(tree) is dict and all(isinstance(v, torch.Tensor) for v in tree.values()):
+        return tuple(tree)
+    return flatten(tree)[1]
 
 
 @setup_checked
@@ -125,7 +137,7 @@ def grad_buckets(dist: DistState, like: Any, *, bucket_cap_mb: float | None = 4.
         ([9], ((0, 1),))
     """
     cap = _check_cap(bucket_cap_mb)
-    leaves, token = flatten(like)
+    leaves = flatten(like)[0]
     groups = _buckets(leaves, cap)  # refuses integer tensors, at every world size
     buffers: list[torch.Tensor] = []
     views: list[tuple[torch.Tensor, ...]] = []
@@ -138,10 +150,14 @@ def grad_buckets(dist: DistState, like: Any, *, bucket_cap_mb: float | None = 4.
             views.append(tuple(piece.view(leaves[i].shape) for i, piece in zip(bucket, pieces, strict=True)))
     return GradBuckets(
         bucket_cap_mb=bucket_cap_mb,
+        world_size=dist.world_size,
+        members=tuple(tuple(bucket) for bucket in groups),
+        layout=tuple(
+            (leaves[i].shape, leaves[i].dtype, leaves[i].device) for bucket in groups for i in bucket
+        ),
         buffers=tuple(buffers),
-        members=tuple(tuple(bucket) for bucket in groups) if buffers else (),
         views=tuple(views),
-        token=token,
+        token=_token(like),
         spec=tree_flatten(like)[1],
     )
 
@@ -192,6 +208,16 @@ def sync_grads(
         True
     """
     cap = _check_cap(bucket_cap_mb)
+    if buckets is not None:
+        # Checked in a world of one too, so a misfit shows on a laptop, not first on the cluster.
+        if buckets.world_size != dist.world_size:
+            msg = (
+                f"sync_grads() got buckets made for world_size={buckets.world_size} in a world of "
+                f"{dist.world_size}; make them with this run's DistState: faccel.grad_buckets(dist, params)"
+            )
+            raise FunctionalError(msg)
+        leaves, structure = flatten(grads)
+        _check_fits(buckets, grads, leaves, structure)
     if dist.world_size == 1:
         return grads
     if not dist.distributed:
@@ -207,13 +233,13 @@ def sync_grads(
             "make the DistState with faccel.detect(), which starts it"
         )
         raise DistributedError(msg)
-    leaves, structure = flatten(grads)
+    if buckets is None:
+        leaves, structure = flatten(grads)
     out = list(leaves)
     with torch.no_grad():
         if buckets is None:
             works = _reduce_buckets(dist, leaves, out, cap)
         else:
-            _check_fits(buckets, grads, leaves, structure)
             works = _reduce_into(dist, buckets, leaves, out)
     for work in works:
         work.wait()
@@ -236,49 +262,76 @@ def _reduce_buckets(dist: DistState, leaves: list[Any], out: list[Any], cap: flo
     return works
 
 
+def _leaf_name(grads: Any, index: int) -> str:
+    """Leaf ``index`` of ``grads`` as a key path, e.g. ``['w']`` or ``[1].momentum_buffer['m']``."""
+    path = tree_flatten_with_path(grads)[0][index][0]
+    return "".join(str(key) for key in path) or "<the root>"
+
+
 def _check_fits(buckets: GradBuckets, grads: Any, leaves: list[Any], structure: Any) -> None:
     """Raise unless ``grads`` has the structure, shapes, dtypes and devices ``buckets`` were made for."""
-    fits = structure == buckets.token or (
-        type(structure) is not type(buckets.token) and tree_flatten(grads)[1] == buckets.spec
-    )
-    if fits:
-        for bucket, views in zip(buckets.members, buckets.views, strict=True):
-            for i, view in zip(bucket, views, strict=True):
+    problem = ""
+    if not (
+        structure == buckets.token
+        or (type(structure) is not type(buckets.token) and tree_flatten(grads)[1] == buckets.spec)
+    ):
+        got = str(tree_flatten(grads)[1])
+        problem = f"its structure differs: expected {str(buckets.spec)[:300]}, got {got[:300]}"
+    else:
+        layout = iter(buckets.layout)
+        for bucket in buckets.members:
+            for i in bucket:
+                shape, dtype, device = next(layout)
                 leaf = leaves[i]
-                if not (
-                    isinstance(leaf, torch.Tensor)
-                    and leaf.shape == view.shape
-                    and leaf.dtype == view.dtype
-                    and leaf.device == view.device
-                ):
-                    fits = False
+                if not isinstance(leaf, torch.Tensor):
+                    problem = f"leaf {_leaf_name(grads, i)} is {type(leaf).__name__}, expected a tensor"
+                elif leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
+                    problem = (
+                        f"leaf {_leaf_name(grads, i)} is a {tuple(leaf.shape)} {leaf.dtype} tensor on "
+                        f"{leaf.device}, expected {tuple(shape)} {dtype} on {device}"
+                    )
+                if problem:
                     break
-    if not fits:
+            if problem:
+                break
+        else:
+            # A tensor where like had something else would be left out of every bucket:
+            # returned unaveraged, each rank its own. Count them.
+            bucketed = len(buckets.layout)
+            tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            if len(tensors) != bucketed:
+                members = {i for bucket in buckets.members for i in bucket}
+                extra = next(i for i in tensors if i not in members)
+                problem = f"leaf {_leaf_name(grads, extra)} is a tensor where the buckets' tree had none"
+    if problem:
         msg = (
-            "sync_grads() got gradients that do not fit its buckets (structure, shapes, dtypes and "
-            "devices must be those of the tree grad_buckets() was given); make the buckets from a "
-            "tree shaped like these gradients, e.g. faccel.grad_buckets(dist, params)"
+            f"sync_grads() got gradients that do not fit its buckets: {problem}; make the buckets "
+            "from a tree shaped like these gradients, e.g. faccel.grad_buckets(dist, params)"
         )
         raise FunctionalError(msg)
 
 
+def _unalias(buckets: GradBuckets, leaves: list[Any]) -> None:
+    """Clone the leaves that live in a bucket's buffer (a previous result passed back in).
+
+    Copying them into the buffers in place could overwrite one before it is read
+    (two results swapped), or read a buffer whose reduction is under way.
+    """
+    ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buckets.buffers]
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    for bucket in buckets.members:
+        for i in bucket:
+            start = leaves[i].data_ptr()
+            if low <= start < high and any(a <= start < b for a, b in ranges):
+                leaves[i] = leaves[i].clone()
+
+
 def _reduce_into(dist: DistState, buckets: GradBuckets, leaves: list[Any], out: list[Any]) -> list[Any]:
     """:func:`_reduce_buckets` into the reused buffers of ``buckets``."""
+    _unalias(buckets, leaves)
     works = []
     for flat, bucket, views in zip(buckets.buffers, buckets.members, buckets.views, strict=True):
-        inputs = [leaves[i].reshape(-1) for i in bucket]
-        try:
-            torch.cat(inputs, out=flat)
-        except RuntimeError:
-            # cat refuses to write into memory it reads: the gradients are (partly) this
-            # bucket's own views, e.g. a previous result passed back. Copy one by one instead,
-            # skipping those already in place. Anything else is not ours to swallow.
-            ptr = flat.untyped_storage().data_ptr()
-            if not any(leaves[i].untyped_storage().data_ptr() == ptr for i in bucket):
-                raise
-            for i, view in zip(bucket, views, strict=True):
-                if leaves[i].data_ptr() != view.data_ptr():
-                    view.copy_(leaves[i])
+        torch.cat([leaves[i].reshape(-1) for i in bucket], out=flat)
         flat.div_(dist.world_size)
         works.append(tdist.all_reduce(flat, async_op=True))
         for i, view in zip(bucket, views, strict=True):

@@ -447,6 +447,19 @@ def test_grad_buckets_allocate_nothing_alone_and_refuse_what_sync_grads_refuses(
     grads = {"w": torch.ones(3)}
     buckets = faccel.grad_buckets(alone, grads)
     assert buckets.buffers == () and faccel.sync_grads(alone, grads, buckets=buckets) is grads
+    # Checked alone too: a misfit shows on a laptop before it reaches a cluster.
+    with pytest.raises(
+        FunctionalError, match=r"leaf \['w'\] is a \(2,\) torch.float32 tensor on cpu, expected \(3,\)"
+    ):
+        faccel.sync_grads(alone, {"w": torch.ones(2)}, buckets=buckets)
+    with pytest.raises(FunctionalError, match="its structure differs"):
+        faccel.sync_grads(alone, [torch.ones(3)], buckets=buckets)
+    made_for_two = faccel.grad_buckets(faccel.DistState.simulated(rank=0, world_size=2), grads)
+    with pytest.raises(FunctionalError, match="made for world_size=2 in a world of 1"):
+        faccel.sync_grads(alone, grads, buckets=made_for_two)
+    # A dict of Parameters (named_parameters) makes the token its plain gradients will have.
+    layer = torch.nn.Linear(2, 1)
+    assert faccel.grad_buckets(alone, dict(layer.named_parameters())).token == ("weight", "bias")
     with pytest.raises(FunctionalError, match="bucket_cap_mb"):
         faccel.grad_buckets(alone, grads, bucket_cap_mb=-1.0)
     with pytest.raises(FunctionalError, match="int64"):

@@ -164,12 +164,26 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
             "round_trip": all(torch.equal(a, b) for a, b in zip(tensors(third), reference, strict=True)),
             "static_kept": third["record"].step == 7 and third["f64"][1] is None,
         }
-    misfit = dict(grads, w=torch.zeros(4, 5))
-    try:
-        faccel.sync_grads(dist, misfit, buckets=faccel.grad_buckets(dist, grads))
-        out["misfit"] = "no error"
-    except faccel.errors.FunctionalError as error:
-        out["misfit"] = str(error)
+    # A previous result passed back permuted: "w2" and "w" swap places (same shape), and with
+    # a 40-byte cap they sit in different buckets, one reduced while the other is copied.
+    buckets = faccel.grad_buckets(dist, {"w": grads["w"], "w2": grads["w"]}, bucket_cap_mb=40 / 2**20)
+    prev = faccel.sync_grads(dist, {"w": grads["w"], "w2": 2 * grads["w"]}, buckets=buckets)
+    want_w, want_w2 = prev["w"].clone(), prev["w2"].clone()
+    swapped = faccel.sync_grads(dist, {"w": prev["w2"], "w2": prev["w"]}, buckets=buckets)
+    out["swapped_back"] = torch.equal(swapped["w"], want_w2) and torch.equal(swapped["w2"], want_w)
+    misfits = {
+        "shape": (grads, dict(grads, w=torch.zeros(4, 5))),
+        "tensor_where_none": ({"a": None, "b": grads["w"]}, {"a": grads["w"], "b": grads["w"]}),
+        "other_world": (grads, grads),
+    }
+    out["misfit"] = {}
+    for label, (like, given) in misfits.items():
+        maker = faccel.detect({}) if label == "other_world" else dist
+        try:
+            faccel.sync_grads(dist, given, buckets=faccel.grad_buckets(maker, like))
+            out["misfit"][label] = "no error"
+        except faccel.errors.FunctionalError as error:
+            out["misfit"][label] = str(error)
     out["input_untouched"] = all(torch.equal(a, b) for a, b in zip(tensors(grads), before, strict=True))
     # A dict of tensors takes the fast path: check it too, with a cap that makes three buckets.
     flat = {name: t for name, t in grads.items() if isinstance(t, torch.Tensor)}

@@ -52,7 +52,14 @@ def test_sync_grads_equals_a_per_tensor_all_reduce_average_with_fresh_or_reused_
                 "round_trip": True,
                 "static_kept": True,
             }
-        assert "do not fit its buckets" in rank["misfit"]
+        assert rank["swapped_back"]
+        assert (
+            "leaf ['w'] is a (4, 5) torch.float32 tensor on cpu, expected (5, 4)" in rank["misfit"]["shape"]
+        )
+        assert (
+            "leaf ['a'] is a tensor where the buckets' tree had none" in rank["misfit"]["tensor_where_none"]
+        )
+        assert "made for world_size=1 in a world of 2" in rank["misfit"]["other_world"]
         assert rank["input_untouched"] and rank["dict_equal"]
 
 
