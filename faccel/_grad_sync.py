@@ -208,16 +208,12 @@ def sync_grads(
         True
     """
     cap = _check_cap(bucket_cap_mb)
+    if dist.world_size == 1 and buckets is None:
+        return grads
+    leaves, structure = flatten(grads)
     if buckets is not None:
         # Checked in a world of one too, so a misfit shows on a laptop, not first on the cluster.
-        if buckets.world_size != dist.world_size:
-            msg = (
-                f"sync_grads() got buckets made for world_size={buckets.world_size} in a world of "
-                f"{dist.world_size}; make them with this run's DistState: faccel.grad_buckets(dist, params)"
-            )
-            raise FunctionalError(msg)
-        leaves, structure = flatten(grads)
-        _check_fits(buckets, grads, leaves, structure)
+        _check_fits(dist, buckets, grads, leaves, structure)
     if dist.world_size == 1:
         return grads
     if not dist.distributed:
@@ -233,8 +229,6 @@ def sync_grads(
             "make the DistState with faccel.detect(), which starts it"
         )
         raise DistributedError(msg)
-    if buckets is None:
-        leaves, structure = flatten(grads)
     out = list(leaves)
     with torch.no_grad():
         if buckets is None:
@@ -268,45 +262,43 @@ def _leaf_name(grads: Any, index: int) -> str:
     return "".join(str(key) for key in path) or "<the root>"
 
 
-def _check_fits(buckets: GradBuckets, grads: Any, leaves: list[Any], structure: Any) -> None:
-    """Raise unless ``grads`` has the structure, shapes, dtypes and devices ``buckets`` were made for."""
-    problem = ""
+def _misfit(dist: DistState, buckets: GradBuckets, grads: Any, leaves: list[Any], structure: Any) -> str:
+    """What keeps ``grads`` from fitting ``buckets`` in this world; empty when it fits."""
+    if buckets.world_size != dist.world_size:
+        return f"they were made for world_size={buckets.world_size}, this is a world of {dist.world_size}"
     if not (
         structure == buckets.token
         or (type(structure) is not type(buckets.token) and tree_flatten(grads)[1] == buckets.spec)
     ):
         got = str(tree_flatten(grads)[1])
-        problem = f"its structure differs: expected {str(buckets.spec)[:300]}, got {got[:300]}"
-    else:
-        layout = iter(buckets.layout)
-        for bucket in buckets.members:
-            for i in bucket:
-                shape, dtype, device = next(layout)
-                leaf = leaves[i]
-                if not isinstance(leaf, torch.Tensor):
-                    problem = f"leaf {_leaf_name(grads, i)} is {type(leaf).__name__}, expected a tensor"
-                elif leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
-                    problem = (
-                        f"leaf {_leaf_name(grads, i)} is a {tuple(leaf.shape)} {leaf.dtype} tensor on "
-                        f"{leaf.device}, expected {tuple(shape)} {dtype} on {device}"
-                    )
-                if problem:
-                    break
-            if problem:
-                break
-        else:
-            # A tensor where like had something else would be left out of every bucket:
-            # returned unaveraged, each rank its own. Count them.
-            bucketed = len(buckets.layout)
-            tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-            if len(tensors) != bucketed:
-                members = {i for bucket in buckets.members for i in bucket}
-                extra = next(i for i in tensors if i not in members)
-                problem = f"leaf {_leaf_name(grads, extra)} is a tensor where the buckets' tree had none"
+        return f"its structure differs: expected {str(buckets.spec)[:300]}, got {got[:300]}"
+    members = [i for bucket in buckets.members for i in bucket]
+    for i, (shape, dtype, device) in zip(members, buckets.layout, strict=True):
+        leaf = leaves[i]
+        if not isinstance(leaf, torch.Tensor):
+            return f"leaf {_leaf_name(grads, i)} is {type(leaf).__name__}, expected a tensor"
+        if leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
+            return (
+                f"leaf {_leaf_name(grads, i)} is a {tuple(leaf.shape)} {leaf.dtype} tensor on "
+                f"{leaf.device}, expected {tuple(shape)} {dtype} on {device}"
+            )
+    # A tensor where like had something else is in no bucket: it would come back
+    # unaveraged, each rank's own.
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if len(tensors) != len(members):
+        extra = next(i for i in tensors if i not in set(members))
+        return f"leaf {_leaf_name(grads, extra)} is a tensor where the buckets' tree had none"
+    return ""
+
+
+def _check_fits(dist: DistState, buckets: GradBuckets, grads: Any, leaves: list[Any], structure: Any) -> None:
+    """Raise unless ``buckets`` were made for this world and for trees like ``grads``."""
+    problem = _misfit(dist, buckets, grads, leaves, structure)
     if problem:
         msg = (
             f"sync_grads() got gradients that do not fit its buckets: {problem}; make the buckets "
-            "from a tree shaped like these gradients, e.g. faccel.grad_buckets(dist, params)"
+            "with this run's DistState from a tree shaped like these gradients, e.g. "
+            "faccel.grad_buckets(dist, params)"
         )
         raise FunctionalError(msg)
 

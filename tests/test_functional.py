@@ -455,7 +455,7 @@ def test_grad_buckets_allocate_nothing_alone_and_refuse_what_sync_grads_refuses(
     with pytest.raises(FunctionalError, match="its structure differs"):
         faccel.sync_grads(alone, [torch.ones(3)], buckets=buckets)
     made_for_two = faccel.grad_buckets(faccel.DistState.simulated(rank=0, world_size=2), grads)
-    with pytest.raises(FunctionalError, match="made for world_size=2 in a world of 1"):
+    with pytest.raises(FunctionalError, match="made for world_size=2, this is a world of 1"):
         faccel.sync_grads(alone, grads, buckets=made_for_two)
     # A dict of Parameters (named_parameters) makes the token its plain gradients will have.
     layer = torch.nn.Linear(2, 1)
