@@ -270,6 +270,10 @@ def _misfit(dist: DistState, buckets: GradBuckets, grads: Any, leaves: list[Any]
         structure == buckets.token
         or (type(structure) is not type(buckets.token) and tree_flatten(grads)[1] == buckets.spec)
     ):
+        if type(structure) is tuple and type(buckets.token) is tuple:  # two dicts: name the keys
+            missing = [k for k in buckets.token if k not in structure]
+            unexpected = [k for k in structure if k not in buckets.token]
+            return f"its keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
         got = str(tree_flatten(grads)[1])
         return f"its structure differs: expected {str(buckets.spec)[:300]}, got {got[:300]}"
     members = [i for bucket in buckets.members for i in bucket]
@@ -310,6 +314,8 @@ def _unalias(buckets: GradBuckets, leaves: list[Any]) -> None:
     (two results swapped), or read a buffer whose reduction is under way.
     """
     ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buckets.buffers]
+    if not ranges:  # a tree without tensors: nothing to copy
+        return
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
     for bucket in buckets.members:
         for i in bucket:

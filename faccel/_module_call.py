@@ -10,11 +10,13 @@ checks, swaps the tensors in, runs the module and swaps the originals back.
 
 It stays exact by checking, per call, everything :func:`bind` relied on:
 the given names are all bound ones and tensors, every submodule still sits
-where it sat (``model.fc = nn.Linear(...)``), and every slot still holds the
-tensor it held (weights tied or untied since, ``head.weight = emb.weight``,
-change which slots share a name). When the module changed, it binds again;
-names it does not know go to ``functional_call`` itself, which gives torch's
-own answer or error.
+where it sat (``model.fc = nn.Linear(...)``), no parameter or buffer slot was
+added or removed, and the slots still share tensors as they did (weights tied
+or untied since, ``head.weight = emb.weight``, change which slots a name
+feeds). A slot given a new tensor of its own (a forward that reassigns a
+buffer) changes nothing: tensors are swapped in by slot, not by identity.
+When the module changed, it binds again; names it does not know go to
+``functional_call`` itself, which gives torch's own answer or error.
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ class Bound(NamedTuple):
 
     # (parent._modules, child's name, child) for every submodule: all must still hold.
     links: tuple[tuple[dict[str, Any], str, nn.Module], ...]
-    # (slot's dict, key, the tensor it held) for every slot, tied ones included.
-    held: tuple[tuple[dict[str, Any], str, Any], ...]
+    # Every module's _modules, _parameters and _buffers, and their summed length then:
+    # a slot or submodule added or removed changes it.
+    dicts: tuple[dict[str, Any], ...]
+    size: int
+    # Every key of every _parameters and _buffers dict (None-valued ones too: Linear(bias=False)
+    # keeps "bias": None), and which of them shared a tensor (see _sharing).
+    slots: tuple[_Slot, ...]
+    sharing: tuple[int, ...]
     # Canonical name -> every slot that shares its tensor (tied weights get them all).
     params: dict[str, tuple[_Slot, ...]]
     buffers: dict[str, tuple[_Slot, ...]]
@@ -71,8 +79,8 @@ def bind(module: nn.Module) -> Bound | None:
         >>> import torch
         >>> from faccel._module_call import bind
         >>> bound = bind(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-        >>> sorted(bound.params), len(bound.links), len(bound.held)
-        (['0.bias', '0.weight'], 1, 2)
+        >>> sorted(bound.params), len(bound.links), bound.sharing
+        (['0.bias', '0.weight'], 1, (0, 1))
     """
     if isinstance(module, torch.jit.ScriptModule | nn.DataParallel):
         return None
@@ -88,21 +96,39 @@ def bind(module: nn.Module) -> Bound | None:
         for name, child in parent._modules.items()
         if child is not None
     )
-    param_slots = _slots(module, module.named_parameters, "_parameters")
-    buffer_slots = _slots(module, module.named_buffers, "_buffers")
-    held = tuple(
-        (store, attr, store[attr])
-        for slots_of in (param_slots, buffer_slots)
-        for slots in slots_of.values()
-        for store, attr in slots
+    modules = list(module.modules())
+    dicts = tuple(d for m in modules for d in (m._modules, m._parameters, m._buffers))
+    slots = tuple((store, key) for m in modules for store in (m._parameters, m._buffers) for key in store)
+    return Bound(
+        links=links,
+        dicts=dicts,
+        size=sum(map(len, dicts)),
+        slots=slots,
+        sharing=_sharing(slots),
+        params=_slots(module, module.named_parameters, "_parameters"),
+        buffers=_slots(module, module.named_buffers, "_buffers"),
     )
-    return Bound(links=links, held=held, params=param_slots, buffers=buffer_slots)
+
+
+def _sharing(slots: tuple[_Slot, ...]) -> tuple[int, ...]:
+    """For each slot, the first slot holding the same tensor (itself if none); ``-1 - i`` for None.
+
+    Which slots share a tensor, not which tensors they hold: a slot given a new tensor of its
+    own keeps the pattern, a tie made or broken changes it.
+    """
+    first: dict[int, int] = {}
+    return tuple(
+        -1 - i if (value := store.get(key)) is None else first.setdefault(id(value), i)
+        for i, (store, key) in enumerate(slots)
+    )
 
 
 def _current(bound: Bound) -> bool:
-    """Whether the module is still as :func:`bind` saw it: same submodules, same tensors in every slot."""
-    return all(parent.get(name) is child for parent, name, child in bound.links) and all(
-        store.get(attr) is tensor for store, attr, tensor in bound.held
+    """Whether the module is still as :func:`bind` saw it: same submodules, slots and ties."""
+    return (
+        all(parent.get(name) is child for parent, name, child in bound.links)
+        and sum(map(len, bound.dicts)) == bound.size
+        and _sharing(bound.slots) == bound.sharing
     )
 
 

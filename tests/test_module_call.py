@@ -206,3 +206,45 @@ def test_what_functional_call_refuses_or_ties_goes_to_functional_call() -> None:
         ModuleCaller(both)(params, {}, torch.ones(1)), _reference(both, params, {}, torch.ones(1))
     )
     assert bind(nn.DataParallel(nn.Linear(1, 1))) is None  # functional_call refuses it, and says so
+
+
+def test_a_tie_through_a_new_slot_counts_and_a_buffer_reassigned_in_forward_does_not_rebind() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3, bias=False))
+    caller = ModuleCaller(model)
+    x = torch.randn(2, 3)
+
+    def check() -> None:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        got = _grads(lambda p, v: caller(p, {}, v), params, x)
+        want = _grads(lambda p, v: _reference(model, p, {}, v), params, x)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+    # Both ties keep the parameter names as they were: only the slots tell.
+    names = [n for n, _ in model.named_parameters()]
+    check()
+    model.append(nn.Linear(3, 3, bias=False))
+    model[3].weight = model[2].weight  # a new submodule, tied to a bound weight
+    check()
+    model[2].bias = model[0].bias  # a None slot (bias=False) filled with another layer's bias
+    check()
+    assert [n for n, _ in model.named_parameters()] == names
+
+    class Counter(nn.Module):  # reassigns a buffer on every forward (not an in-place update)
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            self.calls = self.calls + 1
+            return self.lin(v)
+
+    counter = Counter()
+    caller = ModuleCaller(counter)
+    bound = caller._bound
+    params = {n: p.detach() for n, p in counter.named_parameters()}
+    for _ in range(3):
+        caller(params, {}, torch.ones(1, 2))
+    assert counter.calls.item() == 3.0
+    assert caller._bound is bound  # the slot got a tensor of its own: nothing to bind again

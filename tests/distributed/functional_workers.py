@@ -175,7 +175,10 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
         "shape": (grads, dict(grads, w=torch.zeros(4, 5))),
         "tensor_where_none": ({"a": None, "b": grads["w"]}, {"a": grads["w"], "b": grads["w"]}),
         "other_world": (grads, grads),
+        "keys": ({"w": grads["w"], "b": grads["b"]}, {"w": grads["w"], "bias": grads["b"]}),
     }
+    # A tree without tensors has nothing to average, with buckets or without.
+    out["no_tensors"] = faccel.sync_grads(dist, {"a": None}, buckets=faccel.grad_buckets(dist, {"a": None}))
     out["misfit"] = {}
     for label, (like, given) in misfits.items():
         maker = faccel.detect({}) if label == "other_world" else dist

@@ -60,6 +60,8 @@ def test_sync_grads_equals_a_per_tensor_all_reduce_average_with_fresh_or_reused_
             "leaf ['a'] is a tensor where the buckets' tree had none" in rank["misfit"]["tensor_where_none"]
         )
         assert "made for world_size=1, this is a world of 2" in rank["misfit"]["other_world"]
+        assert "its keys differ: missing ['b'], unexpected ['bias']" in rank["misfit"]["keys"]
+        assert rank["no_tensors"] == {"a": None}
         assert rank["input_untouched"] and rank["dict_equal"]
 
 
