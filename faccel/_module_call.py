@@ -156,18 +156,14 @@ class ModuleCaller:
 
     def __call__(self, params: dict[str, Any], buffers: dict[str, Any], args: Any) -> Any:
         bound = self._bound
+        if bound is not None and not _current(bound):
+            # The module changed since bind (a submodule or slot added or replaced, weights
+            # tied or untied): bind again, a cache refresh, rather than swap into stale slots.
+            bound = self._bound = bind(self.module)
         if bound is None or not (
             params.keys() <= bound.params.keys() and buffers.keys() <= bound.buffers.keys()
         ):
             return self._functional_call(params, buffers, args)
-        if not _current(bound):
-            # The module changed since bind (a submodule replaced, weights tied or untied):
-            # bind again, a cache refresh, rather than swap into slots that no longer count.
-            bound = self._bound = bind(self.module)
-            if bound is None or not (
-                params.keys() <= bound.params.keys() and buffers.keys() <= bound.buffers.keys()
-            ):
-                return self._functional_call(params, buffers, args)
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         for slots_of, values in ((bound.params, params), (bound.buffers, buffers)):
             for name, value in values.items():

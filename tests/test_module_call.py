@@ -229,6 +229,9 @@ def test_a_tie_through_a_new_slot_counts_and_a_buffer_reassigned_in_forward_does
     model[2].bias = model[0].bias  # a None slot (bias=False) filled with another layer's bias
     check()
     assert [n for n, _ in model.named_parameters()] == names
+    model[3].bias = nn.Parameter(torch.randn(3))  # a new parameter: bound again, not left to functional_call
+    check()
+    assert "3.bias" in caller._bound.params
 
     class Counter(nn.Module):  # reassigns a buffer on every forward (not an in-place update)
         def __init__(self) -> None:
