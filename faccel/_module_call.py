@@ -30,6 +30,7 @@ __all__ = ["Bound", "ModuleCaller", "bind"]
 
 # (the dict a tensor lives in: a module's _parameters or _buffers, its key there)
 _Slot = tuple[dict[str, Any], str]
+_MISSING: Any = object()  # a key no longer there, told apart from a key holding None
 
 
 class Bound(NamedTuple):
@@ -38,12 +39,13 @@ class Bound(NamedTuple):
     A NamedTuple, not an attrs record: it is read on every training step.
     """
 
-    # (parent._modules, child's name, child) for every submodule: all must still hold.
-    links: tuple[tuple[dict[str, Any], str, nn.Module], ...]
-    # Every module's _modules, _parameters and _buffers, and their summed length then:
-    # a slot or submodule added or removed changes it.
+    # (parent._modules, child's name, child) for every submodule entry, None ones too
+    # (register_module("head", None), filled later): all must still hold.
+    links: tuple[tuple[dict[str, Any], str, nn.Module | None], ...]
+    # Every module's _modules, _parameters and _buffers, and each one's length then:
+    # a slot or submodule added or removed changes one.
     dicts: tuple[dict[str, Any], ...]
-    size: int
+    sizes: tuple[int, ...]
     # Every key of every _parameters and _buffers dict (None-valued ones too: Linear(bias=False)
     # keeps "bias": None), and which of them shared a tensor (see _sharing).
     slots: tuple[_Slot, ...]
@@ -94,7 +96,6 @@ def bind(module: nn.Module) -> Bound | None:
         (parent._modules, name, child)
         for parent in module.modules()
         for name, child in parent._modules.items()
-        if child is not None
     )
     modules = list(module.modules())
     dicts = tuple(d for m in modules for d in (m._modules, m._parameters, m._buffers))
@@ -102,7 +103,7 @@ def bind(module: nn.Module) -> Bound | None:
     return Bound(
         links=links,
         dicts=dicts,
-        size=sum(map(len, dicts)),
+        sizes=tuple(map(len, dicts)),
         slots=slots,
         sharing=_sharing(slots),
         params=_slots(module, module.named_parameters, "_parameters"),
@@ -111,23 +112,30 @@ def bind(module: nn.Module) -> Bound | None:
 
 
 def _sharing(slots: tuple[_Slot, ...]) -> tuple[int, ...]:
-    """For each slot, the first slot holding the same tensor (itself if none); ``-1 - i`` for None.
+    """For each slot, the first slot holding the same tensor (itself if none).
 
-    Which slots share a tensor, not which tensors they hold: a slot given a new tensor of its
-    own keeps the pattern, a tie made or broken changes it.
+    ``-1 - i`` marks a slot holding None, ``-1 - i - len(slots)`` one whose key is gone.
+    Which slots share a tensor, not which tensors they hold: a slot given a new tensor of
+    its own keeps the pattern, a tie made or broken changes it.
     """
     first: dict[int, int] = {}
-    return tuple(
-        -1 - i if (value := store.get(key)) is None else first.setdefault(id(value), i)
-        for i, (store, key) in enumerate(slots)
-    )
+    pattern = []
+    for i, (store, key) in enumerate(slots):
+        value = store.get(key, _MISSING)
+        if value is _MISSING:
+            pattern.append(-1 - i - len(slots))
+        elif value is None:
+            pattern.append(-1 - i)
+        else:
+            pattern.append(first.setdefault(id(value), i))
+    return tuple(pattern)
 
 
 def _current(bound: Bound) -> bool:
     """Whether the module is still as :func:`bind` saw it: same submodules, slots and ties."""
     return (
-        all(parent.get(name) is child for parent, name, child in bound.links)
-        and sum(map(len, bound.dicts)) == bound.size
+        all(parent.get(name, _MISSING) is child for parent, name, child in bound.links)
+        and tuple(map(len, bound.dicts)) == bound.sizes
         and _sharing(bound.slots) == bound.sharing
     )
 
@@ -183,6 +191,6 @@ class ModuleCaller:
 
 
 def _restore(swapped: list[tuple[dict[str, Any], str, Any]]) -> None:
-    # Backwards, so a slot swapped twice (never, by construction) would still end as it began.
+    # Backwards, so a slot swapped twice (a submodule reachable under two names) ends as it began.
     for store, attr, old in reversed(swapped):
         store[attr] = old

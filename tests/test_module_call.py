@@ -251,3 +251,26 @@ def test_a_tie_through_a_new_slot_counts_and_a_buffer_reassigned_in_forward_does
         caller(params, {}, torch.ones(1, 2))
     assert counter.calls.item() == 3.0
     assert caller._bound is bound  # the slot got a tensor of its own: nothing to bind again
+
+
+def test_a_submodule_registered_as_none_and_filled_later_with_a_tied_head_counts() -> None:
+    class OptionalHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.register_module("head", None)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            return h @ torch.ones(3, 5) if self.head is None else self.head(h)
+
+    torch.manual_seed(0)
+    model = OptionalHead()
+    caller = ModuleCaller(model)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = model.emb.weight
+    model.head = head  # the names stay ["emb.weight"]: only the filled entry tells
+    params = {n: p.detach() + 0.5 for n, p in model.named_parameters()}
+    ids = torch.tensor([[0, 1, 2]])
+    assert list(params) == ["emb.weight"]
+    assert torch.equal(caller(params, {}, ids), _reference(model, params, {}, ids))
