@@ -55,11 +55,11 @@ class Bound(NamedTuple):
     buffers: dict[str, tuple[_Slot, ...]]
 
 
-def _slots(module: nn.Module, named: Any, store: str) -> dict[str, tuple[_Slot, ...]]:
+def _slots(module: nn.Module, named: dict[str, Any], store: str) -> dict[str, tuple[_Slot, ...]]:
     """Canonical name -> slots; the canonical name is the first, as ``named_parameters()`` gives."""
     by_tensor: dict[int, list[_Slot]] = {}
     canonical: dict[str, list[_Slot]] = {}
-    for name, tensor in named(remove_duplicate=False):
+    for name, tensor in named.items():
         owner, _, attr = name.rpartition(".")
         slot = (getattr(module.get_submodule(owner), store), attr)
         if id(tensor) in by_tensor:
@@ -92,12 +92,10 @@ def bind(module: nn.Module) -> Bound | None:
         return None
     if {id(t) for t in params.values()} & {id(t) for t in buffers.values()}:
         return None
-    links = tuple(
-        (parent._modules, name, child)
-        for parent in module.modules()
-        for name, child in parent._modules.items()
-    )
     modules = list(module.modules())
+    links = tuple(
+        (parent._modules, name, child) for parent in modules for name, child in parent._modules.items()
+    )
     dicts = tuple(d for m in modules for d in (m._modules, m._parameters, m._buffers))
     slots = tuple((store, key) for m in modules for store in (m._parameters, m._buffers) for key in store)
     return Bound(
@@ -106,8 +104,8 @@ def bind(module: nn.Module) -> Bound | None:
         sizes=tuple(map(len, dicts)),
         slots=slots,
         sharing=_sharing(slots),
-        params=_slots(module, module.named_parameters, "_parameters"),
-        buffers=_slots(module, module.named_buffers, "_buffers"),
+        params=_slots(module, params, "_parameters"),
+        buffers=_slots(module, buffers, "_buffers"),
     )
 
 
