@@ -28,6 +28,7 @@ import torch.distributed as tdist
 
 from faccel._process_group import _require_group
 from faccel._state import DistState
+from faccel._tree import flatten_with_paths, rebuild
 from faccel.errors import ArgumentError, ArgumentValueError, DistributedError, FaccelError
 
 __all__ = [
@@ -53,56 +54,11 @@ _ALIGN = 16
 _META_BYTES = 1024
 
 
-# --- trees ---------------------------------------------------------------------------------------
-
-
-def _flatten(tree: Any, path: str, leaves: list[Any], paths: list[str]) -> str:
-    """Append the leaves of ``tree`` (and their paths) and return its structure as text."""
-    if isinstance(tree, torch.Tensor):
-        leaves.append(tree)
-        paths.append(path)
-        return "T"
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        parts = [
-            f"{field}={_flatten(item, f'{path}.{field}', leaves, paths)}"
-            for field, item in zip(tree._fields, tree, strict=True)
-        ]
-        return f"{type(tree).__qualname__}({', '.join(parts)})"
-    if isinstance(tree, (tuple, list)):
-        parts = [_flatten(item, f"{path}[{i}]", leaves, paths) for i, item in enumerate(tree)]
-        return ("(" + ", ".join(parts) + ",)") if isinstance(tree, tuple) else ("[" + ", ".join(parts) + "]")
-    if isinstance(tree, Mapping):
-        parts = [
-            f"{key!r}: {_flatten(value, f'{path}[{key!r}]', leaves, paths)}" for key, value in tree.items()
-        ]
-        name = "" if type(tree) is dict else type(tree).__qualname__
-        return name + "{" + ", ".join(parts) + "}"
-    # Recorded, not raised: every rank must first take part in the exchange.
-    leaves.append(tree)
-    paths.append(path)
-    return f"<{type(tree).__qualname__}>"
-
-
-def _rebuild(tree: Any, leaves: Any) -> Any:
-    """``tree`` with its leaves replaced, in order, by those the iterator ``leaves`` yields."""
-    if isinstance(tree, tuple):
-        items = [_rebuild(item, leaves) for item in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, list):
-        return [_rebuild(item, leaves) for item in tree]
-    if isinstance(tree, Mapping):
-        rebuilt = {key: _rebuild(value, leaves) for key, value in tree.items()}
-        return rebuilt if type(tree) is dict else type(tree)(rebuilt)  # type: ignore[call-arg]
-    return next(leaves)
-
-
 # --- descriptions exchanged before the data ------------------------------------------------------
 
 
 def _describe(call: str, tree: Any) -> tuple[dict[str, Any], list[Any], list[str]]:
-    leaves: list[Any] = []
-    paths: list[str] = []
-    spec = _flatten(tree, "tree", leaves, paths)
+    leaves, paths, spec = flatten_with_paths(tree)
     shapes = [list(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     dtypes = [str(leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     return {"call": call, "spec": spec, "shapes": shapes, "dtypes": dtypes}, leaves, paths
@@ -227,9 +183,7 @@ def _check_leaves(
 
 def _check_local(tree: Any, name: str) -> tuple[list[Any], list[str]]:
     """World size 1: the same leaf-type check the exchange makes, without communicating."""
-    leaves: list[Any] = []
-    paths: list[str] = []
-    spec = _flatten(tree, "tree", leaves, paths)
+    leaves, paths, spec = flatten_with_paths(tree)
     for leaf, path in zip(leaves, paths, strict=True):
         if not isinstance(leaf, torch.Tensor):
             msg = (
@@ -312,7 +266,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
     if not dist.distributed:
         leaves, _ = _check_local(tree, "gather")
         rows = [_as_rows(leaf) for leaf in leaves]
-        return _rebuild(tree, iter(rows)), [[row.shape[0] for row in rows]]
+        return rebuild(tree, iter(rows)), [[row.shape[0] for row in rows]]
     description, leaves, paths = _describe(call, tree)
     description["shapes"] = [[1] if s == [] else s for s in description["shapes"]]
     descriptions = _exchange(dist, description)
@@ -344,7 +298,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
         joined = torch.cat(pieces).view(dtype).reshape(total, *leaf.shape[1:])
         gathered.append(joined.to(leaf.device))
     sizes = [[d["shapes"][i][0] for i in range(len(rows))] for d in descriptions]
-    return _rebuild(tree, iter(gathered)), sizes
+    return rebuild(tree, iter(gathered)), sizes
 
 
 def gather(dist: DistState, tree: Any) -> Any:
@@ -435,7 +389,7 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
             flat /= dist.world_size
         for i, piece in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
             reduced[i] = piece.view(leaves[i].shape).to(leaves[i].device)
-    return _rebuild(tree, iter(reduced))
+    return rebuild(tree, iter(reduced))
 
 
 def _check_op(op: str, leaves: list[torch.Tensor], paths: list[str]) -> None:
@@ -504,7 +458,7 @@ def broadcast(dist: DistState, tree: Any, *, src: int = 0) -> Any:
         buffer[start : start + _nbytes(shape, dtype)].view(dtype).reshape(shape).to(leaf.device)
         for leaf, start, shape, dtype in zip(leaves, offsets, shapes, dtypes, strict=True)
     ]
-    return _rebuild(tree, iter(received))
+    return rebuild(tree, iter(received))
 
 
 def _check_src(src: int, world_size: int) -> None:
@@ -572,7 +526,7 @@ def pad_across_processes(
         start = longest - leaf.shape[axis] if pad_first else 0
         out.narrow(axis, start, leaf.shape[axis]).copy_(leaf)
         padded.append(out)
-    return _rebuild(tree, iter(padded))
+    return rebuild(tree, iter(padded))
 
 
 def gather_object(dist: DistState, obj: Any) -> list[Any]:

@@ -9,7 +9,7 @@ Nothing counts epochs behind your back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -26,13 +26,14 @@ from torch.utils.data import (
 
 from faccel._sharding import Sharding
 from faccel._state import DistState
+from faccel._tree import map_tensors
 from faccel.errors import PrepareError
 
 __all__ = ["PreparedLoader", "prepare_loader", "to_device"]
 
 
 def to_device(tree: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
-    """Move every tensor in nested tuples, lists, dicts and named tuples to ``device``.
+    """Move every tensor in nested tuples, lists, mappings, named tuples and attrs records to ``device``.
 
     Other leaves are returned as they are; containers are rebuilt, never mutated.
 
@@ -43,18 +44,11 @@ def to_device(tree: Any, device: torch.device, *, non_blocking: bool = False) ->
         >>> moved["meta"][1], moved["x"].device.type
         ('id', 'cpu')
     """
-    if isinstance(tree, torch.Tensor):
-        return tree if tree.device == device else tree.to(device, non_blocking=non_blocking)
-    if isinstance(tree, tuple):
-        items = [to_device(item, device, non_blocking=non_blocking) for item in tree]
-        # named tuples are rebuilt from positional fields
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, list):
-        return [to_device(item, device, non_blocking=non_blocking) for item in tree]
-    if isinstance(tree, Mapping):
-        moved = {key: to_device(value, device, non_blocking=non_blocking) for key, value in tree.items()}
-        return moved if type(tree) is dict else type(tree)(moved)  # type: ignore[call-arg]
-    return tree
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
+
+    return map_tensors(move, tree)
 
 
 class _ShardBatchSampler(Sampler[list[int]]):

@@ -19,6 +19,7 @@ import attrs
 
 from faccel._launch import _MPI, _SLURM, _TORCHRUN, _Launcher
 from faccel._state import DistState, state_from_env
+from faccel._tree import to_plain
 from faccel.errors import FaccelError
 
 __all__ = [
@@ -228,18 +229,9 @@ def report_dict(report: EnvReport) -> dict[str, Any]:
         >>> json.loads(json.dumps(data)) == data, data["state"]["device"]
         (True, 'cpu')
     """
-    data: dict[str, Any] = _plain(attrs.asdict(report))
+    data: dict[str, Any] = to_plain(attrs.asdict(report))
     data["hardware"]["cuda_count"] = report.hardware.cuda_count
     return data
-
-
-def _plain(value: Any) -> Any:
-    """JSON's own types: mappings become dicts, tuples lists."""
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, tuple | list):
-        return [_plain(item) for item in value]
-    return value
 
 
 def _yes(value: bool) -> str:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from faccel._model import Autocast, unwrap_model
+from faccel._model import Autocast, float32_outputs, unwrap_model
 from faccel._module_call import ModuleCaller
 from faccel._optim import SGD, AdamW, AdamWState, SGDState
 from faccel._pytree import flatten, register_pytree, same_structure, static_field
@@ -96,16 +96,6 @@ def model_params(
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     return params, buffers
-
-
-def _to_float32(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.float() if tree.dtype in (torch.float16, torch.bfloat16) else tree
-    if isinstance(tree, tuple | list):
-        return type(tree)(_to_float32(item) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _to_float32(value) for key, value in tree.items()}
-    return tree
 
 
 @setup_checked
@@ -194,7 +184,7 @@ def loss_and_grad(
         else:
             with torch.autocast(device_type, dtype=dtype):
                 outputs = call(params, buffers, inputs)
-            outputs = _to_float32(outputs)
+            outputs = float32_outputs(outputs)
         return loss_fn(outputs, *loss_args)
 
     if engine == "func":

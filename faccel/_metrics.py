@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from faccel._collectives import _flatten, _rebuild, gather_sizes
+from faccel._collectives import gather_sizes
 from faccel._data import PreparedLoader
 from faccel._sharding import Sharding
 from faccel._state import DistState
+from faccel._tree import flatten_with_paths, rebuild
 from faccel.errors import DistributedError
 
 __all__ = ["gather_for_metrics", "metrics_plan"]
@@ -149,9 +150,7 @@ def gather_for_metrics(
     gathered, sizes = gather_sizes(dist, tree, call=call)
     sharding = loader.sharding
     counts = []
-    leaves: list[Any] = []
-    paths: list[str] = []
-    _flatten(gathered, "tree", leaves, paths)
+    leaves, paths, _ = flatten_with_paths(gathered)
     for rank, rank_sizes in enumerate(sizes):
         if len(set(rank_sizes)) > 1:
             detail = ", ".join(f"{p}: {n}" for p, n in zip(paths, rank_sizes, strict=True))
@@ -167,7 +166,7 @@ def gather_for_metrics(
     rows, positions = metrics_plan(sharding, counts, batch=batch, start=loader.start)
     if len(rows) != sum(counts) or not torch.equal(rows, torch.arange(len(rows))):
         leaves = [leaf.index_select(0, rows.to(leaf.device)) for leaf in leaves]
-        gathered = _rebuild(gathered, iter(leaves))
+        gathered = rebuild(gathered, leaves)
     if with_indices:
         return gathered, sharding.order(loader.epoch)[positions]
     return gathered

@@ -15,22 +15,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._state import DistState
+from faccel._tree import map_tensors
 from faccel.errors import PrepareError
 
 __all__ = ["Autocast", "default_shard_policy", "is_sharded", "prepare_module", "unwrap_model"]
 
 
-def _to_float32(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.float() if tree.dtype in (torch.float16, torch.bfloat16) else tree
-    if isinstance(tree, tuple):
-        items = [_to_float32(item) for item in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, list):
-        return [_to_float32(item) for item in tree]
-    if isinstance(tree, dict):
-        return type(tree)({key: _to_float32(value) for key, value in tree.items()})
-    return tree
+def float32_outputs(tree: Any) -> Any:
+    """``tree`` with its float16 and bfloat16 tensors cast to float32 (outputs of an autocast forward)."""
+    return map_tensors(_float32, tree)
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
 class Autocast(nn.Module):
@@ -49,7 +46,7 @@ class Autocast(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device_type, dtype=self.dtype):
             out = self.module(*args, **kwargs)
-        return _to_float32(out)
+        return float32_outputs(out)
 
 
 # Layers that wrap a module and keep it in an attribute: peeled by unwrap_model.

@@ -24,6 +24,7 @@ from faccel._serialize import TensorSink, decode, encode, tensor_refs
 from faccel._sharded_state import load_full_state
 from faccel._state import DistState
 from faccel._train_state import TrainState
+from faccel._tree import MISSING, paired_leaves, rebuild
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -454,34 +455,30 @@ def _check_extras(
 
 def _match_tensors(saved: Any, live: Any, path: str, problems: _Problems) -> None:
     """Where the target holds a tensor, the saved value must be one of the same shape and dtype."""
-    if isinstance(live, torch.Tensor):
-        if not isinstance(saved, torch.Tensor):
+    for place, target, value in paired_leaves(live, saved, root=path):
+        if not isinstance(target, torch.Tensor) or value is MISSING:
+            continue
+        if not isinstance(value, torch.Tensor):
             problems.add(
-                STATE, f"{path} is a tensor in the target, a {type(saved).__name__} in the checkpoint"
+                STATE, f"{place} is a tensor in the target, a {type(value).__name__} in the checkpoint"
             )
-        elif saved.shape != live.shape or saved.dtype != live.dtype:
+        elif value.shape != target.shape or value.dtype != target.dtype:
             problems.add(
                 EXTRAS,
-                f"{path} is {saved.dtype} {list(saved.shape)} saved, "
-                f"{live.dtype} {list(live.shape)} in the target",
+                f"{place} is {value.dtype} {list(value.shape)} saved, "
+                f"{target.dtype} {list(target.shape)} in the target",
             )
-    elif isinstance(live, Mapping) and isinstance(saved, Mapping):
-        for key in live.keys() & saved.keys():
-            _match_tensors(saved[key], live[key], f"{path}[{key!r}]", problems)
-    elif isinstance(live, list | tuple) and isinstance(saved, list | tuple) and len(live) == len(saved):
-        for index, (s, v) in enumerate(zip(saved, live, strict=True)):
-            _match_tensors(s, v, f"{path}[{index}]", problems)
 
 
 def _placed(saved: Any, live: Any) -> Any:
     """``saved`` with each tensor moved to the device of the target's tensor at the same place."""
-    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
-        return saved.to(live.device)
-    if isinstance(live, Mapping) and isinstance(saved, dict):
-        return {key: _placed(value, live[key]) if key in live else value for key, value in saved.items()}
-    if isinstance(live, list | tuple) and isinstance(saved, list | tuple) and len(live) == len(saved):
-        return type(saved)(_placed(s, v) for s, v in zip(saved, live, strict=True))
-    return saved
+    moved = [
+        value.to(target.device)
+        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor)
+        else value
+        for _, value, target in paired_leaves(saved, live)
+    ]
+    return rebuild(saved, moved)
 
 
 def check_rng(dist: DistState, content: Any, *, where: str) -> dict[str, Any]:

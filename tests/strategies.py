@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict, namedtuple
+from typing import Any
+
+import attrs
+import torch
 from hypothesis import strategies as st
 
 world_sizes = st.integers(min_value=1, max_value=1024)
@@ -190,4 +195,39 @@ plain_trees = st.recursive(
         | st.dictionaries(st.text(max_size=6) | st.integers(min_value=-5, max_value=5), inner, max_size=3)
     ),
     max_leaves=12,
+)
+
+
+# --- nested containers (faccel._tree) ------------------------------------------------------------
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+@attrs.frozen(kw_only=True)
+class Record:
+    """An attrs record among the containers a batch or a model output may be."""
+
+    first: Any
+    second: Any = None
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.text("abc", min_size=1, max_size=2)
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.tuples(children, children).map(lambda ab: Pair(*ab)),
+        st.dictionaries(keys, children, max_size=3),
+        st.dictionaries(keys, children, max_size=3).map(OrderedDict),
+        st.dictionaries(keys, children, max_size=3).map(lambda d: defaultdict(list, d)),
+        st.tuples(children, children).map(lambda ab: Record(first=ab[0], second=ab[1])),
+    )
+
+
+tree_tensors = st.integers(0, 3).map(lambda n: torch.arange(float(n)))
+# Nests of every container kind faccel walks, with tensor leaves only (what collectives take).
+tensor_trees = st.recursive(tree_tensors, _containers, max_leaves=8)
+# The same with other leaves among the tensors (batches carry ids and strings).
+mixed_trees = st.recursive(
+    tree_tensors | st.integers(-3, 3) | st.text("xy", max_size=2) | st.none(), _containers, max_leaves=8
 )

@@ -28,41 +28,9 @@ def _tree() -> dict:
 
 
 def _leaves(tree: object) -> list:
-    from faccel._collectives import _flatten
+    from faccel._tree import flatten_with_paths
 
-    leaves: list = []
-    _flatten(tree, "tree", leaves, [])
-    return leaves
-
-
-# --- trees ---------------------------------------------------------------------------------------
-
-tensors = st.integers(0, 3).map(lambda n: torch.arange(float(n)))
-trees = st.recursive(
-    tensors,
-    lambda children: st.one_of(
-        st.lists(children, max_size=3),
-        st.lists(children, max_size=3).map(tuple),
-        st.tuples(children, children).map(lambda ab: Pair(*ab)),
-        st.dictionaries(st.text("abc", min_size=1, max_size=2), children, max_size=3),
-    ),
-    max_leaves=8,
-)
-
-
-@given(trees)
-def test_flatten_then_rebuild_gives_back_the_same_tree(tree: object) -> None:
-    from faccel._collectives import _flatten, _rebuild
-
-    leaves: list = []
-    paths: list = []
-    spec = _flatten(tree, "tree", leaves, paths)
-    rebuilt = _rebuild(tree, iter(leaves))
-    again: list = []
-    assert _flatten(rebuilt, "tree", again, []) == spec
-    assert all(a is b for a, b in zip(leaves, again, strict=True))
-    assert len(set(paths)) == len(paths)  # every leaf has its own name for error messages
-    assert type(rebuilt) is type(tree)
+    return flatten_with_paths(tree)[0]
 
 
 # --- one process: identities, no process group -------------------------------------------------
