@@ -27,7 +27,7 @@ from torch.utils.data import (
 from faccel._sharding import Sharding
 from faccel._state import DistState
 from faccel._tree import map_tensors
-from faccel.errors import PrepareError
+from faccel.errors import PrepareError, UsageError
 
 __all__ = ["PreparedLoader", "prepare_loader", "to_device"]
 
@@ -130,9 +130,13 @@ class _ShardedStream(IterableDataset):  # type: ignore[type-arg]
 class PreparedLoader:
     """One rank's view of a dataset: its batches of ``epoch``, from batch ``start``.
 
-    Iterate it like a ``DataLoader``; batches arrive on ``device``. The view is
-    frozen: iterating it twice yields the same batches. Use :meth:`at` for the
-    next epoch or to resume mid-epoch.
+    Iterate it like a ``DataLoader``; batches arrive on ``device``. A view is
+    frozen: iterating it twice yields the same batches. Use :meth:`at` for each
+    epoch and to resume mid-epoch. The loader :func:`faccel.prepare` returns is
+    the view of epoch 0; if it shuffles, iterating it a second time raises
+    :class:`~faccel.errors.UsageError`, because a bare ``for epoch in ...: for
+    batch in loader:`` would repeat epoch 0's order every epoch (iterate
+    ``loader.at(epoch=epoch)`` instead).
 
     Attributes:
         dataloader: The rebuilt ``DataLoader`` that reads this rank's shard.
@@ -158,6 +162,9 @@ class PreparedLoader:
     non_blocking: bool = False
     _control: _ShardBatchSampler | _ShardedStream
     _seeder: torch.Generator
+    # Only on the view prepare() returns: whether it has been iterated (one cell, set once).
+    # Views from at() name their epoch, so iterating them again is deliberate.
+    _bare_iterated: list[bool] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -191,7 +198,7 @@ class PreparedLoader:
         if epoch < 0 or start < 0:
             msg = f"epoch and start must be >= 0, got epoch={epoch!r}, start={start!r}"
             raise PrepareError(msg)
-        return attrs.evolve(self, epoch=epoch, start=start)
+        return attrs.evolve(self, epoch=epoch, start=start, bare_iterated=None)
 
     def __len__(self) -> int:
         """Batches this rank sees in a whole epoch (``start`` not subtracted)."""
@@ -204,6 +211,15 @@ class PreparedLoader:
         return self.sharding.num_batches
 
     def __iter__(self) -> Iterator[Any]:
+        if self._bare_iterated is not None and self.sharding.shuffle:
+            if self._bare_iterated[0]:
+                msg = (
+                    "this shuffled loader was iterated a second time without naming an epoch: "
+                    "`for batch in loader` always yields epoch 0's order, so a bare epoch loop would "
+                    "repeat it every epoch; iterate `loader.at(epoch=epoch)` in each epoch instead"
+                )
+                raise UsageError(msg)
+            self._bare_iterated[0] = True
         control = self._control
         if isinstance(control, _ShardBatchSampler):
             control.point(self.epoch, self.start)
@@ -315,6 +331,7 @@ def prepare_loader(
         non_blocking=loader.pin_memory and dist.device.type == "cuda",
         control=control,
         seeder=seeder,
+        bare_iterated=[False],
     )
 
 

@@ -89,6 +89,15 @@ class AccumulationError(FaccelError, ValueError):
     """
 
 
+class UsageError(FaccelError, RuntimeError):
+    """Calls in an order or combination that would silently give a wrong result.
+
+    Raised, for example, when a shuffled prepared loader is iterated a second
+    time without naming an epoch. Fix: the message names the call to make
+    instead (here ``loader.at(epoch=e)``).
+    """
+
+
 class CheckpointError(FaccelError, ValueError):
     """A checkpoint or saved model is missing, corrupted, foreign or mismatched.
 

@@ -150,15 +150,39 @@ def test_views_are_frozen_and_independent() -> None:
     loader = faccel.prepare(
         faccel.detect({}), DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True)
     )
-    first = [b[0].tolist() for b in loader]
-    assert [b[0].tolist() for b in loader] == first  # iterating again: the same epoch
+    view = loader.at(epoch=0)
+    first = [b[0].tolist() for b in view]
+    assert [b[0].tolist() for b in view] == first  # iterating again: the same epoch
+    assert [b[0].tolist() for b in loader] == first  # the bare loader is epoch 0's view
     later = loader.at(epoch=1, start=1)
-    it_later, it_first = iter(later), iter(loader)
+    it_later, it_first = iter(later), iter(view)
     assert [b[0].tolist() for b in it_first] == first
     assert [b[0].tolist() for b in it_later] == [b[0].tolist() for b in loader.at(epoch=1)][1:]
     assert (loader.epoch, loader.start) == (0, 0)
     with pytest.raises(faccel.errors.PrepareError):
         loader.at(epoch=-1)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_bare_epoch_loop_over_a_shuffled_loader_stops_instead_of_repeating_epoch_0(shuffle: bool) -> None:
+    import faccel
+
+    data = TensorDataset(torch.arange(12))
+    loader = faccel.prepare(faccel.detect({}), DataLoader(data, batch_size=4, shuffle=shuffle))
+    seen = []
+    if shuffle:
+        with pytest.raises(faccel.errors.UsageError, match=r"loader\.at\(epoch=epoch\)"):
+            for _epoch in range(2):  # what an Accelerate user writes
+                seen.extend(b[0].tolist() for b in loader)
+        assert len(seen) == 3  # epoch 0 ran; the repeat of its order did not
+    else:  # no order to repeat: every epoch of a sequential loader is the same, as in PyTorch
+        for _epoch in range(2):
+            seen.extend(b[0].tolist() for b in loader)
+        assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] * 2
+    # The loop written with at() sees every epoch's own order.
+    orders = [[x for (b,) in loader.at(epoch=e) for x in b.tolist()] for e in range(3)]
+    assert all(sorted(order) == list(range(12)) for order in orders)
+    assert (len({tuple(o) for o in orders}) == 3) == shuffle
 
 
 def test_iteration_does_not_consume_the_global_rng() -> None:
