@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,27 +21,58 @@ __all__ = ["prepare"]
 _Options = Mapping[str, Any]
 
 
+# Set on a Parameter that preparing its module replaced by another object (FSDP2's
+# DTensor parameters; Module.to() for some devices): the one the optimizer must step.
+_REPLACED_BY = "_faccel_replaced_by"
+
+
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
-    # objects for some devices (meta, XLA), as fully_shard does (DTensors); optimizers
-    # prepared in the same call are pointed at the new ones.
+    # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
+    # object is left behind, untrained; it says what replaced it, so an optimizer that
+    # holds it is pointed at the new one whenever (and in whatever call) it is prepared.
     for old, new in zip(before, obj.parameters(), strict=True):
         if old is not new:
-            options["moved"][id(old)] = new
+            setattr(old, _REPLACED_BY, new)
     return prepared
+
+
+def _rebind(optimizer: torch.optim.Optimizer) -> bool:
+    """Point ``optimizer`` at the parameters that replaced its own; whether all were final."""
+    settled = True
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for index, param in enumerate(params):
+            new = getattr(param, _REPLACED_BY, None)
+            if new is not None:
+                params[index] = new
+                if param in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(param)
+            settled = settled and not _replaceable(new if new is not None else param)
+    return settled
+
+
+def _replaceable(param: torch.Tensor) -> bool:
+    # A DTensor parameter is what FSDP2 made: nothing replaces it again. (Looked up, not
+    # imported: importing torch.distributed.tensor costs seconds, and without it no
+    # DTensor exists.)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is None or not isinstance(param, dtensor.DTensor)
 
 
 def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
     # The optimizer holds the same Parameter objects the model moved, so it needs no
     # wrapper; state loaded earlier (on another device) follows its parameter.
-    moved = options["moved"]
-    if moved:
-        for group in optimizer.param_groups:
-            group["params"] = [moved.get(id(p), p) for p in group["params"]]
-        for old in [p for p in optimizer.state if id(p) in moved]:
-            optimizer.state[moved[id(old)]] = optimizer.state.pop(old)
+    if not _rebind(optimizer) and dist.strategy == "fsdp" and dist.distributed:
+        # Prepared before its model (an earlier prepare call): the model's sharding will
+        # replace these parameters, so look again just before the first step.
+        def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            _rebind(opt)
+            handle.remove()
+
+        handle = optimizer.register_step_pre_hook(first_step)
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
@@ -112,9 +144,10 @@ def prepare(
       with FSDP2 under ``dist.strategy == 'fsdp'``, which changes the module in
       place). Under DDP your module object is not modified otherwise;
       :func:`unwrap_model` gives it back.
-    * Optimizer: returned as is (it already holds the moved parameters; where a
-      device makes new Parameter objects, optimizers prepared in the same call
-      are pointed at them); state tensors follow their parameter's device.
+    * Optimizer: returned as is (it already holds the moved parameters; where
+      preparing a model makes new Parameter objects, as FSDP2 does, the
+      optimizer is pointed at them, in any order and any split of ``prepare``
+      calls); state tensors follow their parameter's device.
     * LR scheduler: returned as is; it advances once per ``scheduler.step()``.
     * ``DataLoader``: rebuilt as a :class:`PreparedLoader` that reads this
       rank's shard (see :class:`Sharding`) with the same batch size per process,
@@ -152,13 +185,13 @@ def prepare(
         >>> (len(loader), loader.batch_size, tag)
         (3, 4, 'tag')
     """
-    options = {
-        "even_batches": even_batches,
-        "ddp_kwargs": ddp_kwargs,
-        "shard_policy": shard_policy,
-        "moved": {},
-    }
-    prepared = tuple(_prepare_one(dist, obj, options) for obj in objs)
+    options = {"even_batches": even_batches, "ddp_kwargs": ddp_kwargs, "shard_policy": shard_policy}
+    # Modules first, whatever the order given: preparing one may replace its parameters,
+    # and optimizers in the same call must see the replacements.
+    ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}
+    prepared = tuple(
+        ready[i] if i in ready else _prepare_one(dist, obj, options) for i, obj in enumerate(objs)
+    )
     if len(prepared) == 1:
         return prepared[0]
     return prepared

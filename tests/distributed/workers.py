@@ -154,6 +154,47 @@ def strategy_loop(strategy: str, accumulation_steps: int = 1, steps: int = 6) ->
     return {"params": full_params(model), "norms": norms, "param_types": sorted(set(sharded))}
 
 
+def fsdp_prepare_orders(steps: int = 3) -> dict[str, Any]:
+    """FSDP2: the model and its optimizer prepared in every order and split of prepare calls."""
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp")
+    x, y = seed_task(n=32)
+    shard = slice(dist.rank * 8, dist.rank * 8 + 8)
+
+    def together(model: Any, opt: Any) -> tuple[Any, Any]:
+        return faccel.prepare(dist, model, opt)
+
+    def optimizer_first(model: Any, opt: Any) -> tuple[Any, Any]:
+        opt, model = faccel.prepare(dist, opt, model)
+        return model, opt
+
+    def model_then_optimizer(model: Any, opt: Any) -> tuple[Any, Any]:
+        model = faccel.prepare(dist, model)
+        return model, faccel.prepare(dist, opt)
+
+    def optimizer_then_model(model: Any, opt: Any) -> tuple[Any, Any]:
+        opt = faccel.prepare(dist, opt)
+        return faccel.prepare(dist, model), opt
+
+    results = {}
+    for order in (together, optimizer_first, model_then_optimizer, optimizer_then_model):
+        torch.manual_seed(0)
+        model = Blocks()
+        initial = [p.detach().flatten().tolist() for p in model.parameters()]
+        model, optimizer = order(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+        for _ in range(steps):
+            optimizer.zero_grad()
+            faccel.backward(dist, torch.nn.functional.mse_loss(model(x[shard]), y[shard]))
+            optimizer.step()
+        results[order.__name__] = {
+            "params": full_params(model),
+            "initial": initial,
+            "stepped": [type(p).__name__ for group in optimizer.param_groups for p in group["params"]],
+        }
+    return results
+
+
 def _train_blocks(dist: Any, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     import faccel
 
