@@ -7,6 +7,7 @@ that. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -164,5 +165,19 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
         return _check_prepared(dist, model)
     if is_sharded(model):
         return model
+    # The same module prepared again gets the wrapper it got the first time: a second DDP
+    # around it would reduce its gradients twice. (A copy of the module carries the weak
+    # reference too, hence the check that the wrapper holds this very module.)
+    earlier = model.__dict__.get(_WRAPPED_AS)
+    wrapper = earlier() if earlier is not None else None
+    if wrapper is not None and unwrap_model(wrapper) is model:
+        return _check_prepared(dist, wrapper)
     model.to(dist.device)  # in place: the optimizer's parameter references stay valid
-    return _STRATEGIES[dist.strategy](dist, model, options)
+    wrapped = _STRATEGIES[dist.strategy](dist, model, options)
+    if wrapped is not model:
+        # object.__setattr__: nn.Module's own would register the wrapper as a submodule.
+        object.__setattr__(model, _WRAPPED_AS, weakref.ref(wrapped))
+    return wrapped
+
+
+_WRAPPED_AS = "_faccel_wrapped_as"

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from faccel._data import PreparedLoader, prepare_loader
 from faccel._model import prepare_module
@@ -105,6 +105,34 @@ def _unchanged(dist: DistState, obj: Any, options: _Options) -> Any:
     return obj
 
 
+def _dataset(dist: DistState, obj: Any, options: _Options) -> Any:
+    msg = (
+        f"prepare() got a {type(obj).__name__} (a Dataset), which it cannot shard or batch; "
+        "wrap it in a torch.utils.data.DataLoader(dataset, batch_size=...) and prepare that"
+    )
+    raise PrepareError(msg)
+
+
+def _iterator(dist: DistState, obj: Any, options: _Options) -> Any:
+    msg = (
+        f"prepare() got a {type(obj).__name__}, an iterator it could only pass on half-consumed "
+        "(model.parameters() is one); build the optimizer from model.parameters() and prepare "
+        "the model and the optimizer"
+    )
+    raise PrepareError(msg)
+
+
+def _collection(dist: DistState, obj: Any, options: _Options) -> Any:
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    if any(isinstance(v, _PREPARABLE) for v in values):
+        msg = (
+            f"prepare() got a {type(obj).__name__} holding models, optimizers or loaders, which it "
+            "would pass back unprepared; pass them one by one: faccel.prepare(dist, *objects)"
+        )
+        raise PrepareError(msg)
+    return obj
+
+
 # What prepare does with each kind of object: the first matching row wins.
 # LR schedulers pass through unchanged: each scheduler.step() call advances them once,
 # so they advance once per optimizer step whatever the world size.
@@ -114,7 +142,13 @@ _HANDLERS: tuple[tuple[type, Callable[[DistState, Any, _Options], Any]], ...] = 
     (torch.optim.lr_scheduler.LRScheduler, _unchanged),
     (DataLoader, _loader),
     (PreparedLoader, _prepared_loader),
+    (Dataset, _dataset),
+    (Iterator, _iterator),
+    (list, _collection),
+    (tuple, _collection),
+    (Mapping, _collection),
 )
+_PREPARABLE = (nn.Module, torch.optim.Optimizer, DataLoader, Dataset)
 
 
 def _prepare_one(dist: DistState, obj: Any, options: _Options) -> Any:
@@ -135,8 +169,11 @@ def prepare(
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
     Returns the objects in the order given: a tuple, or the object itself when
-    given one. Anything that is not a module, optimizer, scheduler or loader is
-    returned unchanged, so ``prepare`` can take the whole list at once.
+    given one. Other values (a tag, a config) are returned unchanged, so
+    ``prepare`` can take the whole list at once; what looks like a mistake is
+    refused: a ``Dataset`` (prepare its ``DataLoader``), an iterator such as
+    ``model.parameters()``, or a list, tuple or dict holding models,
+    optimizers or loaders (pass them one by one).
 
     * ``nn.Module``: moved to ``dist.device`` *in place*; wrapped so its forward
       runs under autocast when ``dist.precision`` is not ``'no'``; wrapped in
@@ -171,8 +208,8 @@ def prepare(
         The prepared objects in the given order (one object: itself).
 
     Raises:
-        PrepareError: A loader faccel cannot shard, or an object prepared for
-            another ``DistState``.
+        PrepareError: A loader faccel cannot shard, an object prepared for
+            another ``DistState``, or one of the refused objects above.
 
     Example:
         >>> import torch, faccel

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given
@@ -112,3 +114,27 @@ def test_bad_dist_is_a_type_error() -> None:
 
     with pytest.raises(faccel.errors.ArgumentError, match="dist"):
         faccel.prepare(None, torch.nn.Linear(1, 1))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda m: TensorDataset(torch.ones(4, 2)), "wrap it in a torch.utils.data.DataLoader"),
+        (lambda m: m.parameters(), "model.parameters"),
+        (lambda m: [m, torch.optim.SGD(m.parameters(), lr=0.1)], "one by one"),
+        (lambda m: {"model": m}, "one by one"),
+    ],
+)
+def test_prepare_refuses_what_it_would_pass_back_unprepared(make: Any, match: str) -> None:
+    import faccel
+
+    with pytest.raises(faccel.errors.PrepareError, match=match):
+        faccel.prepare(faccel.detect({}), make(torch.nn.Linear(2, 1)))
+
+
+def test_prepare_passes_plain_values_through() -> None:
+    import faccel
+
+    config = {"lr": 0.1, "names": ["a", "b"]}
+    tag, got, pair = faccel.prepare(faccel.detect({}), "tag", config, (1, 2))
+    assert (tag, got, pair) == ("tag", config, (1, 2)) and got is config

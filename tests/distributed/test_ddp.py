@@ -77,3 +77,9 @@ def test_torchrun_runs_the_example_as_two_processes() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world size 2" in done.stdout
     assert "8 batches per rank per epoch" in done.stdout
+
+
+def test_a_module_prepared_twice_gets_its_first_wrapper_not_a_second_ddp() -> None:
+    for result in harness.run(workers.prepare_twice, world_size=2):
+        assert result["same_wrapper"] and result["copy_wrapped_apart"]
+        assert "prepared under another DistState" in result["refused"]

@@ -327,3 +327,28 @@ def fsdp_checkpoint(root: str, stop: int, total: int, model_dir: str) -> dict[st
         "reference_lr": reference.optimizer.param_groups[0]["lr"],
         "param_types": sorted({type(p).__name__ for p in resumed.model.parameters()}),
     }
+
+
+def prepare_twice() -> dict[str, Any]:
+    """The same module prepared twice under DDP; and a copy of it prepared after."""
+    import copy
+
+    import faccel
+
+    dist = faccel.detect()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    first = faccel.prepare(dist, model)
+    again = faccel.prepare(dist, model)
+    copied = faccel.prepare(dist, copy.deepcopy(model))
+    other = faccel.DistState.simulated(rank=dist.rank, world_size=dist.world_size)
+    try:
+        faccel.prepare(other, model)
+        refused = ""
+    except faccel.errors.PrepareError as error:
+        refused = str(error)
+    return {
+        "same_wrapper": again is first,
+        "copy_wrapped_apart": copied is not first and faccel.unwrap_model(copied) is not model,
+        "refused": refused,
+    }
