@@ -8,14 +8,14 @@ import torch
 
 from faccel._accumulate import MicroStep
 from faccel._state import DistState
-from faccel.errors import AccumulationError, PrecisionError
+from faccel.errors import AccumulationError, ArgumentError, ArgumentValueError, PrecisionError
 
 __all__ = ["backward"]
 
 
 def backward(
     dist: DistState,
-    loss: torch.Tensor,
+    loss: torch.Tensor = None,  # type: ignore[assignment]  # backward(loss) gets a named error
     *,
     micro: MicroStep | None = None,
     scaler: torch.amp.GradScaler | None = None,
@@ -39,6 +39,9 @@ def backward(
         **kwargs: Passed to ``torch.Tensor.backward`` (``retain_graph``...).
 
     Raises:
+        ArgumentError: ``loss`` is not a tensor, or ``dist`` is missing
+            (``backward(loss)``).
+        ArgumentValueError: ``loss`` is not a scalar (reduce it, e.g. ``.mean()``).
         AccumulationError: Accumulation without ``micro``.
         PrecisionError: fp16 without ``scaler``.
 
@@ -49,6 +52,8 @@ def backward(
         >>> w.grad.tolist()
         [3.0, 3.0]
     """
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        _refuse(dist, loss)
     if micro is not None:
         if micro.group_size != 1:
             loss = loss / micro.group_size
@@ -67,3 +72,21 @@ def backward(
         )
         raise PrecisionError(msg)
     loss.backward(**kwargs)
+
+
+def _refuse(dist: Any, loss: Any) -> None:
+    """Raise the error that names the fix for a loss ``backward`` cannot take."""
+    if isinstance(dist, torch.Tensor):
+        msg = "backward() got a tensor where the DistState goes; call faccel.backward(dist, loss)"
+        raise ArgumentError(msg)
+    if not isinstance(loss, torch.Tensor):
+        msg = (
+            f"backward() needs the loss as a scalar torch.Tensor, got {type(loss).__name__}; "
+            "pass the tensor itself, not loss.item()"
+        )
+        raise ArgumentError(msg)
+    msg = (
+        f"backward() needs a scalar loss, got shape {list(loss.shape)}; reduce it first "
+        "(loss.mean() or loss.sum(), or reduction='mean' in the loss function)"
+    )
+    raise ArgumentValueError(msg)

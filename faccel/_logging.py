@@ -7,6 +7,7 @@ configured the usual way (``logging.basicConfig``...). faccel adds no handler.
 
 from __future__ import annotations
 
+import builtins
 import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
 
-__all__ = ["RankLogger", "get_logger"]
+__all__ = ["RankLogger", "get_logger", "print"]
 
 
 class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -88,3 +89,26 @@ def get_logger(dist: DistState, name: str, *, main_process_only: bool = True) ->
         >>> logging.getLogger("demo.main").removeHandler(handler)
     """
     return RankLogger(logging.getLogger(name), dist, main_process_only=main_process_only)
+
+
+def print(dist: DistState, *values: Any, main_process_only: bool = True, **kwargs: Any) -> None:
+    """``print`` on the main process only (Accelerate's ``accelerator.print``).
+
+    Unlike :func:`get_logger`, it needs no logging configuration: the values go
+    to standard output as the builtin ``print`` writes them.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        *values: What the builtin ``print`` takes.
+        main_process_only: Print on global rank 0 only (True) or on every rank.
+        **kwargs: The builtin's keywords (``sep``, ``end``, ``file``, ``flush``).
+
+    Example:
+        >>> import faccel
+        >>> faccel.print(faccel.detect({}), "epoch", 3)
+        epoch 3
+        >>> faccel.print(faccel.DistState.simulated(rank=1, world_size=2), "not on rank 1")
+    """
+    if main_process_only and not dist.is_main_process:
+        return
+    builtins.print(*values, **kwargs)

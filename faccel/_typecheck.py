@@ -30,10 +30,21 @@ def setup_checked(fn: F) -> F:
             wrapper.__dict__["_checked"] = checked
         from typeguard import TypeCheckError
 
+        if takes_dist and (not args or type(args[0]).__name__ != "DistState"):
+            # The usual slip of an Accelerate user: the state left out of the call, which
+            # would otherwise surface as a missing argument or a type error further on.
+            given = type(args[0]).__name__ if args else "nothing"
+            msg = (
+                f"{fn.__qualname__}() takes the DistState first, got {given}; "
+                f"call it as faccel.{fn.__name__}(dist, ...) with dist = faccel.detect()"
+            )
+            raise ArgumentError(msg)
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as error:
             msg = f"{fn.__qualname__}(): {error}"
             raise ArgumentError(msg) from None
+
+    takes_dist = fn.__code__.co_varnames[:1] == ("dist",)
 
     return wrapper  # type: ignore[return-value]
