@@ -587,3 +587,185 @@ def test_buckets_refuse_integer_tensors() -> None:
 
     with pytest.raises(FunctionalError, match=r"leaf 1 is a torch\.int64 tensor"):
         _buckets([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], None)
+
+
+# --- the optimizer protocol and parameter groups ---------------------------------------------
+
+
+class _TinyGPT(torch.nn.Module):
+    """nanoGPT's parameter kinds: embeddings, LayerNorm weights and biases, Linear weights and biases."""
+
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, width)
+        self.ln = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 4 * width)
+        self.proj = torch.nn.Linear(4 * width, width)
+        self.ln_f = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        x = x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+        return self.head(self.ln_f(x))
+
+
+def _decay_matrices(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    """nanoGPT's configure_optimizers split: weight decay for every tensor of 2 or more dimensions."""
+    return {name: "decay" if p.dim() >= 2 else "no_decay" for name, p in params.items()}
+
+
+def test_nanogpt_configure_optimizers_as_param_groups_is_torch_adamw_bit_for_bit() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    torch.manual_seed(0)
+    module = _TinyGPT()
+    torch.manual_seed(0)
+    reference = _TinyGPT()
+    lr, betas, weight_decay = 3e-2, (0.9, 0.95), 0.1
+
+    # nanoGPT's configure_optimizers, as it is written for torch.optim.
+    decay = [p for p in reference.parameters() if p.dim() >= 2]
+    no_decay = [p for p in reference.parameters() if p.dim() < 2]
+    torch_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+        foreach=False,
+    )
+    # The same, functionally.
+    opt = faccel.func.param_groups(
+        _decay_matrices,
+        {
+            "decay": faccel.func.adamw(lr, betas=betas, weight_decay=weight_decay),
+            "no_decay": faccel.func.adamw(lr, betas=betas, weight_decay=0.0),
+        },
+    )
+    dist = faccel.detect({})
+    params, buffers = faccel.func.model_params(dist, module)
+    state = faccel.func.FunctionalState.create(params=params, buffers=buffers, optimizer=opt)
+    assert sorted(state.opt_state.groups["decay"].exp_avg) == [
+        "fc.weight",
+        "head.weight",
+        "proj.weight",
+        "wte.weight",
+    ]
+    assert len(state.opt_state.groups["no_decay"].exp_avg) == 6  # biases and LayerNorm weights
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    grad_fn = faccel.func.loss_and_grad(dist, module, loss_fn)
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        idx, targets = torch.randint(0, 11, (4, 6), generator=g), torch.randint(0, 11, (4, 6), generator=g)
+        step_lr = lr * (1 - step / 10)  # a schedule: every group's lr set, as nanoGPT's loop does
+        torch_opt.zero_grad()
+        loss_fn(reference(idx), targets).backward()
+        for group in torch_opt.param_groups:
+            group["lr"] = step_lr
+        torch_opt.step()
+        _, grads = grad_fn(state.params, state.buffers, idx, targets)
+        state = state.apply_gradients(grads, lr=step_lr)
+        for name, p in reference.named_parameters():
+            assert torch.equal(state.params[name], p.detach()), (step, name)
+    for name, p in reference.named_parameters():
+        group = "decay" if p.dim() >= 2 else "no_decay"
+        ours = state.opt_state.groups[group]
+        assert torch.equal(ours.exp_avg[name], torch_opt.state[p]["exp_avg"])
+        assert torch.equal(ours.exp_avg_sq[name], torch_opt.state[p]["exp_avg_sq"])
+        assert ours.step == 5
+
+    # The grouped state checkpoints like any other, and the check sees groups that moved.
+    again = faccel.func.FunctionalState.from_state_dict(state.state_dict(), optimizer=opt)
+    for a, b in zip(pytree.tree_leaves(again), pytree.tree_leaves(state), strict=True):
+        assert torch.equal(a, b)
+    all_decay = faccel.func.param_groups(lambda params: dict.fromkeys(params, "decay"), dict(opt.optimizers))
+    with pytest.raises(FunctionalError, match=r"groups\['decay'\]\.exp_avg"):
+        faccel.func.FunctionalState.from_state_dict(state.state_dict(), optimizer=all_decay)
+
+
+def test_param_groups_work_on_any_tree_and_refuse_what_does_not_fit() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    # A list of tensors: groups key their states by path; per-group lr and optimizer kind.
+    opt = faccel.func.param_groups(
+        lambda params: ["fast", "slow", "fast"],
+        {"fast": faccel.func.sgd(1.0, momentum=0.5), "slow": faccel.func.adamw(0.1, weight_decay=0.0)},
+    )
+    params = [torch.ones(2), torch.ones(3), torch.ones(1)]
+    state = opt.init(params)
+    assert sorted(state.groups["fast"].momentum_buffer) == ["[0]", "[2]"]
+    grads = [torch.ones(2), torch.ones(3), torch.ones(1)]
+    new, state = opt.update(grads, state, params)
+    assert type(new) is list and new[0].tolist() == [0.0, 0.0] and new[2].tolist() == [0.0]
+    want, _ = faccel.func.adamw(0.1, weight_decay=0.0).update(
+        {"x": grads[1]}, faccel.func.adamw(0.1, weight_decay=0.0).init({"x": params[1]}), {"x": params[1]}
+    )
+    assert torch.equal(new[1], want["x"])
+    assert params[0].tolist() == [1.0, 1.0]  # nothing given is modified
+    assert isinstance(opt, faccel.func.Optimizer) and hash(opt) == hash(opt)
+
+    with pytest.raises(FunctionalError, match="'medium', which is not one of the groups"):
+        faccel.func.param_groups(lambda p: ["medium"] * 3, dict(opt.optimizers)).init(params)
+    with pytest.raises(FunctionalError, match="labels\\(params\\) must have the structure of params"):
+        faccel.func.param_groups(lambda p: ["fast"], dict(opt.optimizers)).init(params)
+    with pytest.raises(FunctionalError, match="at least one group"):
+        faccel.func.param_groups(lambda p: p, {})
+    with (
+        pytest.raises(FunctionalError, match="ParamGroupsState made by init"),
+        typeguard.suppress_type_checks(),
+    ):
+        opt.update(grads, faccel.func.sgd(0.1).init(params), params)
+    with pytest.raises(FunctionalError, match="grads must have the structure of params"):
+        opt.update(grads[:2], state, params)
+
+
+def test_a_new_optimizer_is_a_new_record_that_functional_state_takes_as_it_is() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    # signSGD with a step counter, written against the protocol alone (no faccel edit).
+    @faccel.func.register_pytree
+    @attrs.frozen(kw_only=True)
+    class SignState:
+        last_sign: Any
+        step: int = faccel.func.static_field(default=0)
+
+    @attrs.frozen(kw_only=True)
+    class SignSGD:
+        lr: float
+
+        def init(self, params: Any) -> SignState:
+            return SignState(last_sign=faccel.func.tree_map(torch.zeros_like, params))
+
+        def update(
+            self, grads: Any, state: SignState, params: Any, *, lr: float | None = None
+        ) -> tuple[Any, SignState]:
+            rate = self.lr if lr is None else lr
+            signs = faccel.func.tree_map(torch.sign, grads)
+            new = faccel.func.tree_map(lambda p, s: p - rate * s, params, signs)
+            return new, SignState(last_sign=signs, step=state.step + 1)
+
+    opt = SignSGD(lr=0.5)
+    assert isinstance(opt, faccel.func.Optimizer)
+    state = faccel.func.FunctionalState.create(params={"w": torch.zeros(3)}, optimizer=opt)
+    state = state.apply_gradients({"w": torch.tensor([2.0, -3.0, 0.0])})
+    state = state.apply_gradients({"w": torch.tensor([1.0, 1.0, 1.0])}, lr=0.25)
+    assert state.params["w"].tolist() == [-0.75, 0.25, -0.25] and state.opt_state.step == 2
+
+    saved = state.state_dict()
+    assert saved["opt_state"] == {"last_sign": state.opt_state.last_sign, "step": 2}
+    back = faccel.func.FunctionalState.from_state_dict(saved, optimizer=opt)
+    assert type(back.opt_state) is SignState and back.opt_state.step == 2
+    assert back.opt_state.last_sign["w"] is state.opt_state.last_sign["w"]  # not copied
+    wrong_step = {**saved, "opt_state": {**saved["opt_state"], "step": 2.0}}
+    with pytest.raises(FunctionalError, match=r"optimizer state's step does not fit .*expected int, got float"):
+        faccel.func.FunctionalState.from_state_dict(wrong_step, optimizer=opt)
+    wrong_shape = {**saved, "opt_state": {"last_sign": {"w": torch.zeros(2)}, "step": 2}}
+    with pytest.raises(FunctionalError, match=r"last_sign\['w'\] does not fit .*\(3,\) tensor"):
+        faccel.func.FunctionalState.from_state_dict(wrong_shape, optimizer=opt)
+    with pytest.raises(FunctionalError, match="as a dict of"):
+        faccel.func.FunctionalState.from_state_dict({**saved, "opt_state": {"step": 2}}, optimizer=opt)
