@@ -129,7 +129,8 @@ def test_lazy_exports_resolve_and_match_the_typing_imports(namespace: str) -> No
         for alias in stmt.names
     }
     # `from m import x as x`: each name re-exported explicitly, from the module the table names.
-    table = {(module_name, name, name) for module_name, names in _table()[namespace].items() for name in names}
+    exports = _table()[namespace]
+    table = {(module_name, name, name) for module_name, names in exports.items() for name in names}
     assert typed == table
     for name in module.__all__:
         value = getattr(module, name)

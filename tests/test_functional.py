@@ -762,7 +762,7 @@ def test_a_new_optimizer_is_a_new_record_that_functional_state_takes_as_it_is() 
     assert type(back.opt_state) is SignState and back.opt_state.step == 2
     assert back.opt_state.last_sign["w"] is state.opt_state.last_sign["w"]  # not copied
     wrong_step = {**saved, "opt_state": {**saved["opt_state"], "step": 2.0}}
-    with pytest.raises(FunctionalError, match=r"optimizer state's step does not fit .*expected int, got float"):
+    with pytest.raises(FunctionalError, match=r"state's step does not fit .*expected int, got float"):
         faccel.func.FunctionalState.from_state_dict(wrong_step, optimizer=opt)
     wrong_shape = {**saved, "opt_state": {"last_sign": {"w": torch.zeros(2)}, "step": 2}}
     with pytest.raises(FunctionalError, match=r"last_sign\['w'\] does not fit .*\(3,\) tensor"):
