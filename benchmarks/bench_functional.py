@@ -3,7 +3,7 @@
 python benchmarks/run.py --only functional        # through the registry (rows, docs)
 python benchmarks/bench_functional.py [--quick]   # alone, printing the rows
 
-1. ``faccel.sync_grads`` over 100 float32 gradient tensors (0.8 MB and 13 MB in all:
+1. ``faccel.func.sync_grads`` over 100 float32 gradient tensors (0.8 MB and 13 MB in all:
    50 weight matrices and 50 bias vectors), two gloo processes spawned here (the
    parent hosts the TCPStore on a port the OS picks). The issue's two ways of averaging
    100 tensors by hand are timed beside it: one ``all_reduce`` per tensor, and one flat
@@ -104,7 +104,7 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
 
             return timed
 
-        buckets = faccel.grad_buckets(dist, grads)
+        buckets = faccel.func.grad_buckets(dist, grads)
         reused = torch.empty(sum(t.numel() for t in leaves))
 
         def flat_reused(leaves: list = leaves, buffer: Any = reused) -> list:
@@ -119,9 +119,9 @@ def _sync_worker(rank: int, port: int, plan: dict[str, Any], out: str) -> None:
 
         subjects = {
             FLAT: block(flat_by_hand),
-            FACCEL: block(lambda grads=grads: faccel.sync_grads(dist, grads)),
-            BUCKETS: block(lambda grads=grads: faccel.sync_grads(dist, grads, bucket_cap_mb=None)),
-            REUSED: block(lambda grads=grads, b=buckets: faccel.sync_grads(dist, grads, buckets=b)),
+            FACCEL: block(lambda grads=grads: faccel.func.sync_grads(dist, grads)),
+            BUCKETS: block(lambda grads=grads: faccel.func.sync_grads(dist, grads, bucket_cap_mb=None)),
+            REUSED: block(lambda grads=grads, b=buckets: faccel.func.sync_grads(dist, grads, buckets=b)),
             FLAT_REUSED: block(flat_reused),
             PER_TENSOR: block(per_tensor),
             FLOOR: block(lambda flat=flat: tdist.all_reduce(flat)),
@@ -175,9 +175,9 @@ def bench_step(quick: bool) -> list[Row]:
         optimizer.step()
 
     template = mlp(sizes)
-    params, buffers = faccel.model_params(dist, template)
-    grad_fn = faccel.loss_and_grad(dist, template, loss_fn)
-    box = [faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.sgd(lr))]
+    params, buffers = faccel.func.model_params(dist, template)
+    grad_fn = faccel.func.loss_and_grad(dist, template, loss_fn)
+    box = [faccel.func.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.func.sgd(lr))]
     func_data = itertools.cycle(pool)
 
     def functional_step() -> None:

@@ -38,9 +38,9 @@ def main(epochs: int = 3) -> None:
                 stepped = faccel.optimizer_step(dist, optimizer, scaler=scaler, scheduler=scheduler)
                 steps, skipped = steps + stepped, skipped + (not stepped)
                 optimizer.zero_grad()
-        if faccel.is_main_process(dist):
+        if dist.is_main_process:
             print(f"epoch {epoch}: loss {loss.item():.4f}")
-    if faccel.is_main_process(dist):
+    if dist.is_main_process:
         print(
             f"precision {dist.precision}, world size {dist.world_size}: {steps} optimizer steps, "
             f"{skipped} skipped, {len(loader)} micro-batches per rank per epoch"

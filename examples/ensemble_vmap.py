@@ -5,10 +5,10 @@ torchrun --standalone --nproc-per-node 2 examples/ensemble_vmap.py
 
 ``torch.func.stack_module_state`` stacks the parameters of K models of one
 architecture along a new first dimension; ``torch.func.vmap`` over
-``faccel.loss_and_grad(..., engine="func")`` computes the K losses and
+``faccel.func.loss_and_grad(..., engine="func")`` computes the K losses and
 gradients in one batched call; SGD and AdamW are elementwise, so the pure
 optimizer updates the stacked tensors directly. With several processes the
-stacked gradients are averaged like any other with ``faccel.sync_grads``.
+stacked gradients are averaged like any other with ``faccel.func.sync_grads``.
 """
 
 from __future__ import annotations
@@ -42,17 +42,19 @@ def main(members: int = 8, epochs: int = 5) -> list[float]:
     models = [make_model(seed) for seed in range(members)]
     params, buffers = torch.func.stack_module_state(models)
     params = {name: p.detach() for name, p in params.items()}  # the state owns plain tensors
-    state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.adamw(lr=1e-3))
+    state = faccel.func.FunctionalState.create(
+        params=params, buffers=buffers, optimizer=faccel.func.adamw(lr=1e-3)
+    )
 
     # One model is the template that functional_call runs with each member's tensors.
-    grad_fn = faccel.loss_and_grad(dist, make_model(0), nn.functional.mse_loss, engine="func")
+    grad_fn = faccel.func.loss_and_grad(dist, make_model(0), nn.functional.mse_loss, engine="func")
     ensemble_grad_fn = torch.func.vmap(grad_fn, in_dims=(0, 0, None, None))  # members share batches
 
     losses = torch.zeros(members)
     for epoch in range(epochs):
         for batch_inputs, batch_targets in loader.at(epoch=epoch):
             losses, grads = ensemble_grad_fn(state.params, state.buffers, batch_inputs, batch_targets)
-            state = state.apply_gradients(faccel.sync_grads(dist, grads))
+            state = state.apply_gradients(faccel.func.sync_grads(dist, grads))
         log.info("epoch %d: member losses %s", epoch, " ".join(f"{x:.3f}" for x in losses.tolist()))
 
     # The ensemble's prediction: the members' mean, in one vmapped forward.

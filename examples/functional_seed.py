@@ -40,7 +40,7 @@ def learning_rate(step: int) -> float:
     return 0.1 * 0.99**step
 
 
-def train(dist: faccel.DistState, epochs: int) -> tuple[float, faccel.FunctionalState]:
+def train(dist: faccel.DistState, epochs: int) -> tuple[float, faccel.func.FunctionalState]:
     """Train for ``epochs``; returns this rank's last loss and the final state."""
     log = faccel.get_logger(dist, __name__)
     inputs, targets = make_task()
@@ -48,22 +48,24 @@ def train(dist: faccel.DistState, epochs: int) -> tuple[float, faccel.Functional
     model = faccel.prepare(dist, make_model())  # under torchrun: DDP gives every rank rank 0's weights
 
     # Functional code bypasses DDP's gradient hooks: promise to sync, then do it below.
-    params, buffers = faccel.model_params(dist, model, will_sync_grads=True)
+    params, buffers = faccel.func.model_params(dist, model, will_sync_grads=True)
     # The DDP wrapper has done its job and functional code never calls it; drop it now
     # rather than keep it alive past faccel.shutdown().
     model = faccel.unwrap_model(model)
-    state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.sgd(0.1))
-    grad_fn = faccel.loss_and_grad(dist, model, nn.functional.mse_loss)
+    state = faccel.func.FunctionalState.create(params=params, buffers=buffers, optimizer=faccel.func.sgd(0.1))
+    grad_fn = faccel.func.loss_and_grad(dist, model, nn.functional.mse_loss)
     # Flat buffers sync_grads reuses every step (nothing is allocated with one process). Each
     # step's averaged gradients are views of them: apply_gradients uses them before the next
     # sync_grads overwrites them.
-    buckets = faccel.grad_buckets(dist, params)
+    buckets = faccel.func.grad_buckets(dist, params)
 
     loss = torch.zeros(())
     for epoch in range(epochs):
         for batch_inputs, batch_targets in loader.at(epoch=epoch):
             loss, grads = grad_fn(state.params, state.buffers, batch_inputs, batch_targets)
-            grads = faccel.sync_grads(dist, grads, buckets=buckets)  # the average over ranks, as DDP would
+            grads = faccel.func.sync_grads(
+                dist, grads, buckets=buckets
+            )  # the average over ranks, as DDP would
             state = state.apply_gradients(grads, lr=learning_rate(state.step))
         log.info("epoch %d: loss %.4f", epoch, loss.item())
     log.info(

@@ -4,146 +4,139 @@ Pure functions over frozen records: :func:`detect` gives a :class:`DistState`,
 :func:`prepare` readies models, optimizers and loaders for it, and
 :func:`backward` runs the right backward pass.
 
+Functional training (``torch.func``: pure loss-and-grad, gradient averaging,
+pure optimizers, pytrees) lives in :mod:`faccel.func`.
+
 Every public name is imported on first use (PEP 562): ``import faccel`` costs
 next to nothing beside ``import torch``, and a script pays only for the parts
-it uses. ``__all__`` is the public surface.
+it uses. ``__all__`` is the public surface; it, the lazy imports and
+``faccel.func``'s are all derived from the one table ``_PUBLIC`` below.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from faccel import errors
-    from faccel._accumulate import MicroStep, accumulate, micro_batches, micro_step
-    from faccel._backward import backward
-    from faccel._checkpoint import checkpoint, latest_checkpoint, restore
-    from faccel._clip import clip_grad_norm, clip_grad_value
-    from faccel._collectives import broadcast, gather, gather_object, pad_across_processes, reduce
-    from faccel._data import PreparedLoader, to_device
-    from faccel._functional import FunctionalState, loss_and_grad, model_params
-    from faccel._grad_sync import GradBuckets, grad_buckets, sync_grads
-    from faccel._launch import LaunchInfo, parse_launch
-    from faccel._logging import RankLogger, get_logger
-    from faccel._metrics import gather_for_metrics
-    from faccel._model import unwrap_model
-    from faccel._optim import AdamWState, SGDState, adamw, sgd
-    from faccel._precision import autocast, grad_scaler, optimizer_step
-    from faccel._prepare import prepare
-    from faccel._process_group import is_main_process, main_process_first, shutdown, wait_for_everyone
-    from faccel._progress import progress
-    from faccel._pytree import register_pytree, static_field, tree_map
-    from faccel._random import set_seed
-    from faccel._save_model import load_model, save_model
-    from faccel._sharding import Sharding
-    from faccel._split import split_between_processes
-    from faccel._state import DistState, detect, state_from_env
-    from faccel._train_state import TrainState
+if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/test_api.py compares)
+    from faccel import errors as errors
+    from faccel import func as func
+    from faccel._accumulate import MicroStep as MicroStep
+    from faccel._accumulate import accumulate as accumulate
+    from faccel._accumulate import micro_batches as micro_batches
+    from faccel._accumulate import micro_step as micro_step
+    from faccel._backward import backward as backward
+    from faccel._checkpoint import checkpoint as checkpoint
+    from faccel._checkpoint import latest_checkpoint as latest_checkpoint
+    from faccel._checkpoint import restore as restore
+    from faccel._clip import clip_grad_norm as clip_grad_norm
+    from faccel._clip import clip_grad_value as clip_grad_value
+    from faccel._collectives import broadcast as broadcast
+    from faccel._collectives import gather as gather
+    from faccel._collectives import gather_object as gather_object
+    from faccel._collectives import pad_across_processes as pad_across_processes
+    from faccel._collectives import reduce as reduce
+    from faccel._data import PreparedLoader as PreparedLoader
+    from faccel._data import to_device as to_device
+    from faccel._launch import LaunchInfo as LaunchInfo
+    from faccel._launch import parse_launch as parse_launch
+    from faccel._logging import RankLogger as RankLogger
+    from faccel._logging import get_logger as get_logger
+    from faccel._metrics import gather_for_metrics as gather_for_metrics
+    from faccel._model import unwrap_model as unwrap_model
+    from faccel._precision import autocast as autocast
+    from faccel._precision import grad_scaler as grad_scaler
+    from faccel._precision import optimizer_step as optimizer_step
+    from faccel._prepare import prepare as prepare
+    from faccel._process_group import main_process_first as main_process_first
+    from faccel._process_group import shutdown as shutdown
+    from faccel._process_group import wait_for_everyone as wait_for_everyone
+    from faccel._progress import progress as progress
+    from faccel._random import set_seed as set_seed
+    from faccel._save_model import load_model as load_model
+    from faccel._save_model import save_model as save_model
+    from faccel._sharding import Sharding as Sharding
+    from faccel._split import split_between_processes as split_between_processes
+    from faccel._state import DistState as DistState
+    from faccel._state import detect as detect
+    from faccel._state import state_from_env as state_from_env
+    from faccel._train_state import TrainState as TrainState
 
-# module -> the public names it defines; __getattr__ below imports them on first use.
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step"),
-    "faccel._backward": ("backward",),
-    "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
-    "faccel._clip": ("clip_grad_norm", "clip_grad_value"),
-    "faccel._collectives": ("broadcast", "gather", "gather_object", "pad_across_processes", "reduce"),
-    "faccel._data": ("PreparedLoader", "to_device"),
-    "faccel._functional": ("FunctionalState", "loss_and_grad", "model_params"),
-    "faccel._grad_sync": ("GradBuckets", "grad_buckets", "sync_grads"),
-    "faccel._launch": ("LaunchInfo", "parse_launch"),
-    "faccel._logging": ("RankLogger", "get_logger"),
-    "faccel._metrics": ("gather_for_metrics",),
-    "faccel._model": ("unwrap_model",),
-    "faccel._optim": ("AdamWState", "SGDState", "adamw", "sgd"),
-    "faccel._precision": ("autocast", "grad_scaler", "optimizer_step"),
-    "faccel._prepare": ("prepare",),
-    "faccel._process_group": ("is_main_process", "main_process_first", "shutdown", "wait_for_everyone"),
-    "faccel._progress": ("progress",),
-    "faccel._pytree": ("register_pytree", "static_field", "tree_map"),
-    "faccel._random": ("set_seed",),
-    "faccel._save_model": ("load_model", "save_model"),
-    "faccel._sharding": ("Sharding",),
-    "faccel._split": ("split_between_processes",),
-    "faccel._state": ("DistState", "detect", "state_from_env"),
-    "faccel._train_state": ("TrainState",),
+# The public surface, the one table of it: namespace -> defining module -> names. A
+# namespace's entry under its own name lists its public submodules. Each namespace's
+# __all__, __getattr__ (imports on first use) and __dir__ come from here.
+_PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
+    "faccel": {
+        "faccel": ("errors", "func"),
+        "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step"),
+        "faccel._backward": ("backward",),
+        "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
+        "faccel._clip": ("clip_grad_norm", "clip_grad_value"),
+        "faccel._collectives": ("broadcast", "gather", "gather_object", "pad_across_processes", "reduce"),
+        "faccel._data": ("PreparedLoader", "to_device"),
+        "faccel._launch": ("LaunchInfo", "parse_launch"),
+        "faccel._logging": ("RankLogger", "get_logger"),
+        "faccel._metrics": ("gather_for_metrics",),
+        "faccel._model": ("unwrap_model",),
+        "faccel._precision": ("autocast", "grad_scaler", "optimizer_step"),
+        "faccel._prepare": ("prepare",),
+        "faccel._process_group": ("main_process_first", "shutdown", "wait_for_everyone"),
+        "faccel._progress": ("progress",),
+        "faccel._random": ("set_seed",),
+        "faccel._save_model": ("load_model", "save_model"),
+        "faccel._sharding": ("Sharding",),
+        "faccel._split": ("split_between_processes",),
+        "faccel._state": ("DistState", "detect", "state_from_env"),
+        "faccel._train_state": ("TrainState",),
+    },
+    "faccel.func": {
+        "faccel._functional": ("FunctionalState", "loss_and_grad", "model_params"),
+        "faccel._grad_sync": ("GradBuckets", "grad_buckets", "sync_grads"),
+        "faccel._optim._base": ("Optimizer",),
+        "faccel._optim._sgd": ("SGDState", "sgd"),
+        "faccel._optim._adamw": ("AdamWState", "adamw"),
+        "faccel._optim._groups": ("ParamGroupsState", "param_groups"),
+        "faccel._pytree": ("register_pytree", "static_field", "tree_map"),
+    },
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def _public_names(namespace: str) -> list[str]:
+    """The sorted ``__all__`` of ``namespace``, from :data:`_PUBLIC`."""
+    return sorted(name for names in _PUBLIC[namespace].values() for name in names)
+
+
+def _lazy_getattr(namespace: str, space: dict[str, Any]) -> Callable[[str], Any]:
+    """The PEP 562 ``__getattr__`` of ``namespace`` (whose globals are ``space``), from :data:`_PUBLIC`."""
+    module_of = {name: module for module, names in _PUBLIC[namespace].items() for name in names}
+
+    def resolve(name: str) -> Any:
+        module = module_of.get(name)
+        if module is None:
+            msg = f"module {namespace!r} has no attribute {name!r}"
+            raise AttributeError(msg)
+        if module == namespace:  # a public submodule
+            value = importlib.import_module(f"{namespace}.{name}")
+        else:
+            value = getattr(importlib.import_module(module), name)
+        # Bound like an ordinary import, so the next access (faccel.backward in the
+        # training loop) is a plain attribute lookup that never reaches this function.
+        space[name] = value
+        return value
+
+    return resolve
+
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AdamWState",
-    "DistState",
-    "FunctionalState",
-    "GradBuckets",
-    "LaunchInfo",
-    "MicroStep",
-    "PreparedLoader",
-    "RankLogger",
-    "SGDState",
-    "Sharding",
-    "TrainState",
-    "accumulate",
-    "adamw",
-    "autocast",
-    "backward",
-    "broadcast",
-    "checkpoint",
-    "clip_grad_norm",
-    "clip_grad_value",
-    "detect",
-    "errors",
-    "gather",
-    "gather_for_metrics",
-    "gather_object",
-    "get_logger",
-    "grad_buckets",
-    "grad_scaler",
-    "is_main_process",
-    "latest_checkpoint",
-    "load_model",
-    "loss_and_grad",
-    "main_process_first",
-    "micro_batches",
-    "micro_step",
-    "model_params",
-    "optimizer_step",
-    "pad_across_processes",
-    "parse_launch",
-    "prepare",
-    "progress",
-    "reduce",
-    "register_pytree",
-    "restore",
-    "save_model",
-    "set_seed",
-    "sgd",
-    "shutdown",
-    "split_between_processes",
-    "state_from_env",
-    "static_field",
-    "sync_grads",
-    "to_device",
-    "tree_map",
-    "unwrap_model",
-    "wait_for_everyone",
-]
+__all__ = _public_names(__name__)
+_resolve = _lazy_getattr(__name__, globals())
 
 
 def __getattr__(name: str) -> Any:
-    if name == "errors":
-        return importlib.import_module("faccel.errors")
-    module = _MODULE_OF.get(name)
-    if module is None:
-        msg = f"module 'faccel' has no attribute {name!r}"
-        raise AttributeError(msg)
-    value = getattr(importlib.import_module(module), name)
-    # Bound here like an ordinary import, so the next access (faccel.backward in the
-    # training loop) is a plain attribute lookup that never reaches this function.
-    globals()[name] = value
-    return value
+    return _resolve(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return list(__all__)

@@ -6,7 +6,7 @@ hooks. Gradients computed that way are each rank's own, silently, and the
 ranks drift apart. faccel refuses the cases it can see (:func:`model_params`
 under a process group unless told ``will_sync_grads=True``;
 :func:`loss_and_grad` given a DDP module); for anything else, average every
-gradient with :func:`faccel.sync_grads` before using it.
+gradient with :func:`faccel.func.sync_grads` before using it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._model import Autocast, float32_outputs, unwrap_model
 from faccel._module_call import ModuleCaller
-from faccel._optim import SGD, AdamW, AdamWState, SGDState
-from faccel._pytree import flatten, register_pytree, same_structure, static_field
+from faccel._optim._base import Optimizer, state_from_dict, state_to_dict
+from faccel._pytree import register_pytree, static_field
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FunctionalError
@@ -63,7 +63,7 @@ def model_params(
     (``functional_call`` and ``torch.func`` bypass its hooks): each rank would
     silently train on its own gradients. So this refuses unless you pass
     ``will_sync_grads=True``, promising to average every gradient with
-    :func:`faccel.sync_grads` before the update.
+    :func:`faccel.func.sync_grads` before the update.
 
     Args:
         dist: The run's :class:`DistState`.
@@ -80,7 +80,7 @@ def model_params(
     Example:
         >>> import torch, faccel
         >>> model = faccel.prepare(faccel.detect({}), torch.nn.BatchNorm1d(2))
-        >>> params, buffers = faccel.model_params(faccel.detect({}), model)
+        >>> params, buffers = faccel.func.model_params(faccel.detect({}), model)
         >>> sorted(params), sorted(buffers)
         (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
     """
@@ -89,7 +89,7 @@ def model_params(
             f"model_params() on rank {dist.rank} of {dist.world_size}: functional code "
             "(torch.func, functional_call) bypasses DDP's gradient hooks, so each rank would "
             "silently train on its own gradients. Average every gradient with "
-            "faccel.sync_grads(dist, grads) and pass will_sync_grads=True to say you do"
+            "faccel.func.sync_grads(dist, grads) and pass will_sync_grads=True to say you do"
         )
         raise DistributedError(msg)
     module = unwrap_model(model)
@@ -129,7 +129,7 @@ def loss_and_grad(
       ``torch.func.vmap`` (ensembles, per-sample gradients) and other transforms.
 
     The gradients are this process's own: under a process group, average
-    them with :func:`faccel.sync_grads` before the update.
+    them with :func:`faccel.func.sync_grads` before the update.
 
     Args:
         dist: The run's :class:`DistState` (its precision is applied).
@@ -155,7 +155,7 @@ def loss_and_grad(
         >>> import torch, faccel
         >>> dist = faccel.detect({})
         >>> model = torch.nn.Linear(2, 1, bias=False)
-        >>> grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss)
+        >>> grad_fn = faccel.func.loss_and_grad(dist, model, torch.nn.functional.mse_loss)
         >>> params = {"weight": torch.ones(1, 2)}
         >>> loss, grads = grad_fn(params, {}, torch.ones(1, 2), torch.zeros(1, 1))
         >>> loss.item(), grads["weight"].tolist()
@@ -169,7 +169,7 @@ def loss_and_grad(
             "loss_and_grad() got a DistributedDataParallel module: functional_call and torch.func "
             "bypass DDP's gradient hooks, so each rank would silently train on its own gradients. "
             "Pass faccel.unwrap_model(model) and average the gradients with "
-            "faccel.sync_grads(dist, grads)"
+            "faccel.func.sync_grads(dist, grads)"
         )
         raise DistributedError(msg)
     module = unwrap_model(model)
@@ -217,33 +217,6 @@ def loss_and_grad(
     return autograd_step
 
 
-_Optimizer = SGD | AdamW
-
-
-def _check_fits(optimizer: _Optimizer, opt_state: SGDState | AdamWState, params: dict[str, Any]) -> None:
-    """Raise unless ``opt_state``'s trees are those ``optimizer.init(params)`` would make."""
-    if isinstance(optimizer, SGD):
-        wanted = {"momentum_buffer": optimizer.momentum != 0.0}
-    else:
-        wanted = {"exp_avg": True, "exp_avg_sq": True, "max_exp_avg_sq": optimizer.amsgrad}
-    leaves, spec = flatten(params)
-    for name, present in wanted.items():
-        tree = getattr(opt_state, name)
-        fits = tree is None if not present else tree is not None
-        if fits and tree is not None:
-            found, found_spec = flatten(tree)
-            fits = same_structure(tree, found_spec, params, spec) and all(
-                a.shape == b.shape for a, b in zip(found, leaves, strict=True)
-            )
-        if not fits:
-            msg = (
-                f"the saved optimizer state's {name} does not fit {optimizer!r} and these parameters "
-                f"(expected {'a tree like params' if present else 'None'}); restore with the optimizer "
-                "the state was trained with"
-            )
-            raise FunctionalError(msg)
-
-
 @register_pytree
 @attrs.frozen(kw_only=True)
 class FunctionalState:
@@ -258,18 +231,19 @@ class FunctionalState:
     Attributes:
         params: Parameter names to tensors (see :func:`model_params`).
         buffers: Buffer names to tensors.
-        opt_state: The optimizer's state (:class:`SGDState`, :class:`AdamWState`).
-        optimizer: The pure optimizer (:func:`faccel.sgd`, :func:`faccel.adamw`).
+        opt_state: The optimizer's state (:class:`faccel.func.SGDState`, :class:`faccel.func.AdamWState`...).
+        optimizer: The pure optimizer (:func:`faccel.func.sgd`, :func:`faccel.func.adamw`, any
+            :class:`faccel.func.Optimizer`).
         step: Gradient updates applied so far.
 
     Example:
         >>> import torch, faccel
-        >>> state = faccel.FunctionalState.create(
-        ...     params={"w": torch.ones(2)}, optimizer=faccel.sgd(0.5, momentum=0.9))
+        >>> state = faccel.func.FunctionalState.create(
+        ...     params={"w": torch.ones(2)}, optimizer=faccel.func.sgd(0.5, momentum=0.9))
         >>> state = state.apply_gradients({"w": torch.ones(2)})
         >>> state.step, state.params["w"].tolist()
         (1, [0.5, 0.5])
-        >>> len(faccel.tree_map(lambda t: t, state).params)   # step and optimizer ride along
+        >>> len(faccel.func.tree_map(lambda t: t, state).params)   # step and optimizer ride along
         1
     """
 
@@ -277,7 +251,7 @@ class FunctionalState:
     buffers: dict[str, torch.Tensor] = attrs.field(factory=dict)
     opt_state: Any
     # static_field is a field specifier (it returns attrs.field), not a shared default.
-    optimizer: _Optimizer = static_field()  # noqa: RUF009
+    optimizer: Optimizer = static_field()  # noqa: RUF009
     step: int = static_field(default=0)
 
     @classmethod
@@ -285,14 +259,15 @@ class FunctionalState:
         cls,
         *,
         params: dict[str, torch.Tensor],
-        optimizer: _Optimizer,
+        optimizer: Optimizer,
         buffers: dict[str, torch.Tensor] | None = None,
     ) -> FunctionalState:
         """The state at step 0, with ``optimizer.init(params)`` as its optimizer state.
 
         Example:
             >>> import torch, faccel
-            >>> faccel.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=faccel.sgd(0.1)).step
+            >>> opt = faccel.func.sgd(0.1)
+            >>> faccel.func.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=opt).step
             0
         """
         return cls(
@@ -310,7 +285,8 @@ class FunctionalState:
 
         Example:
             >>> import torch, faccel
-            >>> state = faccel.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=faccel.adamw())
+            >>> opt = faccel.func.adamw()
+            >>> state = faccel.func.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=opt)
             >>> saved = state.state_dict()
             >>> sorted(saved), sorted(saved["opt_state"])
             (['buffers', 'opt_state', 'params', 'step'], ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'])
@@ -318,12 +294,12 @@ class FunctionalState:
         return {
             "params": dict(self.params),
             "buffers": dict(self.buffers),
-            "opt_state": attrs.asdict(self.opt_state, recurse=False),
+            "opt_state": state_to_dict(self.opt_state),
             "step": self.step,
         }
 
     @classmethod
-    def from_state_dict(cls, saved: Mapping[str, Any], *, optimizer: _Optimizer) -> FunctionalState:
+    def from_state_dict(cls, saved: Mapping[str, Any], *, optimizer: Optimizer) -> FunctionalState:
         """The state that :meth:`state_dict` described, with ``optimizer``'s hyperparameters.
 
         Args:
@@ -339,34 +315,29 @@ class FunctionalState:
 
         Example:
             >>> import torch, faccel
-            >>> opt = faccel.sgd(0.1, momentum=0.9)
-            >>> state = faccel.FunctionalState.create(params={"w": torch.ones(2)}, optimizer=opt)
+            >>> opt = faccel.func.sgd(0.1, momentum=0.9)
+            >>> state = faccel.func.FunctionalState.create(params={"w": torch.ones(2)}, optimizer=opt)
             >>> state = state.apply_gradients({"w": torch.ones(2)})
-            >>> again = faccel.FunctionalState.from_state_dict(state.state_dict(), optimizer=opt)
+            >>> again = faccel.func.FunctionalState.from_state_dict(state.state_dict(), optimizer=opt)
             >>> again.step, again.opt_state.step, torch.equal(again.params["w"], state.params["w"])
             (1, 1, True)
         """
-        state_cls = SGDState if isinstance(optimizer, SGD) else AdamWState
-        fields = {field.name for field in attrs.fields(state_cls)}
         opt_state = saved.get("opt_state") if isinstance(saved, Mapping) else None
         if (
             not isinstance(saved, Mapping)
             or set(saved) != {"params", "buffers", "opt_state", "step"}
             or not isinstance(opt_state, Mapping)
-            or set(opt_state) != fields
             or type(saved["step"]) is not int
-            or type(opt_state["step"]) is not int
         ):
             keys = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
             msg = (
-                f"from_state_dict() needs what FunctionalState.state_dict() returns for a "
-                f"{type(optimizer).__name__} ({{params, buffers, opt_state: {sorted(fields)}, step}}), "
-                f"got {keys}; pass the optimizer the state was trained with"
+                f"from_state_dict() needs what FunctionalState.state_dict() returns "
+                f"({{params, buffers, opt_state, step}}) for {optimizer!r}, got {keys}; "
+                "pass the optimizer the state was trained with"
             )
             raise FunctionalError(msg)
         params = dict(saved["params"])
-        restored = state_cls(**opt_state)
-        _check_fits(optimizer, restored, params)
+        restored = state_from_dict(optimizer, opt_state, params)
         return cls(
             params=params,
             buffers=dict(saved["buffers"]),
@@ -387,7 +358,8 @@ class FunctionalState:
 
         Example:
             >>> import torch, faccel
-            >>> state = faccel.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=faccel.sgd(1.0))
+            >>> opt = faccel.func.sgd(1.0)
+            >>> state = faccel.func.FunctionalState.create(params={"w": torch.ones(1)}, optimizer=opt)
             >>> state.apply_gradients({"w": torch.ones(1)}, lr=0.25).params["w"].tolist()
             [0.75]
         """

@@ -86,7 +86,7 @@ class GradBuckets:
     Example:
         >>> import torch, faccel
         >>> dist = faccel.DistState.simulated(world_size=4, rank=1)
-        >>> buckets = faccel.grad_buckets(dist, [torch.ones(2, 2), torch.ones(3)], bucket_cap_mb=None)
+        >>> buckets = faccel.func.grad_buckets(dist, [torch.ones(2, 2), torch.ones(3)], bucket_cap_mb=None)
         >>> buckets.members, [tuple(v.shape) for v in buckets.views[0]]
         (((0, 1),), [(2, 2), (3,)])
     """
@@ -132,7 +132,7 @@ def grad_buckets(dist: DistState, like: Any, *, bucket_cap_mb: float | None = 4.
     Example:
         >>> import torch, faccel
         >>> dist = faccel.DistState.simulated(world_size=2, rank=0)
-        >>> buckets = faccel.grad_buckets(dist, {"w": torch.ones(3, 2), "b": torch.ones(3)})
+        >>> buckets = faccel.func.grad_buckets(dist, {"w": torch.ones(3, 2), "b": torch.ones(3)})
         >>> [buffer.numel() for buffer in buckets.buffers], buckets.members
         ([9], ((0, 1),))
     """
@@ -204,7 +204,7 @@ def sync_grads(
     Example:
         >>> import torch, faccel
         >>> grads = {"w": torch.ones(2)}
-        >>> faccel.sync_grads(faccel.detect({}), grads) is grads   # one process
+        >>> faccel.func.sync_grads(faccel.detect({}), grads) is grads   # one process
         True
     """
     cap = _check_cap(bucket_cap_mb)
@@ -302,7 +302,7 @@ def _check_fits(dist: DistState, buckets: GradBuckets, grads: Any, leaves: list[
         msg = (
             f"sync_grads() got gradients that do not fit its buckets: {problem}; make the buckets "
             "with this run's DistState from a tree shaped like these gradients, e.g. "
-            "faccel.grad_buckets(dist, params)"
+            "faccel.func.grad_buckets(dist, params)"
         )
         raise FunctionalError(msg)
 

@@ -13,7 +13,6 @@ from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError
 
 __all__ = [
-    "is_main_process",
     "main_process_first",
     "shutdown",
     "start_process_group",
@@ -80,17 +79,6 @@ def shutdown(dist: DistState) -> None:
     """
     if dist.distributed and tdist.is_initialized():
         tdist.destroy_process_group()
-
-
-def is_main_process(dist: DistState) -> bool:
-    """True on global rank 0: the process that writes files and prints.
-
-    Example:
-        >>> import faccel
-        >>> is_main_process(faccel.DistState.simulated(rank=1, world_size=2))
-        False
-    """
-    return dist.rank == 0
 
 
 def _require_group(dist: DistState) -> None:

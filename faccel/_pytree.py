@@ -24,6 +24,7 @@ from faccel.errors import FunctionalError
 __all__ = [
     "TreeSpec",
     "flatten",
+    "keystr",
     "register_pytree",
     "same_structure",
     "static_field",
@@ -44,6 +45,7 @@ tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_leaves = _pytree.tree_leaves
 tree_flatten_with_path = _pytree.tree_flatten_with_path
+keystr = _pytree.keystr
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
@@ -93,7 +95,7 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
     Example:
         >>> import torch, faccel
-        >>> faccel.tree_map(lambda a, b: a + b, {"w": torch.ones(2)}, {"w": torch.ones(2)})
+        >>> faccel.func.tree_map(lambda a, b: a + b, {"w": torch.ones(2)}, {"w": torch.ones(2)})
         {'w': tensor([2., 2.])}
     """
     return _pytree.tree_map(fn, tree, *rest)
@@ -115,12 +117,12 @@ def static_field(**kwargs: Any) -> Any:
 
     Example:
         >>> import attrs, torch, faccel
-        >>> @faccel.register_pytree
+        >>> @faccel.func.register_pytree
         ... @attrs.frozen(kw_only=True)
         ... class Counter:
         ...     total: torch.Tensor
-        ...     step: int = faccel.static_field(default=0)
-        >>> faccel.tree_map(lambda t: t + 1, Counter(total=torch.zeros(1), step=3))
+        ...     step: int = faccel.func.static_field(default=0)
+        >>> faccel.func.tree_map(lambda t: t + 1, Counter(total=torch.zeros(1), step=3))
         Counter(total=tensor([1.]), step=3)
     """
     metadata = {**kwargs.pop("metadata", {}), _STATIC: True}
@@ -157,12 +159,12 @@ def register_pytree(cls: type[T]) -> type[T]:
 
     Example:
         >>> import attrs, torch, faccel
-        >>> @faccel.register_pytree
+        >>> @faccel.func.register_pytree
         ... @attrs.frozen(kw_only=True)
         ... class Pair:
         ...     a: torch.Tensor
         ...     b: torch.Tensor
-        ...     name: str = faccel.static_field(default="pair")
+        ...     name: str = faccel.func.static_field(default="pair")
         >>> import torch.utils._pytree as pytree
         >>> leaves, spec = pytree.tree_flatten(Pair(a=torch.zeros(1), b=torch.ones(1)))
         >>> len(leaves), pytree.tree_unflatten(leaves, spec).name

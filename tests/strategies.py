@@ -104,7 +104,7 @@ param_layouts = st.dictionaries(
 
 @st.composite
 def sgd_hyperparams(draw: st.DrawFn) -> dict:
-    """Keyword arguments valid for both torch.optim.SGD and faccel.sgd."""
+    """Keyword arguments valid for both torch.optim.SGD and faccel.func.sgd."""
     momentum = draw(st.sampled_from([0.0, 0.5, 0.9]) | st.floats(min_value=0.0, max_value=0.99))
     dampening = draw(st.sampled_from([0.0, 0.0, 0.1]))
     return {
@@ -119,7 +119,7 @@ def sgd_hyperparams(draw: st.DrawFn) -> dict:
 
 @st.composite
 def adamw_hyperparams(draw: st.DrawFn) -> dict:
-    """Keyword arguments valid for both torch.optim.AdamW and faccel.adamw."""
+    """Keyword arguments valid for both torch.optim.AdamW and faccel.func.adamw."""
     beta = st.sampled_from([0.0, 0.9, 0.999]) | st.floats(min_value=0.0, max_value=0.9999)
     return {
         "lr": draw(st.floats(min_value=1e-6, max_value=1.0)),

@@ -27,8 +27,9 @@ def test_pdoc_builds_the_reference_without_warnings(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "Warn" not in done.stderr, done.stderr[-4000:]
-    page = (tmp_path / "faccel.html").read_text()
-    names = [name for name in faccel.__all__ if not inspect.ismodule(getattr(faccel, name))]
-    missing = [name for name in names if f'id="{name}"' not in page]
-    assert not missing, f"not in the reference: {missing}"
+    for module, page_path in ((faccel, "faccel.html"), (faccel.func, "faccel/func.html")):
+        page = (tmp_path / page_path).read_text()
+        names = [name for name in module.__all__ if not inspect.ismodule(getattr(module, name))]
+        missing = [name for name in names if f'id="{name}"' not in page]
+        assert not missing, f"not in the reference of {module.__name__}: {missing}"
     assert (tmp_path / "faccel" / "errors.html").exists()

@@ -51,8 +51,8 @@ def test_functional_states_flatten_and_unflatten_to_themselves(
     import faccel
 
     params = _tensors(layout, 0, torch.float32)
-    optimizer = faccel.adamw(**adamw_kw) if use_adamw else faccel.sgd(**sgd_kw)
-    state = faccel.FunctionalState.create(
+    optimizer = faccel.func.adamw(**adamw_kw) if use_adamw else faccel.func.sgd(**sgd_kw)
+    state = faccel.func.FunctionalState.create(
         params=params, buffers=_tensors(buffers, 1, torch.float64), optimizer=optimizer
     )
     for k in range(steps):
@@ -65,12 +65,12 @@ def test_functional_states_flatten_and_unflatten_to_themselves(
     assert all(isinstance(leaf, torch.Tensor) for leaf in leaves)
     assert len(leaves) == len(layout) * (1 + moments) + len(buffers)
     back = pytree.tree_unflatten(leaves, spec)
-    assert type(back) is faccel.FunctionalState and type(back.opt_state) is type(state.opt_state)
+    assert type(back) is faccel.func.FunctionalState and type(back.opt_state) is type(state.opt_state)
     assert (back.step, back.optimizer, back.opt_state.step) == (steps, optimizer, steps)
     assert all(a is b for a, b in zip(pytree.tree_leaves(back), leaves, strict=True))
     assert pytree.tree_structure(back) == spec
 
-    doubled = faccel.tree_map(lambda t: t * 2, state)
+    doubled = faccel.func.tree_map(lambda t: t * 2, state)
     assert doubled.step == steps and doubled.optimizer == optimizer
     for name, p in state.params.items():
         assert torch.equal(doubled.params[name], p * 2)
@@ -81,17 +81,17 @@ def test_functional_states_flatten_and_unflatten_to_themselves(
 def test_register_pytree_keeps_static_fields_out_and_skips_validators_on_rebuild() -> None:
     import faccel
 
-    @faccel.register_pytree
+    @faccel.func.register_pytree
     @attrs.frozen(kw_only=True)
     class Scaled:
         value: torch.Tensor = attrs.field(validator=attrs.validators.instance_of(torch.Tensor))
-        scale: float = faccel.static_field(default=2.0)
+        scale: float = faccel.func.static_field(default=2.0)
 
     record = Scaled(value=torch.ones(3), scale=0.5)
     # Leaves may become anything under tree_map: no validator runs on the rebuild.
-    shapes = faccel.tree_map(lambda t: tuple(t.shape), record)
+    shapes = faccel.func.tree_map(lambda t: tuple(t.shape), record)
     assert shapes.value == (3,) and shapes.scale == 0.5
-    assert faccel.register_pytree(Scaled) is Scaled  # twice: a no-op, no warning
+    assert faccel.func.register_pytree(Scaled) is Scaled  # twice: a no-op, no warning
 
     # torch.func transforms see the record: gradients come back as one.
     grads = torch.func.grad(lambda r: (r.value * r.scale).sum())(record)
@@ -109,7 +109,7 @@ def test_register_pytree_refuses_a_class_that_is_not_attrs() -> None:
         pass
 
     with pytest.raises(FunctionalError, match="attrs class"):
-        faccel.register_pytree(Plain)
+        faccel.func.register_pytree(Plain)
 
 
 # --- pure optimizers vs torch.optim ----------------------------------------------------------
@@ -168,7 +168,7 @@ def test_pure_adamw_matches_torch_optim_adamw(
 
     buffers = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "max_exp_avg_sq"}
     lrs = [kwargs["lr"] * s for s in lr_scale]
-    _compare_with_torch(faccel.adamw(**kwargs), torch.optim.AdamW, kwargs, layout, lrs, dtype, buffers)
+    _compare_with_torch(faccel.func.adamw(**kwargs), torch.optim.AdamW, kwargs, layout, lrs, dtype, buffers)
 
 
 @given(
@@ -184,7 +184,7 @@ def test_pure_sgd_matches_torch_optim_sgd(
 
     lrs = [kwargs["lr"] * s for s in lr_scale]
     buffers = {"momentum_buffer": "momentum_buffer"}
-    _compare_with_torch(faccel.sgd(**kwargs), torch.optim.SGD, kwargs, layout, lrs, dtype, buffers)
+    _compare_with_torch(faccel.func.sgd(**kwargs), torch.optim.SGD, kwargs, layout, lrs, dtype, buffers)
 
 
 def test_the_optimizers_refuse_bad_hyperparameters_and_mismatched_trees() -> None:
@@ -192,30 +192,30 @@ def test_the_optimizers_refuse_bad_hyperparameters_and_mismatched_trees() -> Non
     from faccel.errors import ArgumentError, FunctionalError
 
     for bad in (
-        lambda: faccel.sgd(-0.1),
-        lambda: faccel.sgd(0.1, nesterov=True),
-        lambda: faccel.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
-        lambda: faccel.adamw(betas=(0.9, 1.0)),
-        lambda: faccel.adamw(eps=-1.0),
-        lambda: faccel.adamw(weight_decay=-1.0),
+        lambda: faccel.func.sgd(-0.1),
+        lambda: faccel.func.sgd(0.1, nesterov=True),
+        lambda: faccel.func.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
+        lambda: faccel.func.adamw(betas=(0.9, 1.0)),
+        lambda: faccel.func.adamw(eps=-1.0),
+        lambda: faccel.func.adamw(weight_decay=-1.0),
     ):
         with pytest.raises(FunctionalError, match=r"must|needs"):
             bad()
     with pytest.raises(ArgumentError):
-        faccel.adamw(lr="fast")  # type: ignore[arg-type]
+        faccel.func.adamw(lr="fast")  # type: ignore[arg-type]
 
     params = {"a": torch.ones(2), "b": torch.ones(3)}
-    opt = faccel.adamw()
+    opt = faccel.func.adamw()
     with pytest.raises(FunctionalError, match="grads must have the structure of params"):
         opt.update({"a": torch.ones(2)}, opt.init(params), params)
     with pytest.raises(FunctionalError, match="amsgrad=True"):
-        faccel.adamw(amsgrad=True).update(params, opt.init(params), params)
+        faccel.func.adamw(amsgrad=True).update(params, opt.init(params), params)
     with pytest.raises(FunctionalError, match="SGDState made by init"):
-        faccel.sgd(0.1, momentum=0.9).update(params, faccel.sgd(0.1).init(params), params)
+        faccel.func.sgd(0.1, momentum=0.9).update(params, faccel.func.sgd(0.1).init(params), params)
     # The test suite's typeguard hook would refuse the wrong state type first; users
     # run without it, and get faccel's own message.
     with typeguard.suppress_type_checks(), pytest.raises(FunctionalError, match="AdamWState made by init"):
-        opt.update(params, faccel.sgd(0.1).init(params), params)
+        opt.update(params, faccel.func.sgd(0.1).init(params), params)
 
 
 # --- loss_and_grad ---------------------------------------------------------------------------
@@ -235,9 +235,9 @@ def test_loss_and_grad_equals_the_modules_backward_with_either_engine() -> None:
     model = faccel.prepare(dist, _seed_model())
     x, y = _data()
     want_loss, want = _module_grads(model, x, y)
-    params, buffers = faccel.model_params(dist, model)
+    params, buffers = faccel.func.model_params(dist, model)
     for engine in ("autograd", "func"):
-        grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss, engine=engine)
+        grad_fn = faccel.func.loss_and_grad(dist, model, torch.nn.functional.mse_loss, engine=engine)
         loss, grads = grad_fn(params, buffers, x, y)
         assert not loss.requires_grad and loss.item() == pytest.approx(want_loss, rel=1e-6)
         assert list(grads) == list(want)
@@ -265,11 +265,11 @@ def test_loss_and_grad_with_aux_tuple_inputs_and_unused_parameters() -> None:
     dist = faccel.detect({})
     torch.manual_seed(0)
     model = TwoInputs()
-    params, buffers = faccel.model_params(dist, model)
+    params, buffers = faccel.func.model_params(dist, model)
     a, b, y = torch.randn(5, 2), torch.randn(5, 3), torch.randn(5, 1)
     results = []
     for engine in ("autograd", "func"):
-        grad_fn = faccel.loss_and_grad(dist, model, loss_fn, engine=engine, has_aux=True)
+        grad_fn = faccel.func.loss_and_grad(dist, model, loss_fn, engine=engine, has_aux=True)
         (loss, aux), grads = grad_fn(params, buffers, (a, b), y)
         assert torch.equal(grads["unused"], torch.zeros(4))
         results.append((loss, aux["mean_out"], grads["mix.weight"]))
@@ -282,9 +282,9 @@ def test_per_sample_gradients_through_vmap_average_to_the_batch_gradient() -> No
 
     dist = faccel.detect({})
     model = _seed_model()
-    params, buffers = faccel.model_params(dist, model)
+    params, buffers = faccel.func.model_params(dist, model)
     x, y = _data()
-    grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss, engine="func")
+    grad_fn = faccel.func.loss_and_grad(dist, model, torch.nn.functional.mse_loss, engine="func")
     losses, per_sample = torch.func.vmap(grad_fn, in_dims=(None, None, 0, 0))(params, buffers, x, y)
     assert losses.shape == (12,)
     loss, batch = grad_fn(params, buffers, x, y)
@@ -302,14 +302,15 @@ def test_an_ensemble_trained_under_vmap_equals_its_members_trained_alone() -> No
     stacked, buffers = torch.func.stack_module_state(members)
     stacked = {name: t.detach() for name, t in stacked.items()}
     template = _seed_model()
-    grad_fn = faccel.loss_and_grad(dist, template, torch.nn.functional.mse_loss, engine="func")
+    grad_fn = faccel.func.loss_and_grad(dist, template, torch.nn.functional.mse_loss, engine="func")
     ensemble_grads = torch.func.vmap(grad_fn, in_dims=(0, 0, None, None))
-    opt = faccel.adamw(lr=1e-2)
-    state = faccel.FunctionalState.create(params=stacked, buffers=buffers, optimizer=opt)
+    opt = faccel.func.adamw(lr=1e-2)
+    state = faccel.func.FunctionalState.create(params=stacked, buffers=buffers, optimizer=opt)
     alone = [
-        faccel.FunctionalState.create(params=faccel.model_params(dist, m)[0], optimizer=opt) for m in members
+        faccel.func.FunctionalState.create(params=faccel.func.model_params(dist, m)[0], optimizer=opt)
+        for m in members
     ]
-    single = faccel.loss_and_grad(dist, template, torch.nn.functional.mse_loss)
+    single = faccel.func.loss_and_grad(dist, template, torch.nn.functional.mse_loss)
     x, y = _data()
     for _ in range(4):
         losses, grads = ensemble_grads(state.params, state.buffers, x, y)
@@ -326,12 +327,12 @@ def test_loss_and_grad_applies_the_dists_precision() -> None:
 
     dist = faccel.DistState.simulated(precision="bf16")
     model = faccel.prepare(dist, _seed_model())  # an autocast wrapper: peeled, then re-applied
-    params, buffers = faccel.model_params(dist, model)
+    params, buffers = faccel.func.model_params(dist, model)
     assert "0.weight" in params
     x, y = _data(n=4)
-    loss, grads = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss)(params, buffers, x, y)
+    loss, grads = faccel.func.loss_and_grad(dist, model, torch.nn.functional.mse_loss)(params, buffers, x, y)
     assert loss.dtype == torch.float32 and grads["0.weight"].dtype == torch.float32
-    full, _ = faccel.loss_and_grad(faccel.detect({}), model, torch.nn.functional.mse_loss)(
+    full, _ = faccel.func.loss_and_grad(faccel.detect({}), model, torch.nn.functional.mse_loss)(
         params, buffers, x, y
     )
     assert loss.item() != full.item()  # bf16 rounding shows
@@ -343,7 +344,9 @@ def test_loss_and_grad_refuses_an_unknown_engine() -> None:
     from faccel.errors import FunctionalError
 
     with pytest.raises(FunctionalError, match="engine"):
-        faccel.loss_and_grad(faccel.detect({}), _seed_model(), torch.nn.functional.mse_loss, engine="jax")
+        faccel.func.loss_and_grad(
+            faccel.detect({}), _seed_model(), torch.nn.functional.mse_loss, engine="jax"
+        )
 
 
 def test_model_params_are_detached_copies_named_like_the_module() -> None:
@@ -351,7 +354,7 @@ def test_model_params_are_detached_copies_named_like_the_module() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     dist = faccel.DistState.simulated(rank=1, world_size=2)  # no peers: nothing to sync
-    params, buffers = faccel.model_params(dist, faccel.prepare(dist, model))
+    params, buffers = faccel.func.model_params(dist, faccel.prepare(dist, model))
     assert list(params) == [n for n, _ in model.named_parameters()]
     assert list(buffers) == [n for n, _ in model.named_buffers()]
     for name, p in model.named_parameters():
@@ -367,11 +370,11 @@ def test_sync_grads_is_the_identity_alone_and_refuses_a_simulated_world() -> Non
     from faccel.errors import DistributedError, FunctionalError
 
     grads = {"w": torch.ones(2), "nested": [torch.zeros(1), None]}
-    assert faccel.sync_grads(faccel.detect({}), grads) is grads
+    assert faccel.func.sync_grads(faccel.detect({}), grads) is grads
     with pytest.raises(DistributedError, match="simulated with world_size=2"):
-        faccel.sync_grads(faccel.DistState.simulated(rank=0, world_size=2), grads)
+        faccel.func.sync_grads(faccel.DistState.simulated(rank=0, world_size=2), grads)
     with pytest.raises(FunctionalError, match="bucket_cap_mb"):
-        faccel.sync_grads(faccel.detect({}), grads, bucket_cap_mb=0)
+        faccel.func.sync_grads(faccel.detect({}), grads, bucket_cap_mb=0)
 
 
 def test_sync_grads_without_a_process_group_says_how_to_start_one() -> None:
@@ -384,7 +387,7 @@ def test_sync_grads_without_a_process_group_says_how_to_start_one() -> None:
         pytest.skip("a process group is running in this process")
     dist = faccel.DistState(rank=0, world_size=2, launcher="torchrun", master_addr="127.0.0.1", master_port=1)
     with pytest.raises(DistributedError, match="needs a running process group"):
-        faccel.sync_grads(dist, {"w": torch.ones(1)})
+        faccel.func.sync_grads(dist, {"w": torch.ones(1)})
 
 
 @given(
@@ -426,7 +429,7 @@ def test_grad_buckets_lay_every_tensor_out_once_in_order_in_its_dtypes_buffer(
     like = [torch.zeros(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=False)]
     cap_mb = None if cap_kb is None else cap_kb / 1024
     dist = faccel.DistState.simulated(rank=0, world_size=2)
-    buckets = faccel.grad_buckets(dist, like, bucket_cap_mb=cap_mb)
+    buckets = faccel.func.grad_buckets(dist, like, bucket_cap_mb=cap_mb)
 
     assert [list(m) for m in buckets.members] == _buckets(like, None if cap_kb is None else cap_kb * 1024)
     for buffer, members, views in zip(buckets.buffers, buckets.members, buckets.views, strict=True):
@@ -445,25 +448,25 @@ def test_grad_buckets_allocate_nothing_alone_and_refuse_what_sync_grads_refuses(
 
     alone = faccel.detect({})
     grads = {"w": torch.ones(3)}
-    buckets = faccel.grad_buckets(alone, grads)
-    assert buckets.buffers == () and faccel.sync_grads(alone, grads, buckets=buckets) is grads
+    buckets = faccel.func.grad_buckets(alone, grads)
+    assert buckets.buffers == () and faccel.func.sync_grads(alone, grads, buckets=buckets) is grads
     # Checked alone too: a misfit shows on a laptop before it reaches a cluster.
     with pytest.raises(
         FunctionalError, match=r"leaf \['w'\] is a \(2,\) torch.float32 tensor on cpu, expected \(3,\)"
     ):
-        faccel.sync_grads(alone, {"w": torch.ones(2)}, buckets=buckets)
+        faccel.func.sync_grads(alone, {"w": torch.ones(2)}, buckets=buckets)
     with pytest.raises(FunctionalError, match="its structure differs"):
-        faccel.sync_grads(alone, [torch.ones(3)], buckets=buckets)
-    made_for_two = faccel.grad_buckets(faccel.DistState.simulated(rank=0, world_size=2), grads)
+        faccel.func.sync_grads(alone, [torch.ones(3)], buckets=buckets)
+    made_for_two = faccel.func.grad_buckets(faccel.DistState.simulated(rank=0, world_size=2), grads)
     with pytest.raises(FunctionalError, match="made for world_size=2, this is a world of 1"):
-        faccel.sync_grads(alone, grads, buckets=made_for_two)
+        faccel.func.sync_grads(alone, grads, buckets=made_for_two)
     # A dict of Parameters (named_parameters) makes the token its plain gradients will have.
     layer = torch.nn.Linear(2, 1)
-    assert faccel.grad_buckets(alone, dict(layer.named_parameters())).token == ("weight", "bias")
+    assert faccel.func.grad_buckets(alone, dict(layer.named_parameters())).token == ("weight", "bias")
     with pytest.raises(FunctionalError, match="bucket_cap_mb"):
-        faccel.grad_buckets(alone, grads, bucket_cap_mb=-1.0)
+        faccel.func.grad_buckets(alone, grads, bucket_cap_mb=-1.0)
     with pytest.raises(FunctionalError, match="int64"):
-        faccel.grad_buckets(alone, {"step": torch.zeros(1, dtype=torch.int64)})
+        faccel.func.grad_buckets(alone, {"step": torch.zeros(1, dtype=torch.int64)})
 
 
 # --- FunctionalState -------------------------------------------------------------------------
@@ -474,8 +477,8 @@ def test_functional_state_apply_gradients_is_the_optimizer_update() -> None:
 
     params = {"w": torch.randn(3), "b": torch.randn(1)}
     grads = {"w": torch.randn(3), "b": torch.randn(1)}
-    opt = faccel.adamw(lr=0.1, amsgrad=True)
-    state = faccel.FunctionalState.create(params=params, optimizer=opt)
+    opt = faccel.func.adamw(lr=0.1, amsgrad=True)
+    state = faccel.func.FunctionalState.create(params=params, optimizer=opt)
     new = state.apply_gradients(grads, lr=0.05)
     want_params, want_opt = opt.update(grads, opt.init(params), params, lr=0.05)
     assert (new.step, new.opt_state.step, state.step) == (1, 1, 0)
@@ -493,8 +496,8 @@ def test_the_autograd_engine_under_vmap_says_to_use_the_func_engine() -> None:
 
     dist = faccel.detect({})
     model = torch.nn.Linear(2, 1)
-    params, buffers = faccel.model_params(dist, model)
-    grad_fn = faccel.loss_and_grad(dist, model, torch.nn.functional.mse_loss)
+    params, buffers = faccel.func.model_params(dist, model)
+    grad_fn = faccel.func.loss_and_grad(dist, model, torch.nn.functional.mse_loss)
     with pytest.raises(FunctionalError, match="engine='func'"):
         torch.func.vmap(grad_fn, in_dims=(None, None, 0, 0))(
             params, buffers, torch.randn(3, 2), torch.randn(3, 1)
@@ -533,10 +536,10 @@ def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> N
 
     dist = faccel.detect({})
     template = model()
-    params, buffers = faccel.model_params(dist, template)
-    opt = faccel.adamw(lr=1e-2, amsgrad=True)
-    state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=opt)
-    grad_fn = faccel.loss_and_grad(dist, template, torch.nn.functional.mse_loss)
+    params, buffers = faccel.func.model_params(dist, template)
+    opt = faccel.func.adamw(lr=1e-2, amsgrad=True)
+    state = faccel.func.FunctionalState.create(params=params, buffers=buffers, optimizer=opt)
+    grad_fn = faccel.func.loss_and_grad(dist, template, torch.nn.functional.mse_loss)
     x, y = _data()
     for _ in range(3):  # the forward updates the BatchNorm buffers in place, as functional_call does
         state = state.apply_gradients(grad_fn(state.params, state.buffers, x, y)[1])
@@ -552,10 +555,10 @@ def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> N
 
     faccel.checkpoint(dist, train_state(template, state), tmp_path)
     other = model()
-    fresh_params, fresh_buffers = faccel.model_params(dist, other)
-    fresh = faccel.FunctionalState.create(params=fresh_params, buffers=fresh_buffers, optimizer=opt)
+    fresh_params, fresh_buffers = faccel.func.model_params(dist, other)
+    fresh = faccel.func.FunctionalState.create(params=fresh_params, buffers=fresh_buffers, optimizer=opt)
     restored = faccel.restore(dist, train_state(other, fresh), tmp_path)
-    back = faccel.FunctionalState.from_state_dict(restored.extras["functional"], optimizer=opt)
+    back = faccel.func.FunctionalState.from_state_dict(restored.extras["functional"], optimizer=opt)
 
     assert (restored.step, back.step, back.opt_state.step, back.optimizer) == (3, 3, 3, opt)
     saved_leaves, saved_spec = pytree.tree_flatten(state)
@@ -571,9 +574,11 @@ def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> N
     for a, b in zip(pytree.tree_leaves(step(back)), pytree.tree_leaves(step(state)), strict=True):
         assert torch.equal(a, b)
     with pytest.raises(FunctionalError, match="max_exp_avg_sq"):
-        faccel.FunctionalState.from_state_dict(restored.extras["functional"], optimizer=faccel.adamw())
+        faccel.func.FunctionalState.from_state_dict(
+            restored.extras["functional"], optimizer=faccel.func.adamw()
+        )
     with pytest.raises(FunctionalError, match="state_dict"):
-        faccel.FunctionalState.from_state_dict({"params": {}}, optimizer=opt)
+        faccel.func.FunctionalState.from_state_dict({"params": {}}, optimizer=opt)
 
 
 def test_buckets_refuse_integer_tensors() -> None:
@@ -582,3 +587,185 @@ def test_buckets_refuse_integer_tensors() -> None:
 
     with pytest.raises(FunctionalError, match=r"leaf 1 is a torch\.int64 tensor"):
         _buckets([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], None)
+
+
+# --- the optimizer protocol and parameter groups ---------------------------------------------
+
+
+class _TinyGPT(torch.nn.Module):
+    """nanoGPT's parameter kinds: embeddings, LayerNorm weights and biases, Linear weights and biases."""
+
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, width)
+        self.ln = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 4 * width)
+        self.proj = torch.nn.Linear(4 * width, width)
+        self.ln_f = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        x = x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+        return self.head(self.ln_f(x))
+
+
+def _decay_matrices(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    """nanoGPT's configure_optimizers split: weight decay for every tensor of 2 or more dimensions."""
+    return {name: "decay" if p.dim() >= 2 else "no_decay" for name, p in params.items()}
+
+
+def test_nanogpt_configure_optimizers_as_param_groups_is_torch_adamw_bit_for_bit() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    torch.manual_seed(0)
+    module = _TinyGPT()
+    torch.manual_seed(0)
+    reference = _TinyGPT()
+    lr, betas, weight_decay = 3e-2, (0.9, 0.95), 0.1
+
+    # nanoGPT's configure_optimizers, as it is written for torch.optim.
+    decay = [p for p in reference.parameters() if p.dim() >= 2]
+    no_decay = [p for p in reference.parameters() if p.dim() < 2]
+    torch_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+        foreach=False,
+    )
+    # The same, functionally.
+    opt = faccel.func.param_groups(
+        _decay_matrices,
+        {
+            "decay": faccel.func.adamw(lr, betas=betas, weight_decay=weight_decay),
+            "no_decay": faccel.func.adamw(lr, betas=betas, weight_decay=0.0),
+        },
+    )
+    dist = faccel.detect({})
+    params, buffers = faccel.func.model_params(dist, module)
+    state = faccel.func.FunctionalState.create(params=params, buffers=buffers, optimizer=opt)
+    assert sorted(state.opt_state.groups["decay"].exp_avg) == [
+        "fc.weight",
+        "head.weight",
+        "proj.weight",
+        "wte.weight",
+    ]
+    assert len(state.opt_state.groups["no_decay"].exp_avg) == 6  # biases and LayerNorm weights
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    grad_fn = faccel.func.loss_and_grad(dist, module, loss_fn)
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        idx, targets = torch.randint(0, 11, (4, 6), generator=g), torch.randint(0, 11, (4, 6), generator=g)
+        step_lr = lr * (1 - step / 10)  # a schedule: every group's lr set, as nanoGPT's loop does
+        torch_opt.zero_grad()
+        loss_fn(reference(idx), targets).backward()
+        for group in torch_opt.param_groups:
+            group["lr"] = step_lr
+        torch_opt.step()
+        _, grads = grad_fn(state.params, state.buffers, idx, targets)
+        state = state.apply_gradients(grads, lr=step_lr)
+        for name, p in reference.named_parameters():
+            assert torch.equal(state.params[name], p.detach()), (step, name)
+    for name, p in reference.named_parameters():
+        group = "decay" if p.dim() >= 2 else "no_decay"
+        ours = state.opt_state.groups[group]
+        assert torch.equal(ours.exp_avg[name], torch_opt.state[p]["exp_avg"])
+        assert torch.equal(ours.exp_avg_sq[name], torch_opt.state[p]["exp_avg_sq"])
+        assert ours.step == 5
+
+    # The grouped state checkpoints like any other, and the check sees groups that moved.
+    again = faccel.func.FunctionalState.from_state_dict(state.state_dict(), optimizer=opt)
+    for a, b in zip(pytree.tree_leaves(again), pytree.tree_leaves(state), strict=True):
+        assert torch.equal(a, b)
+    all_decay = faccel.func.param_groups(lambda params: dict.fromkeys(params, "decay"), dict(opt.optimizers))
+    with pytest.raises(FunctionalError, match=r"groups\['decay'\]\.exp_avg"):
+        faccel.func.FunctionalState.from_state_dict(state.state_dict(), optimizer=all_decay)
+
+
+def test_param_groups_work_on_any_tree_and_refuse_what_does_not_fit() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    # A list of tensors: groups key their states by path; per-group lr and optimizer kind.
+    opt = faccel.func.param_groups(
+        lambda params: ["fast", "slow", "fast"],
+        {"fast": faccel.func.sgd(1.0, momentum=0.5), "slow": faccel.func.adamw(0.1, weight_decay=0.0)},
+    )
+    params = [torch.ones(2), torch.ones(3), torch.ones(1)]
+    state = opt.init(params)
+    assert sorted(state.groups["fast"].momentum_buffer) == ["[0]", "[2]"]
+    grads = [torch.ones(2), torch.ones(3), torch.ones(1)]
+    new, state = opt.update(grads, state, params)
+    assert type(new) is list and new[0].tolist() == [0.0, 0.0] and new[2].tolist() == [0.0]
+    want, _ = faccel.func.adamw(0.1, weight_decay=0.0).update(
+        {"x": grads[1]}, faccel.func.adamw(0.1, weight_decay=0.0).init({"x": params[1]}), {"x": params[1]}
+    )
+    assert torch.equal(new[1], want["x"])
+    assert params[0].tolist() == [1.0, 1.0]  # nothing given is modified
+    assert isinstance(opt, faccel.func.Optimizer) and hash(opt) == hash(opt)
+
+    with pytest.raises(FunctionalError, match="'medium', which is not one of the groups"):
+        faccel.func.param_groups(lambda p: ["medium"] * 3, dict(opt.optimizers)).init(params)
+    with pytest.raises(FunctionalError, match="labels\\(params\\) must have the structure of params"):
+        faccel.func.param_groups(lambda p: ["fast"], dict(opt.optimizers)).init(params)
+    with pytest.raises(FunctionalError, match="at least one group"):
+        faccel.func.param_groups(lambda p: p, {})
+    with (
+        pytest.raises(FunctionalError, match="ParamGroupsState made by init"),
+        typeguard.suppress_type_checks(),
+    ):
+        opt.update(grads, faccel.func.sgd(0.1).init(params), params)
+    with pytest.raises(FunctionalError, match="grads must have the structure of params"):
+        opt.update(grads[:2], state, params)
+
+
+def test_a_new_optimizer_is_a_new_record_that_functional_state_takes_as_it_is() -> None:
+    import faccel
+    from faccel.errors import FunctionalError
+
+    # signSGD with a step counter, written against the protocol alone (no faccel edit).
+    @faccel.func.register_pytree
+    @attrs.frozen(kw_only=True)
+    class SignState:
+        last_sign: Any
+        step: int = faccel.func.static_field(default=0)
+
+    @attrs.frozen(kw_only=True)
+    class SignSGD:
+        lr: float
+
+        def init(self, params: Any) -> SignState:
+            return SignState(last_sign=faccel.func.tree_map(torch.zeros_like, params))
+
+        def update(
+            self, grads: Any, state: SignState, params: Any, *, lr: float | None = None
+        ) -> tuple[Any, SignState]:
+            rate = self.lr if lr is None else lr
+            signs = faccel.func.tree_map(torch.sign, grads)
+            new = faccel.func.tree_map(lambda p, s: p - rate * s, params, signs)
+            return new, SignState(last_sign=signs, step=state.step + 1)
+
+    opt = SignSGD(lr=0.5)
+    assert isinstance(opt, faccel.func.Optimizer)
+    state = faccel.func.FunctionalState.create(params={"w": torch.zeros(3)}, optimizer=opt)
+    state = state.apply_gradients({"w": torch.tensor([2.0, -3.0, 0.0])})
+    state = state.apply_gradients({"w": torch.tensor([1.0, 1.0, 1.0])}, lr=0.25)
+    assert state.params["w"].tolist() == [-0.75, 0.25, -0.25] and state.opt_state.step == 2
+
+    saved = state.state_dict()
+    assert saved["opt_state"] == {"last_sign": state.opt_state.last_sign, "step": 2}
+    back = faccel.func.FunctionalState.from_state_dict(saved, optimizer=opt)
+    assert type(back.opt_state) is SignState and back.opt_state.step == 2
+    assert back.opt_state.last_sign["w"] is state.opt_state.last_sign["w"]  # not copied
+    wrong_step = {**saved, "opt_state": {**saved["opt_state"], "step": 2.0}}
+    with pytest.raises(FunctionalError, match=r"state's step does not fit .*expected int, got float"):
+        faccel.func.FunctionalState.from_state_dict(wrong_step, optimizer=opt)
+    wrong_shape = {**saved, "opt_state": {"last_sign": {"w": torch.zeros(2)}, "step": 2}}
+    with pytest.raises(FunctionalError, match=r"last_sign\['w'\] does not fit .*\(3,\) tensor"):
+        faccel.func.FunctionalState.from_state_dict(wrong_shape, optimizer=opt)
+    with pytest.raises(FunctionalError, match="as a dict of"):
+        faccel.func.FunctionalState.from_state_dict({**saved, "opt_state": {"step": 2}}, optimizer=opt)

@@ -43,14 +43,14 @@ def _functional_run(dist: Any, opt_name: str, kwargs: dict, steps: int) -> list[
     model = seed_model()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
     model, loader = faccel.prepare(dist, model, loader)
-    params, buffers = faccel.model_params(dist, model, will_sync_grads=True)
-    optimizer = {"sgd": faccel.sgd, "adamw": faccel.adamw}[opt_name](**kwargs)
-    state = faccel.FunctionalState.create(params=params, buffers=buffers, optimizer=optimizer)
-    grad_fn = faccel.loss_and_grad(dist, faccel.unwrap_model(model), torch.nn.functional.mse_loss)
+    params, buffers = faccel.func.model_params(dist, model, will_sync_grads=True)
+    optimizer = {"sgd": faccel.func.sgd, "adamw": faccel.func.adamw}[opt_name](**kwargs)
+    state = faccel.func.FunctionalState.create(params=params, buffers=buffers, optimizer=optimizer)
+    grad_fn = faccel.func.loss_and_grad(dist, faccel.unwrap_model(model), torch.nn.functional.mse_loss)
     for epoch in range(steps):
         for inputs, targets in loader.at(epoch=epoch):
             _, grads = grad_fn(state.params, state.buffers, inputs, targets)
-            state = state.apply_gradients(faccel.sync_grads(dist, grads))
+            state = state.apply_gradients(faccel.func.sync_grads(dist, grads))
             if state.step == steps:
                 return [p.flatten().tolist() for p in state.params.values()]
     raise AssertionError("not enough batches")
@@ -72,12 +72,12 @@ def functional_vs_ddp(configs: list[tuple[str, dict]], steps: int) -> dict[str, 
     guards = {}
     prepared = faccel.prepare(dist, seed_model())
     try:
-        faccel.model_params(dist, prepared)
+        faccel.func.model_params(dist, prepared)
         guards["model_params"] = "no error"
     except DistributedError as error:
         guards["model_params"] = str(error)
     try:
-        faccel.loss_and_grad(dist, prepared, torch.nn.functional.mse_loss)
+        faccel.func.loss_and_grad(dist, prepared, torch.nn.functional.mse_loss)
         guards["loss_and_grad"] = "no error"
     except DistributedError as error:
         guards["loss_and_grad"] = str(error)
@@ -107,7 +107,7 @@ def _grad_tree(rank: int) -> Any:
     import faccel
 
     g = torch.Generator().manual_seed(100 + rank)
-    state = faccel.SGDState(momentum_buffer={"m": torch.randn(3, 2, generator=g)}, step=7)
+    state = faccel.func.SGDState(momentum_buffer={"m": torch.randn(3, 2, generator=g)}, step=7)
     return {
         "w": torch.randn(5, 4, generator=g),
         "b": torch.randn((), generator=g),
@@ -139,7 +139,7 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
         reference.append(t)
     out: dict[str, Any] = {"rank": dist.rank}
     for label, cap in (("one_bucket", None), ("capped", 40 / 2**20)):
-        synced = faccel.sync_grads(dist, grads, bucket_cap_mb=cap)
+        synced = faccel.func.sync_grads(dist, grads, bucket_cap_mb=cap)
         leaves = tensors(synced)
         out[label] = {
             "same_structure": pytree.tree_structure(synced) == pytree.tree_structure(grads),
@@ -148,12 +148,12 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
             "dtypes": [str(t.dtype) for t in leaves] == [str(t.dtype) for t in reference],
         }
     for label, cap in (("reused_one_bucket", None), ("reused_capped", 40 / 2**20)):
-        buckets = faccel.grad_buckets(dist, grads, bucket_cap_mb=cap)
-        first = faccel.sync_grads(dist, grads, buckets=buckets)
-        second = faccel.sync_grads(dist, grads, buckets=buckets)
+        buckets = faccel.func.grad_buckets(dist, grads, bucket_cap_mb=cap)
+        first = faccel.func.sync_grads(dist, grads, buckets=buckets)
+        second = faccel.func.sync_grads(dist, grads, buckets=buckets)
         # Passed back in, a result is this bucket's own memory: the aliasing path. Its
         # values are equal on both ranks, so their average is themselves (x/2 + x/2 == x).
-        third = faccel.sync_grads(dist, second, buckets=buckets)
+        third = faccel.func.sync_grads(dist, second, buckets=buckets)
         out[label] = {
             "equal": all(torch.equal(a, b) for a, b in zip(tensors(second), reference, strict=True)),
             "reused": all(
@@ -166,10 +166,10 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
         }
     # A previous result passed back permuted: "w2" and "w" swap places (same shape), and with
     # a 40-byte cap they sit in different buckets, one reduced while the other is copied.
-    buckets = faccel.grad_buckets(dist, {"w": grads["w"], "w2": grads["w"]}, bucket_cap_mb=40 / 2**20)
-    prev = faccel.sync_grads(dist, {"w": grads["w"], "w2": 2 * grads["w"]}, buckets=buckets)
+    buckets = faccel.func.grad_buckets(dist, {"w": grads["w"], "w2": grads["w"]}, bucket_cap_mb=40 / 2**20)
+    prev = faccel.func.sync_grads(dist, {"w": grads["w"], "w2": 2 * grads["w"]}, buckets=buckets)
     want_w, want_w2 = prev["w"].clone(), prev["w2"].clone()
-    swapped = faccel.sync_grads(dist, {"w": prev["w2"], "w2": prev["w"]}, buckets=buckets)
+    swapped = faccel.func.sync_grads(dist, {"w": prev["w2"], "w2": prev["w"]}, buckets=buckets)
     out["swapped_back"] = torch.equal(swapped["w"], want_w2) and torch.equal(swapped["w2"], want_w)
     misfits = {
         "shape": (grads, dict(grads, w=torch.zeros(4, 5))),
@@ -178,19 +178,21 @@ def sync_grads_vs_per_tensor() -> dict[str, Any]:
         "keys": ({"w": grads["w"], "b": grads["b"]}, {"w": grads["w"], "bias": grads["b"]}),
     }
     # A tree without tensors has nothing to average, with buckets or without.
-    out["no_tensors"] = faccel.sync_grads(dist, {"a": None}, buckets=faccel.grad_buckets(dist, {"a": None}))
+    out["no_tensors"] = faccel.func.sync_grads(
+        dist, {"a": None}, buckets=faccel.func.grad_buckets(dist, {"a": None})
+    )
     out["misfit"] = {}
     for label, (like, given) in misfits.items():
         maker = faccel.detect({}) if label == "other_world" else dist
         try:
-            faccel.sync_grads(dist, given, buckets=faccel.grad_buckets(maker, like))
+            faccel.func.sync_grads(dist, given, buckets=faccel.func.grad_buckets(maker, like))
             out["misfit"][label] = "no error"
         except faccel.errors.FunctionalError as error:
             out["misfit"][label] = str(error)
     out["input_untouched"] = all(torch.equal(a, b) for a, b in zip(tensors(grads), before, strict=True))
     # A dict of tensors takes the fast path: check it too, with a cap that makes three buckets.
     flat = {name: t for name, t in grads.items() if isinstance(t, torch.Tensor)}
-    synced = faccel.sync_grads(dist, flat, bucket_cap_mb=64 / 2**20)
+    synced = faccel.func.sync_grads(dist, flat, bucket_cap_mb=64 / 2**20)
     want = {name: r for name, r in zip(("w", "b", "empty", "t"), reference, strict=False)}
     out["dict_equal"] = list(synced) == list(flat) and all(torch.equal(synced[k], want[k]) for k in want)
     return out

@@ -1,0 +1,55 @@
+"""faccel.func: functional training, as ``torch.func`` and optax write it.
+
+Parameters as a pytree (:func:`model_params`), a pure loss-and-gradient
+(:func:`loss_and_grad`), gradients averaged across processes
+(:func:`sync_grads`, :func:`grad_buckets`), pure optimizers (:func:`sgd`,
+:func:`adamw`, :func:`param_groups`, or your own: anything that follows the
+:class:`Optimizer` protocol), and the frozen :class:`FunctionalState` that
+holds it all, a pytree (:func:`register_pytree`, :func:`static_field`,
+:func:`tree_map`).
+
+Like ``faccel``, every name is imported on first use; ``__all__`` comes from
+the public table in ``faccel/__init__.py``.
+
+Example:
+    >>> import torch, faccel
+    >>> opt = faccel.func.sgd(0.5)
+    >>> state = faccel.func.FunctionalState.create(params={"w": torch.ones(2)}, optimizer=opt)
+    >>> state.apply_gradients({"w": torch.ones(2)}).params["w"].tolist()
+    [0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from faccel import _lazy_getattr, _public_names
+
+if TYPE_CHECKING:  # _PUBLIC["faccel.func"] again, for type checkers and IDEs (tests/test_api.py compares)
+    from faccel._functional import FunctionalState as FunctionalState
+    from faccel._functional import loss_and_grad as loss_and_grad
+    from faccel._functional import model_params as model_params
+    from faccel._grad_sync import GradBuckets as GradBuckets
+    from faccel._grad_sync import grad_buckets as grad_buckets
+    from faccel._grad_sync import sync_grads as sync_grads
+    from faccel._optim._adamw import AdamWState as AdamWState
+    from faccel._optim._adamw import adamw as adamw
+    from faccel._optim._base import Optimizer as Optimizer
+    from faccel._optim._groups import ParamGroupsState as ParamGroupsState
+    from faccel._optim._groups import param_groups as param_groups
+    from faccel._optim._sgd import SGDState as SGDState
+    from faccel._optim._sgd import sgd as sgd
+    from faccel._pytree import register_pytree as register_pytree
+    from faccel._pytree import static_field as static_field
+    from faccel._pytree import tree_map as tree_map
+
+__all__ = _public_names(__name__)
+_resolve = _lazy_getattr(__name__, globals())
+
+
+def __getattr__(name: str) -> Any:
+    return _resolve(name)
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
