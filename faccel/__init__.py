@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._launch import parse_launch as parse_launch
     from faccel._logging import RankLogger as RankLogger
     from faccel._logging import get_logger as get_logger
+    from faccel._logging import print as print
     from faccel._metrics import gather_for_metrics as gather_for_metrics
     from faccel._model import unwrap_model as unwrap_model
     from faccel._precision import autocast as autocast
@@ -76,7 +77,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._collectives": ("broadcast", "gather", "gather_object", "pad_across_processes", "reduce"),
         "faccel._data": ("PreparedLoader", "to_device"),
         "faccel._launch": ("LaunchInfo", "parse_launch"),
-        "faccel._logging": ("RankLogger", "get_logger"),
+        "faccel._logging": ("RankLogger", "get_logger", "print"),
         "faccel._metrics": ("gather_for_metrics",),
         "faccel._model": ("unwrap_model",),
         "faccel._precision": ("autocast", "grad_scaler", "optimizer_step"),

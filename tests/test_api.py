@@ -38,6 +38,7 @@ PINNED: dict[str, list[str]] = {
         "gather_for_metrics",
         "gather_object",
         "get_logger",
+        "print",
         "grad_scaler",
         "main_process_first",
         "micro_batches",

@@ -64,7 +64,11 @@ def seen() -> dict[str, list]:
         ("backward(dist, 1.0)", "ArgumentError", "not loss.item()"),
         ("backward(dist, loss.item())", "ArgumentError", "not loss.item()"),
         ("non-scalar loss", "ArgumentValueError", "loss.mean()"),
-        ("checkpoint(state, path)", "ArgumentError", "faccel.checkpoint(dist, ...) with dist = faccel.detect()"),
+        (
+            "checkpoint(state, path)",
+            "ArgumentError",
+            "faccel.checkpoint(dist, ...) with dist = faccel.detect()",
+        ),
         ("prepare(model) without dist", "ArgumentError", "faccel.prepare(dist, ...)"),
     ],
 )

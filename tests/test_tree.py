@@ -144,13 +144,13 @@ def test_loss_and_grad_under_low_precision_keeps_a_named_tuple_output(precision:
     torch.manual_seed(0)
     dist = faccel.detect({}, precision=precision)
     model = _NamedOutput()
-    params, buffers = faccel.model_params(dist, model)
+    params, buffers = faccel.func.model_params(dist, model)
 
     def loss_fn(out: Output) -> torch.Tensor:
         assert type(out) is Output and out.logits.dtype == torch.float32
         return out.logits.square().mean() + out.aux
 
-    loss, grads = faccel.loss_and_grad(dist, model, loss_fn)(params, buffers, torch.ones(2, 3))
+    loss, grads = faccel.func.loss_and_grad(dist, model, loss_fn)(params, buffers, torch.ones(2, 3))
     assert loss.dtype == torch.float32 and set(grads) == set(params)
     with torch.autocast("cpu", dtype=dist.autocast_dtype):
         y = torch.func.functional_call(model, (params, buffers), (torch.ones(2, 3),)).logits
