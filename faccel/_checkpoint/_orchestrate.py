@@ -5,7 +5,7 @@ Layout (the format is specified in docs/checkpoints.md)::
     ROOT/step-000000001200/      one complete checkpoint, named by its step
         manifest.json            format, version, step, and every file's size and sha256
         state.json               step, epoch, position, optimizer param groups, scheduler,
-                                 scaler and extras (tagged JSON, see _serialize.py)
+                                 scaler and extras (tagged JSON, see _tagged_json.py)
         model.safetensors        the unwrapped model's weights (tied weights once)
         optimizer.safetensors    the optimizer's state tensors
         extras.safetensors       tensors of the scheduler, scaler and extras
@@ -33,12 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from faccel._consensus import agree_max, together
-from faccel._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
-from faccel._model import is_sharded, unwrap_model
-from faccel._safetensors import parse_header, plan, tensor_views
-from faccel._sharded_state import full_state
-from faccel._snapshot import (
+from faccel._checkpoint._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
+from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
+from faccel._checkpoint._sharded_state import full_state
+from faccel._checkpoint._snapshot import (
     EXTRAS,
     MODEL,
     OPTIMIZER,
@@ -50,6 +48,8 @@ from faccel._snapshot import (
     check_rng,
     load,
 )
+from faccel._consensus import agree_max, together
+from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked

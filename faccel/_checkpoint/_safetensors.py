@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._serialize import DTYPE_CODES, dtype_of_code
+from faccel._checkpoint._tagged_json import DTYPE_CODES, dtype_of_code
 from faccel.errors import CheckpointError
 
 __all__ = ["Header", "TensorInfo", "parse_header", "plan", "read_header", "tensor_views"]

@@ -18,10 +18,10 @@ import attrs
 import numpy as np
 import torch
 
+from faccel._checkpoint._sharded_state import load_full_state
+from faccel._checkpoint._tagged_json import TensorSink, decode, encode, tensor_refs
+from faccel._checkpoint._weights import alias_groups, compare_tensors, model_tensors
 from faccel._model import is_sharded, unwrap_model
-from faccel._save_model import alias_groups, compare_tensors, model_tensors
-from faccel._serialize import TensorSink, decode, encode, tensor_refs
-from faccel._sharded_state import load_full_state
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel.errors import CheckpointError
