@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._durable import atomic_write, fsync_dir, read_verified
+from faccel._checkpoint._format import MODEL, MODEL_METADATA
 from faccel._checkpoint._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
 from faccel._checkpoint._sharded_state import full_state
 from faccel._checkpoint._weights import compare_tensors, model_tensors
@@ -40,9 +41,10 @@ __all__ = [
     "split_shards",
 ]
 
-WEIGHTS_NAME = "model.safetensors"
+# The single-file name and metadata are the checkpoint's model file's too (one definition, in _format).
+WEIGHTS_NAME = MODEL
 INDEX_NAME = "model.safetensors.index.json"
-_METADATA = {"format": "pt"}
+_METADATA = MODEL_METADATA
 # The files a save writes (and a later save with another shard count replaces).
 _OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
