@@ -29,7 +29,7 @@ from faccel._consensus import together
 from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, CheckpointError
+from faccel.errors import ArgumentValueError, CheckpointError, StorageError
 
 __all__ = [
     "INDEX_NAME",
@@ -161,9 +161,12 @@ def save_model(
 
     Raises:
         ArgumentValueError: A bad ``max_shard_size``.
-        CheckpointError: A tensor dtype safetensors cannot hold, or a failed
-            write (on any rank). An FSDP2 model's shards are gathered into whole
+        CheckpointError: A tensor dtype safetensors cannot hold, on the
+            writing rank. An FSDP2 model's shards are gathered into whole
             weights first (every rank must call ``save_model``).
+        StorageError: A failed write (an ``OSError``: a full disk, a
+            permission) on the writing rank; on the other ranks, any failure
+            of the writing rank.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -183,7 +186,7 @@ def save_model(
             stored, _ = model_tensors(model, whole)
             _write_model(target, stored, limit)
 
-    together(dist, write, what="save_model")
+    together(dist, write, what="save_model", raises=StorageError)
     return target
 
 

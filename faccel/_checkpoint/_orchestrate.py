@@ -207,7 +207,7 @@ def checkpoint(
         temporary.mkdir()
         return captured
 
-    captured = together(dist, prepare, what="preparing the checkpoint folder")
+    captured = together(dist, prepare, what="preparing the checkpoint folder", raises=CheckpointError)
 
     def write() -> dict[str, FileRecord]:
         records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
@@ -215,13 +215,13 @@ def checkpoint(
             records |= _write_rank0(temporary, *captured)
         return records
 
-    records = together(dist, write, what="writing the checkpoint")
+    records = together(dist, write, what="writing the checkpoint", raises=CheckpointError)
 
     def commit() -> None:
         if captured is not None:
             _commit(dist, root, temporary, final, records, captured[0], keep)
 
-    together(dist, commit, what="committing the checkpoint")
+    together(dist, commit, what="committing the checkpoint", raises=CheckpointError)
     return final
 
 
@@ -321,7 +321,9 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
-    directory = together(dist, lambda: _resolve(Path(path)), what="finding the checkpoint")
+    directory = together(
+        dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
+    )
     step = manifest_step(directory) or 0
     low, high = agree_max(dist, [-step, step])
     if -low != high:
@@ -331,6 +333,9 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
         )
         raise CheckpointError(msg)
     loadable, rng = together(
-        dist, lambda: _read_checkpoint(dist, train_state, directory), what="checking the checkpoint"
+        dist,
+        lambda: _read_checkpoint(dist, train_state, directory),
+        what="checking the checkpoint",
+        raises=CheckpointError,
     )
     return load(train_state, loadable, rng)
