@@ -1,12 +1,12 @@
 """Every check of a checkpoint, made before anything is loaded.
 
 :func:`check_manifest` checks the manifest (format, version, world size, the
-file list) before the files are read; each file's size and SHA-256 are
+file list) before the other files are read; each file's size and SHA-256 are
 checked as it is read (``_durable``). :func:`check` decodes ``state.json``
-and the tensors against the objects they are meant for, :func:`check_rng`
-one rank's generator file; each lists every mismatch in one
-:class:`CheckpointError`, and returns what :func:`faccel._checkpoint._load.load`
-may load. Nothing here touches a live object.
+and the tensors against the objects they are meant for, and :func:`check_rng`
+one rank's generator file: each lists every mismatch in one
+:class:`CheckpointError`, or returns what ``_load`` may load. Nothing here
+touches a live object.
 """
 
 from __future__ import annotations
