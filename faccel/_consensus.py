@@ -18,7 +18,6 @@ import torch.distributed as tdist
 
 from faccel._process_group import _require_group
 from faccel._state import DistState
-from faccel.errors import CheckpointError
 
 __all__ = ["agree_max", "together"]
 
@@ -40,12 +39,13 @@ def agree_max(dist: DistState, values: Sequence[int]) -> list[int]:
     return _all_reduce(dist, values, tdist.ReduceOp.MAX)
 
 
-def together(dist: DistState, work: Callable[[], T], *, what: str) -> T:
+def together(dist: DistState, work: Callable[[], T], *, what: str, raises: type[Exception]) -> T:
     """Run ``work`` on this rank, then wait for all ranks; raise if any rank failed.
 
     The rank that failed re-raises its own error (an ``OSError`` as a
-    :class:`CheckpointError` naming ``what``); the others raise
-    :class:`CheckpointError` saying how many ranks failed at ``what``.
+    ``raises`` naming ``what``); the others raise ``raises`` saying how many
+    ranks failed at ``what``. ``raises`` is the caller's class (a checkpoint's
+    failure is a ``CheckpointError``, ``save_model``'s a ``StorageError``).
     """
     try:
         result = work()
@@ -53,7 +53,7 @@ def together(dist: DistState, work: Callable[[], T], *, what: str) -> T:
         _all_reduce(dist, [1], tdist.ReduceOp.SUM)
         if isinstance(error, OSError):  # a full disk, a permission: say what was being done
             msg = f"{what} failed on rank {dist.rank}: {error}"
-            raise CheckpointError(msg) from error
+            raise raises(msg) from error
         raise
     (failures,) = _all_reduce(dist, [0], tdist.ReduceOp.SUM)
     if failures:
@@ -61,5 +61,5 @@ def together(dist: DistState, work: Callable[[], T], *, what: str) -> T:
             f"{what} failed on {failures} other rank(s) of {dist.world_size}; that rank's error "
             "says why. Nothing was committed or loaded on this rank"
         )
-        raise CheckpointError(msg)
+        raise raises(msg)
     return result

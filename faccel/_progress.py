@@ -74,7 +74,11 @@ def progress(
     if total is None:
         total = epoch_length
     tqdm_kwargs.setdefault("initial", start)
-    bar = tqdm(iterable, total=total, **tqdm_kwargs)
+    # A loader is handed over as one iterator: tqdm.auto calls iter() on what it gets and
+    # then iterates it again, which would start a loader's workers twice (and iterate a
+    # bare loader twice, which faccel refuses).
+    source = iter(iterable) if isinstance(iterable, PreparedLoader) else iterable
+    bar = tqdm(source, total=total, **tqdm_kwargs)
     if isinstance(iterable, PreparedLoader):
         # The other ranks get the loader itself; consumers that read its position
         # (faccel.micro_batches reads `start` and len()) must see the same one here,

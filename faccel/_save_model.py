@@ -20,31 +20,31 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from faccel._checkpoint._durable import atomic_write, fsync_dir, read_verified
+from faccel._checkpoint._format import MODEL, MODEL_METADATA
+from faccel._checkpoint._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
+from faccel._checkpoint._sharded_state import full_state
+from faccel._checkpoint._weights import compare_tensors, model_tensors
 from faccel._consensus import together
-from faccel._durable import atomic_write, fsync_dir, read_verified
 from faccel._model import is_sharded, unwrap_model
-from faccel._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
-from faccel._sharded_state import full_state
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, CheckpointError
+from faccel.errors import ArgumentValueError, CheckpointError, StorageError
 
 __all__ = [
     "INDEX_NAME",
     "WEIGHTS_NAME",
-    "alias_groups",
-    "compare_tensors",
     "load_model",
-    "model_tensors",
     "parse_size",
     "save_model",
     "shard_names",
     "split_shards",
 ]
 
-WEIGHTS_NAME = "model.safetensors"
+# The single-file name and metadata are the checkpoint's model file's too (one definition, in _format).
+WEIGHTS_NAME = MODEL
 INDEX_NAME = "model.safetensors.index.json"
-_METADATA = {"format": "pt"}
+_METADATA = MODEL_METADATA
 # The files a save writes (and a later save with another shard count replaces).
 _OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -70,61 +70,6 @@ def parse_size(size: int | str) -> int:
         msg = f"max_shard_size must be at least 1 byte, got {size!r}"
         raise ArgumentValueError(msg)
     return value
-
-
-def alias_groups(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Names that are the same tensor as an earlier name: ``{later: first}``.
-
-    "The same tensor" means same memory, dtype, shape and strides (tied
-    weights). Tensors that merely overlap are stored separately.
-
-    Example:
-        >>> import torch
-        >>> w = torch.ones(2, 2)
-        >>> alias_groups({"a": w, "b": torch.zeros(2), "c": w})
-        {'c': 'a'}
-    """
-    seen: dict[tuple[object, ...], str] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in state.items():
-        local = getattr(tensor, "to_local", None)
-        if local is not None:  # an FSDP2 DTensor: its storage is the local shard's
-            tensor = local()
-        if tensor.device.type == "meta" or tensor.numel() == 0:
-            continue
-        identity = (
-            tensor.device,
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tensor.dtype,
-            tuple(tensor.shape),
-            tensor.stride(),
-        )
-        if identity in seen:
-            aliases[name] = seen[identity]
-        else:
-            seen[identity] = name
-    return aliases
-
-
-def model_tensors(
-    model: nn.Module, whole: Mapping[str, torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The unwrapped model's tensors to store (each once) and its aliases ``{later: first}``.
-
-    ``whole``: the gathered state dict of an FSDP2 model (see ``_sharded_state``).
-    """
-    state = dict(unwrap_model(model).state_dict()) if whole is None else dict(whole)
-    sharded = [name for name, tensor in state.items() if type(tensor).__name__ == "DTensor"]
-    if sharded:
-        msg = (
-            f"the model's tensors are sharded (DTensor: {sharded[:3]}...) but were not gathered; "
-            "prepare FSDP2 models with faccel.prepare (strategy='fsdp') so faccel recognises them"
-        )
-        raise CheckpointError(msg)
-    aliases = alias_groups(state)
-    stored = {name: tensor for name, tensor in state.items() if name not in aliases}
-    return stored, aliases
 
 
 def split_shards(sizes: Mapping[str, int], max_shard_size: int) -> list[list[str]]:
@@ -216,9 +161,12 @@ def save_model(
 
     Raises:
         ArgumentValueError: A bad ``max_shard_size``.
-        CheckpointError: A tensor dtype safetensors cannot hold, or a failed
-            write (on any rank). An FSDP2 model's shards are gathered into whole
+        CheckpointError: A tensor dtype safetensors cannot hold, on the
+            writing rank. An FSDP2 model's shards are gathered into whole
             weights first (every rank must call ``save_model``).
+        StorageError: A failed write (an ``OSError``: a full disk, a
+            permission) on the writing rank; on the other ranks, any failure
+            of the writing rank.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -238,7 +186,7 @@ def save_model(
             stored, _ = model_tensors(model, whole)
             _write_model(target, stored, limit)
 
-    together(dist, write, what="save_model")
+    together(dist, write, what="save_model", raises=StorageError)
     return target
 
 
@@ -284,49 +232,6 @@ def _layout(directory: Path) -> dict[str, tuple[str, TensorInfo]]:
         msg = f"{index_path}: the index and the shards disagree: " + "; ".join(problems)
         raise CheckpointError(msg)
     return layout
-
-
-def compare_tensors(
-    saved: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    target: Mapping[str, torch.Tensor],
-    *,
-    strict: bool,
-) -> tuple[list[str], list[str], list[str]]:
-    """``(missing, unexpected, problems)`` of loading tensors of ``saved`` specs into ``target``.
-
-    A target name missing from ``saved`` is not missing when the target ties
-    it to a name that ``saved`` has. ``problems`` lists shape and dtype
-    mismatches, and, when ``strict``, missing and unexpected names too.
-
-    Example:
-        >>> import torch
-        >>> compare_tensors({"w": (torch.float32, (2,))}, {"w": torch.zeros(3)}, strict=True)
-        ([], [], ["'w' has shape [2] in the file, [3] in the model"])
-    """
-    aliases = alias_groups(target)
-    members: dict[str, list[str]] = {}
-    for name in target:
-        members.setdefault(aliases.get(name, name), []).append(name)
-    missing: list[str] = []
-    problems: list[str] = []
-    for name, tensor in target.items():
-        tied = members[aliases.get(name, name)]
-        found = next((other for other in [name, *tied] if other in saved), None)
-        if found is None:
-            missing.append(name)
-            continue
-        dtype, shape = saved[found]
-        if tuple(tensor.shape) != shape:
-            problems.append(
-                f"{found!r} has shape {list(shape)} in the file, {list(tensor.shape)} in the model"
-            )
-        if tensor.dtype != dtype:
-            problems.append(f"{found!r} has dtype {dtype} in the file, {tensor.dtype} in the model")
-    unexpected = [name for name in saved if name not in target]
-    if strict:
-        problems += [f"missing {name!r}" for name in missing]
-        problems += [f"unexpected {name!r}" for name in unexpected]
-    return missing, unexpected, problems
 
 
 @setup_checked

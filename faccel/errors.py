@@ -18,6 +18,7 @@ __all__ = [
     "LaunchError",
     "PrecisionError",
     "PrepareError",
+    "StorageError",
 ]
 
 
@@ -116,4 +117,14 @@ class FunctionalError(FaccelError, ValueError):
     differ, an optimizer hyperparameter out of range, or a class given to
     ``register_pytree`` that is not an attrs class. Fix: build the state with
     the same optimizer's ``init(params)`` and pass trees of the same shape.
+    """
+
+
+class StorageError(FaccelError, OSError):
+    """Files could not be written: the operating system refused.
+
+    Cause: a full disk, a missing permission, a path that is not a folder, on
+    the rank that wrote (the message names it and keeps the ``OSError`` as its
+    cause), or such a failure on another rank. Raised by :func:`faccel.save_model`.
+    Fix: free space or correct the path or permissions, then save again.
     """

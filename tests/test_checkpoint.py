@@ -303,8 +303,11 @@ def test_file_system_errors_become_checkpoint_errors(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(faccel.errors.CheckpointError, match="preparing the checkpoint folder failed"):
         faccel.checkpoint(dist, state, tmp_path / "file")
-    with pytest.raises(faccel.errors.CheckpointError, match="save_model failed"):
+    # save_model is not a checkpoint: its failed write is a StorageError, an OSError by kind.
+    with pytest.raises(faccel.errors.StorageError, match="save_model failed") as error:
         faccel.save_model(dist, model, tmp_path / "file")
+    assert isinstance(error.value, OSError) and isinstance(error.value.__cause__, OSError)
+    assert not isinstance(error.value, faccel.errors.CheckpointError)
 
 
 def test_a_state_without_a_torch_optimizer_round_trips_and_mismatches_are_named(tmp_path) -> None:

@@ -1,11 +1,12 @@
-"""A TrainState as JSON plus tensors, and back: every check made before anything is loaded.
+"""Every check of a checkpoint, made before anything is loaded.
 
-:func:`capture` turns the live objects into ``state.json``'s content and the
-tensors of three safetensors files, without copying a tensor.
-:func:`check` decodes a checkpoint's content against the objects it is meant
-for and lists every mismatch at once; only then does :func:`load` touch the
-objects. The random generators (Python, NumPy, torch, CUDA) are per process:
-:func:`capture_rng` and the RNG half of :func:`check`/:func:`load`.
+:func:`check_manifest` checks the manifest (format, version, world size, the
+file list) before the other files are read; each file's size and SHA-256 are
+checked as it is read (``_durable``). :func:`check` decodes ``state.json``
+and the tensors against the objects they are meant for, and :func:`check_rng`
+one rank's generator file: each lists every mismatch in one
+:class:`CheckpointError`, or returns what ``_load`` may load. Nothing here
+touches a live object.
 """
 
 from __future__ import annotations
@@ -17,35 +18,81 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+from torch import nn
 
+from faccel._checkpoint._capture import class_name, is_stateful
+from faccel._checkpoint._durable import FileRecord
+from faccel._checkpoint._format import (
+    EXTRAS,
+    FORMAT,
+    MODEL,
+    OPTIMIZER,
+    RNG_FORMAT,
+    STATE,
+    STATE_FORMAT,
+    VERSION,
+    expected_files,
+)
+from faccel._checkpoint._tagged_json import decode, tensor_refs
+from faccel._checkpoint._weights import alias_groups, compare_tensors
 from faccel._model import is_sharded, unwrap_model
-from faccel._save_model import alias_groups, compare_tensors, model_tensors
-from faccel._serialize import TensorSink, decode, encode, tensor_refs
-from faccel._sharded_state import load_full_state
 from faccel._state import DistState
 from faccel._train_state import TrainState
-from faccel._tree import MISSING, paired_leaves, rebuild
+from faccel._tree import MISSING, paired_leaves
 from faccel.errors import CheckpointError
 
-__all__ = [
-    "EXTRAS",
-    "MODEL",
-    "OPTIMIZER",
-    "STATE",
-    "Loadable",
-    "capture",
-    "capture_rng",
-    "check",
-    "check_rng",
-    "load",
-]
+__all__ = ["Loadable", "check", "check_manifest", "check_rng"]
 
-STATE = "state.json"
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
-EXTRAS = "extras.safetensors"
-_STATE_FORMAT = "faccel.checkpoint.state"
-_RNG_FORMAT = "faccel.checkpoint.rng"
+
+def check_manifest(
+    manifest: Any, dist: DistState, model: nn.Module, *, where: str
+) -> tuple[dict[str, FileRecord], int]:
+    """Check a parsed manifest against this faccel and run: format, version, world size, files.
+
+    Returns each listed file's record (size and SHA-256, checked as the file
+    is read) and the world size that wrote the checkpoint.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
+        raise CheckpointError(msg)
+    if manifest.get("version") != VERSION:
+        msg = (
+            f"{where}: format version {manifest.get('version')!r}, but this faccel reads version {VERSION}; "
+            "restore it with the faccel that wrote it"
+        )
+        raise CheckpointError(msg)
+    world = manifest.get("world_size")
+    if type(world) is not int or world < 1:
+        msg = f"{where}: world_size should be a positive int, got {world!r}"
+        raise CheckpointError(msg)
+    if world != dist.world_size and not is_sharded(unwrap_model(model)) and dist.world_size > 1:
+        msg = (
+            f"{where}: written by {world} processes, restored by {dist.world_size}; a DDP run resumes "
+            "with the same world size (each rank's data position and generators belong to one rank). "
+            "Restore into one process, or into an FSDP2 (strategy='fsdp') model, which reshards; or "
+            "read the weights alone with faccel.load_model"
+        )
+        raise CheckpointError(msg)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        files = {}
+    listed = set(files)
+    expected = set(expected_files(world))
+    if listed != expected:
+        msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
+        raise CheckpointError(msg)
+    records = {}
+    for name, entry in files.items():
+        if (
+            not isinstance(entry, dict)
+            or type(entry.get("size")) is not int
+            or not isinstance(entry.get("sha256"), str)
+        ):
+            msg = f"{where}: the entry of {name} needs an int size and a sha256 string"
+            raise CheckpointError(msg)
+        records[name] = FileRecord(size=entry["size"], sha256=entry["sha256"])
+    return records, world
+
 
 # Built-in optimizers whose non-scalar state tensors have their parameter's shape and dtype.
 _ELEMENTWISE = frozenset(
@@ -64,84 +111,6 @@ _ELEMENTWISE = frozenset(
         "asgd.ASGD",
     )
 )
-
-
-def _class_name(obj: object) -> str:
-    kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _is_stateful(value: object) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
-
-
-def capture(
-    dist: DistState,
-    state: TrainState,
-    whole: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None,
-) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """``state.json``'s content and each safetensors file's tensors, for ``state``.
-
-    Tensors are the live ones (no copy): write them before training goes on.
-    ``whole``: an FSDP2 model's gathered model and optimizer state dicts, which
-    are stored exactly as an unsharded model's would be.
-    """
-    model_state = None if whole is None else whole[0]
-    optimizer_state: Any = whole[1] if whole is not None else None
-    if whole is None and state.optimizer is not None:
-        optimizer_state = state.optimizer.state_dict()
-    stored, aliases = model_tensors(state.model, model_state)
-    optimizer_sink = TensorSink(file=OPTIMIZER)
-    extras_sink = TensorSink(file=EXTRAS)
-    scheduler = state.scheduler
-    scaler = state.scaler
-    extras: dict[str, Any] = {}
-    for name, value in state.extras.items():
-        stateful = _is_stateful(value)
-        encoded = encode(value.state_dict() if stateful else value, sink=extras_sink, path=f"extras.{name}")
-        extras[name] = {"kind": "stateful" if stateful else "value", "value": encoded}
-    content = {
-        "format": _STATE_FORMAT,
-        "step": state.step,
-        "epoch": state.epoch,
-        "position": state.position,
-        "world_size": dist.world_size,
-        "model": {
-            "keys": list(unwrap_model(state.model).state_dict() if model_state is None else model_state),
-            "aliases": aliases,
-        },
-        "optimizer": None
-        if state.optimizer is None
-        else {
-            "class": _class_name(state.optimizer),
-            "state_dict": encode(optimizer_state, sink=optimizer_sink),
-        },
-        "scheduler": None
-        if scheduler is None
-        else {
-            "class": _class_name(scheduler),
-            "state_dict": encode(scheduler.state_dict(), sink=extras_sink, path="scheduler"),
-        },
-        "scaler": None
-        if scaler is None
-        else {"state_dict": encode(scaler.state_dict(), sink=extras_sink, path="scaler")},
-        "extras": extras,
-    }
-    files = {MODEL: stored, OPTIMIZER: optimizer_sink.tensors, EXTRAS: extras_sink.tensors}
-    return content, files
-
-
-def capture_rng(dist: DistState) -> dict[str, Any]:
-    """This process's random generators as tagged JSON (torch states inline, base64)."""
-    cuda = torch.cuda.get_rng_state_all() if dist.device.type == "cuda" else None
-    return {
-        "format": _RNG_FORMAT,
-        "rank": dist.rank,
-        "python": encode(random.getstate()),
-        "numpy": encode(np.random.get_state(legacy=False)),
-        "torch": encode(torch.get_rng_state()),
-        "cuda": None if cuda is None else encode(cuda),
-    }
 
 
 @attrs.frozen(kw_only=True)
@@ -200,8 +169,8 @@ def check(
     Raises one :class:`CheckpointError` listing every problem; touches nothing.
     """
     problems = _Problems(where)
-    if not isinstance(content, dict) or content.get("format") != _STATE_FORMAT:
-        problems.add(STATE, f"not a faccel checkpoint state (format should be {_STATE_FORMAT!r})")
+    if not isinstance(content, dict) or content.get("format") != STATE_FORMAT:
+        problems.add(STATE, f"not a faccel checkpoint state (format should be {STATE_FORMAT!r})")
         problems.raise_if_any()
     for file, refs in _refs_by_file(content).items():
         held = set(tensors.get(file, {}))
@@ -303,8 +272,8 @@ def _check_optimizer(
     if not isinstance(section, dict) or "state_dict" not in section:
         problems.add(STATE, "optimizer section is missing")
         return {}
-    if section.get("class") != _class_name(target):
-        problems.add(STATE, f"the optimizer is a {section.get('class')}, the target a {_class_name(target)}")
+    if section.get("class") != class_name(target):
+        problems.add(STATE, f"the optimizer is a {section.get('class')}, the target a {class_name(target)}")
         return {}
     saved = decoded(section["state_dict"])
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
@@ -338,7 +307,7 @@ def _check_optimizer(
                 "schedulers add keys such as initial_lr: create the same scheduler before restoring)",
             )
         params.update(zip(ids, live["params"], strict=True))
-    elementwise = _class_name(target) in _ELEMENTWISE
+    elementwise = class_name(target) in _ELEMENTWISE
     for pid, entry in entries.items():
         param = params.get(pid)
         if param is None or not isinstance(entry, dict):
@@ -385,11 +354,11 @@ def _check_scheduler(
         return None
     if section is None or target is None:
         return None
-    if not isinstance(section, dict) or section.get("class") != _class_name(target):
+    if not isinstance(section, dict) or section.get("class") != class_name(target):
         problems.add(
             STATE,
             f"the scheduler is a {section.get('class') if isinstance(section, dict) else '?'}, "
-            f"the target a {_class_name(target)}",
+            f"the target a {class_name(target)}",
         )
         return None
     saved = decoded(section.get("state_dict"))
@@ -432,7 +401,7 @@ def _check_extras(
     out: dict[str, Any] = {}
     for name in sorted(section):
         entry, live = section[name], state.extras[name]
-        stateful = _is_stateful(live)
+        stateful = is_stateful(live)
         if not isinstance(entry, dict) or entry.get("kind") != ("stateful" if stateful else "value"):
             problems.add(
                 STATE,
@@ -470,23 +439,12 @@ def _match_tensors(saved: Any, live: Any, path: str, problems: _Problems) -> Non
             )
 
 
-def _placed(saved: Any, live: Any) -> Any:
-    """``saved`` with each tensor moved to the device of the target's tensor at the same place."""
-    moved = [
-        value.to(target.device)
-        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor)
-        else value
-        for _, value, target in paired_leaves(saved, live)
-    ]
-    return rebuild(saved, moved)
-
-
 def check_rng(dist: DistState, content: Any, *, where: str) -> dict[str, Any]:
     """Decode and check one rank's RNG file; returns the states to set."""
     problems = _Problems(where)
     file = where.rsplit("/", 1)[-1]
-    if not isinstance(content, dict) or content.get("format") != _RNG_FORMAT:
-        problems.add(file, f"not a faccel RNG state (format should be {_RNG_FORMAT!r})")
+    if not isinstance(content, dict) or content.get("format") != RNG_FORMAT:
+        problems.add(file, f"not a faccel RNG state (format should be {RNG_FORMAT!r})")
         problems.raise_if_any()
     states = {
         key: decode(content.get(key), tensors={}, where=where) for key in ("python", "numpy", "torch", "cuda")
@@ -519,42 +477,3 @@ def check_rng(dist: DistState, content: Any, *, where: str) -> dict[str, Any]:
         )
     problems.raise_if_any()
     return states
-
-
-def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -> TrainState:
-    """Load a checked checkpoint into ``state``'s objects (in place) and set the generators.
-
-    Returns a new TrainState with the saved step, epoch, position and extras.
-    ``rng`` is None for a rank the checkpoint has no generators of (resharding
-    to more ranks): its generators are left as they are.
-    """
-    model = unwrap_model(state.model)
-    if is_sharded(model):
-        # A collective: every rank scatters the whole tensors into its own shards.
-        load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
-    else:
-        with torch.no_grad():
-            model.load_state_dict(dict(loadable.model), strict=True)
-        if state.optimizer is not None:
-            state.optimizer.load_state_dict(dict(loadable.optimizer))
-    if state.scheduler is not None and loadable.scheduler is not None:
-        state.scheduler.load_state_dict(dict(loadable.scheduler))
-    if state.scaler is not None and loadable.scaler:
-        state.scaler.load_state_dict(dict(loadable.scaler))
-    extras: dict[str, Any] = {}
-    for name, live in state.extras.items():
-        value = loadable.extras[name]
-        if _is_stateful(live):
-            live.load_state_dict(_placed(value, live.state_dict()))
-            extras[name] = live
-        else:
-            extras[name] = _placed(value, live)
-    if rng is not None:
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    return attrs.evolve(
-        state, step=loadable.step, epoch=loadable.epoch, position=loadable.position, extras=extras
-    )

@@ -41,13 +41,12 @@ import attrs
 import numpy as np
 import torch
 
+from faccel._checkpoint._safetensors import DTYPE_CODES, dtype_of_code
 from faccel.errors import CheckpointError
 
 __all__ = [
-    "DTYPE_CODES",
     "TensorSink",
     "decode",
-    "dtype_of_code",
     "encode",
     "tensor_refs",
 ]
@@ -56,37 +55,8 @@ _TAGS = frozenset(
     {"__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__tensor__", "__inline_tensor__"}
 )
 
-# torch dtype -> safetensors dtype code (the format's own names).
-DTYPE_CODES: Mapping[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-_CODE_DTYPES: Mapping[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 # NumPy dtype kinds that hold plain numbers (never "O": object arrays would need pickle).
 _NUMPY_KINDS = frozenset("biufc")
-
-
-def dtype_of_code(code: object, where: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype code, or :class:`CheckpointError`."""
-    dtype = _CODE_DTYPES.get(code) if isinstance(code, str) else None
-    if dtype is None:
-        msg = f"{where}: unknown tensor dtype {code!r}; expected one of {sorted(_CODE_DTYPES)}"
-        raise CheckpointError(msg)
-    return dtype
 
 
 @attrs.define(kw_only=True)

@@ -1,30 +1,19 @@
 """``checkpoint`` and ``restore``: a TrainState to a folder of safetensors and JSON, atomically.
 
-Layout (the format is specified in docs/checkpoints.md)::
-
-    ROOT/step-000000001200/      one complete checkpoint, named by its step
-        manifest.json            format, version, step, and every file's size and sha256
-        state.json               step, epoch, position, optimizer param groups, scheduler,
-                                 scaler and extras (tagged JSON, see _serialize.py)
-        model.safetensors        the unwrapped model's weights (tied weights once)
-        optimizer.safetensors    the optimizer's state tensors
-        extras.safetensors       tensors of the scheduler, scaler and extras
-        rng-00000.json ...       each rank's Python, NumPy, torch (and CUDA) generators
-    ROOT/.tmp-step-.../          a checkpoint being written: never read
-
+The flow across ranks; the layout is in ``_format`` (and docs/checkpoints.md).
 The commit is one ``rename`` of a fully written and fsynced temporary folder,
 so a crash at any moment leaves the earlier checkpoints whole and the partial
 one invisible (restore only reads ``step-*`` folders). Under DDP every rank
 calls ``checkpoint``; rank 0 writes everything but the other ranks' RNG files,
 and the ranks meet three times (prepare, write, commit). All ranks must see
-one shared file system.
+one shared file system. ``restore`` checks everything (``_verify``) before
+anything is loaded (``_load``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,77 +22,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from faccel._consensus import agree_max, together
-from faccel._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
-from faccel._model import is_sharded, unwrap_model
-from faccel._safetensors import parse_header, plan, tensor_views
-from faccel._sharded_state import full_state
-from faccel._snapshot import (
+from faccel._checkpoint._capture import capture, capture_rng
+from faccel._checkpoint._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
+from faccel._checkpoint._folders import latest_checkpoint, manifest_step, remove_leftovers, rotate
+from faccel._checkpoint._format import (
     EXTRAS,
+    FORMAT,
+    MANIFEST,
     MODEL,
+    MODEL_METADATA,
     OPTIMIZER,
     STATE,
-    Loadable,
-    capture,
-    capture_rng,
-    check,
-    check_rng,
-    load,
+    VERSION,
+    checkpoint_name,
+    expected_files,
+    rng_name,
+    temporary_name,
+    trash_name,
 )
+from faccel._checkpoint._load import load
+from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
+from faccel._checkpoint._sharded_state import full_state
+from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
+from faccel._consensus import agree_max, together
+from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError
 
-__all__ = [
-    "FORMAT",
-    "MANIFEST",
-    "VERSION",
-    "checkpoint",
-    "checkpoint_name",
-    "expected_files",
-    "latest_checkpoint",
-    "restore",
-    "rng_name",
-]
-
-FORMAT = "faccel.checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
-_NAME = re.compile(r"step-(\d{12,})")
-_LEFTOVER = re.compile(r"\.(tmp|trash)-step-\d{12,}")
-_MAX_MANIFEST = 1 << 20
-
-
-def checkpoint_name(step: int) -> str:
-    """The folder name of the checkpoint at ``step``: zero-padded, so names sort by step.
-
-    Example:
-        >>> checkpoint_name(1200)
-        'step-000000001200'
-    """
-    return f"step-{step:012d}"
-
-
-def rng_name(rank: int) -> str:
-    """The file holding rank ``rank``'s random generators.
-
-    Example:
-        >>> rng_name(3)
-        'rng-00003.json'
-    """
-    return f"rng-{rank:05d}.json"
-
-
-def expected_files(world_size: int) -> list[str]:
-    """Every file a checkpoint of ``world_size`` ranks holds, besides the manifest.
-
-    Example:
-        >>> expected_files(2)  # doctest: +NORMALIZE_WHITESPACE
-        ['state.json', 'model.safetensors', 'optimizer.safetensors', 'extras.safetensors',
-         'rng-00000.json', 'rng-00001.json']
-    """
-    return [STATE, MODEL, OPTIMIZER, EXTRAS, *(rng_name(rank) for rank in range(world_size))]
+__all__ = ["checkpoint", "latest_checkpoint", "restore"]
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -118,89 +66,11 @@ def _parse_json(data: bytes, where: str) -> Any:
         raise CheckpointError(msg) from None
 
 
-def _manifest_step(directory: Path) -> int | None:
-    """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
-    try:
-        with open(directory / MANIFEST, "rb") as handle:
-            manifest = json.loads(handle.read(_MAX_MANIFEST))
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None
-    step = manifest.get("step")
-    return step if type(step) is int else None
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for entry in entries:
-        match = _NAME.fullmatch(entry.name)
-        if match and entry.is_dir() and _manifest_step(Path(entry.path)) is not None:
-            found.append((int(match.group(1)), Path(entry.path)))
-    return sorted(found)
-
-
-@setup_checked
-def latest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
-    """The latest complete checkpoint at ``path``, or None when there is none.
-
-    ``path`` may be a checkpoint folder itself (returned as is when complete),
-    or a root folder of ``step-NNNNNNNNNNNN`` checkpoints, of which the one
-    with the highest step counts (only folders with a faccel manifest count;
-    folders being written are named ``.tmp-...`` and never count). No
-    symlink, no "latest" file: nothing to race with.
-
-    Args:
-        path: A checkpoint, or a root folder of them.
-
-    Returns:
-        The checkpoint folder, or None.
-
-    Example:
-        >>> import tempfile
-        >>> latest_checkpoint(tempfile.mkdtemp()) is None
-        True
-    """
-    candidate = Path(path)
-    if _manifest_step(candidate) is not None:
-        return candidate
-    complete = _complete_checkpoints(candidate)
-    return complete[-1][1] if complete else None
-
-
-def _remove_leftovers(root: Path) -> None:
-    """Delete folders of interrupted writes and deletions (invisible to restore anyway)."""
-    for entry in os.scandir(root):
-        if _LEFTOVER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _rotate(root: Path, keep: int, step: int) -> None:
-    """Delete the oldest checkpoints before ``step``, so that ``keep`` remain with it."""
-    older = [folder for s, folder in _complete_checkpoints(root) if s < step]
-    doomed = older[: max(0, len(older) - (keep - 1))]
-    trashed = []
-    for folder in doomed:
-        trash = root / f".trash-{folder.name}"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(folder, trash)  # invisible at once; deleting the files can then take its time
-        trashed.append(trash)
-    if trashed:
-        fsync_dir(root)
-    for trash in trashed:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
 def _write_rank0(
     temporary: Path, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
 ) -> dict[str, FileRecord]:
     def write(name: str) -> Callable[[], FileRecord]:
-        metadata = {"format": "pt"} if name == MODEL else None
+        metadata = MODEL_METADATA if name == MODEL else None
         return lambda: write_durably(temporary / name, plan(files[name], metadata=metadata))
 
     # Side by side: one file's fsync overlaps the next one's writing and hashing.
@@ -242,7 +112,7 @@ def _commit(
     if final.exists():
         # The same step again: move the old one aside, then the new one in. Between the
         # two renames only older checkpoints are visible (documented).
-        trash = root / f".trash-{final.name}"
+        trash = root / trash_name(final.name)
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
     os.rename(temporary, final)
@@ -250,7 +120,7 @@ def _commit(
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     if keep is not None:
-        _rotate(root, keep, content["step"])
+        rotate(root, keep, content["step"])
 
 
 @setup_checked
@@ -316,7 +186,7 @@ def checkpoint(
     root = Path(path)
     step = train_state.step
     final = root / checkpoint_name(step)
-    temporary = root / f".tmp-{final.name}"
+    temporary = root / temporary_name(step)
     rng = capture_rng(dist)
     low, high = agree_max(dist, [-step, step])
     if -low != high:
@@ -333,11 +203,11 @@ def checkpoint(
             return None
         captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
         root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
+        remove_leftovers(root)
         temporary.mkdir()
         return captured
 
-    captured = together(dist, prepare, what="preparing the checkpoint folder")
+    captured = together(dist, prepare, what="preparing the checkpoint folder", raises=CheckpointError)
 
     def write() -> dict[str, FileRecord]:
         records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
@@ -345,13 +215,13 @@ def checkpoint(
             records |= _write_rank0(temporary, *captured)
         return records
 
-    records = together(dist, write, what="writing the checkpoint")
+    records = together(dist, write, what="writing the checkpoint", raises=CheckpointError)
 
     def commit() -> None:
         if captured is not None:
             _commit(dist, root, temporary, final, records, captured[0], keep)
 
-    together(dist, commit, what="committing the checkpoint")
+    together(dist, commit, what="committing the checkpoint", raises=CheckpointError)
     return final
 
 
@@ -370,46 +240,7 @@ def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[
     where = f"{directory}/{MANIFEST}"
     buffer, _ = read_verified(directory / MANIFEST, None, where=where)
     manifest = _parse_json(buffer.numpy().tobytes(), where)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
-        raise CheckpointError(msg)
-    if manifest.get("version") != VERSION:
-        msg = (
-            f"{where}: format version {manifest.get('version')!r}, but this faccel reads version {VERSION}; "
-            "restore it with the faccel that wrote it"
-        )
-        raise CheckpointError(msg)
-    world = manifest.get("world_size")
-    if type(world) is not int or world < 1:
-        msg = f"{where}: world_size should be a positive int, got {world!r}"
-        raise CheckpointError(msg)
-    if world != dist.world_size and not is_sharded(unwrap_model(model)) and dist.world_size > 1:
-        msg = (
-            f"{where}: written by {world} processes, restored by {dist.world_size}; a DDP run resumes "
-            "with the same world size (each rank's data position and generators belong to one rank). "
-            "Restore into one process, or into an FSDP2 (strategy='fsdp') model, which reshards; or "
-            "read the weights alone with faccel.load_model"
-        )
-        raise CheckpointError(msg)
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        files = {}
-    listed = set(files)
-    expected = set(expected_files(world))
-    if listed != expected:
-        msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
-        raise CheckpointError(msg)
-    records = {}
-    for name, entry in files.items():
-        if (
-            not isinstance(entry, dict)
-            or type(entry.get("size")) is not int
-            or not isinstance(entry.get("sha256"), str)
-        ):
-            msg = f"{where}: the entry of {name} needs an int size and a sha256 string"
-            raise CheckpointError(msg)
-        records[name] = FileRecord(size=entry["size"], sha256=entry["sha256"])
-    return records, world
+    return check_manifest(manifest, dist, model, where=where)
 
 
 def _read_checkpoint(
@@ -490,8 +321,10 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
-    directory = together(dist, lambda: _resolve(Path(path)), what="finding the checkpoint")
-    step = _manifest_step(directory) or 0
+    directory = together(
+        dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
+    )
+    step = manifest_step(directory) or 0
     low, high = agree_max(dist, [-step, step])
     if -low != high:
         msg = (
@@ -500,6 +333,9 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
         )
         raise CheckpointError(msg)
     loadable, rng = together(
-        dist, lambda: _read_checkpoint(dist, train_state, directory), what="checking the checkpoint"
+        dist,
+        lambda: _read_checkpoint(dist, train_state, directory),
+        what="checking the checkpoint",
+        raises=CheckpointError,
     )
     return load(train_state, loadable, rng)

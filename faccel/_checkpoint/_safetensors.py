@@ -25,10 +25,49 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._serialize import DTYPE_CODES, dtype_of_code
 from faccel.errors import CheckpointError
 
-__all__ = ["Header", "TensorInfo", "parse_header", "plan", "read_header", "tensor_views"]
+__all__ = [
+    "DTYPE_CODES",
+    "Header",
+    "TensorInfo",
+    "dtype_of_code",
+    "parse_header",
+    "plan",
+    "read_header",
+    "tensor_views",
+]
+
+# torch dtype -> safetensors dtype code (the format's own names).
+DTYPE_CODES: Mapping[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+_CODE_DTYPES: Mapping[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def dtype_of_code(code: object, where: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code, or :class:`CheckpointError`."""
+    dtype = _CODE_DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        msg = f"{where}: unknown tensor dtype {code!r}; expected one of {sorted(_CODE_DTYPES)}"
+        raise CheckpointError(msg)
+    return dtype
+
 
 # The format allows up to 100 MB of header; a larger claim means a foreign or corrupt file.
 _MAX_HEADER = 100_000_000

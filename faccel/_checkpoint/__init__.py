@@ -1,0 +1,23 @@
+"""Checkpoints: a TrainState to a folder of safetensors and JSON, atomically, and back.
+
+The modules, from the flow down to the bytes:
+
+- ``_orchestrate``: :func:`checkpoint` and :func:`restore` across ranks.
+- ``_folders``: the root folder: the latest complete checkpoint, rotation, leftovers.
+- ``_format``: every file name, folder pattern and format version.
+- ``_capture``: live objects to what is written (``state.json`` content, tensors, generators).
+- ``_verify``: every check, made before anything is loaded.
+- ``_load``: checked content into the live objects.
+- ``_weights``: a model's tensors, tied weights stored once, compared on load.
+- ``_sharded_state``: whole state dicts of FSDP2 models, gathered and scattered.
+- ``_tagged_json``: the Python values of ``state.json``, as JSON without pickle.
+- ``_safetensors``: the safetensors format and its dtype table.
+- ``_durable``: files written, hashed and fsynced; read back and checked.
+
+The Hugging Face weights export (``faccel._save_model``) uses the lower
+modules (``_weights``, ``_safetensors``, ``_durable``); nothing here imports it.
+"""
+
+from faccel._checkpoint._orchestrate import checkpoint, latest_checkpoint, restore
+
+__all__ = ["checkpoint", "latest_checkpoint", "restore"]

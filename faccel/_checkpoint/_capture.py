@@ -1,0 +1,118 @@
+"""Live objects to what a checkpoint writes: ``state.json``'s content, tensors, generators.
+
+:func:`capture` turns a TrainState into ``state.json``'s content and the
+tensors of three safetensors files, without copying a tensor.
+:func:`capture_rng` turns this process's random generators (Python, NumPy,
+torch, CUDA) into its ``rng-NNNNN.json`` content. :func:`class_name` and
+:func:`is_stateful` decide what the content says of an object; verification
+and loading ask them the same of the target objects.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER, RNG_FORMAT, STATE_FORMAT
+from faccel._checkpoint._tagged_json import TensorSink, encode
+from faccel._checkpoint._weights import model_tensors
+from faccel._model import unwrap_model
+from faccel._state import DistState
+from faccel._train_state import TrainState
+
+__all__ = ["capture", "capture_rng", "class_name", "is_stateful"]
+
+
+def class_name(obj: object) -> str:
+    """The ``module.QualName`` of ``obj``'s class, as ``state.json`` records it.
+
+    Example:
+        >>> class_name(1.0)
+        'builtins.float'
+    """
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def is_stateful(value: object) -> bool:
+    """Whether ``value`` is saved through ``state_dict`` and loaded through ``load_state_dict``.
+
+    Example:
+        >>> import torch
+        >>> is_stateful(torch.nn.Linear(1, 1)), is_stateful({"seen": 3})
+        (True, False)
+    """
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def capture(
+    dist: DistState,
+    state: TrainState,
+    whole: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None,
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``state.json``'s content and each safetensors file's tensors, for ``state``.
+
+    Tensors are the live ones (no copy): write them before training goes on.
+    ``whole``: an FSDP2 model's gathered model and optimizer state dicts, which
+    are stored exactly as an unsharded model's would be.
+    """
+    model_state = None if whole is None else whole[0]
+    optimizer_state: Any = whole[1] if whole is not None else None
+    if whole is None and state.optimizer is not None:
+        optimizer_state = state.optimizer.state_dict()
+    stored, aliases = model_tensors(state.model, model_state)
+    optimizer_sink = TensorSink(file=OPTIMIZER)
+    extras_sink = TensorSink(file=EXTRAS)
+    scheduler = state.scheduler
+    scaler = state.scaler
+    extras: dict[str, Any] = {}
+    for name, value in state.extras.items():
+        stateful = is_stateful(value)
+        encoded = encode(value.state_dict() if stateful else value, sink=extras_sink, path=f"extras.{name}")
+        extras[name] = {"kind": "stateful" if stateful else "value", "value": encoded}
+    content = {
+        "format": STATE_FORMAT,
+        "step": state.step,
+        "epoch": state.epoch,
+        "position": state.position,
+        "world_size": dist.world_size,
+        "model": {
+            "keys": list(unwrap_model(state.model).state_dict() if model_state is None else model_state),
+            "aliases": aliases,
+        },
+        "optimizer": None
+        if state.optimizer is None
+        else {
+            "class": class_name(state.optimizer),
+            "state_dict": encode(optimizer_state, sink=optimizer_sink),
+        },
+        "scheduler": None
+        if scheduler is None
+        else {
+            "class": class_name(scheduler),
+            "state_dict": encode(scheduler.state_dict(), sink=extras_sink, path="scheduler"),
+        },
+        "scaler": None
+        if scaler is None
+        else {"state_dict": encode(scaler.state_dict(), sink=extras_sink, path="scaler")},
+        "extras": extras,
+    }
+    files = {MODEL: stored, OPTIMIZER: optimizer_sink.tensors, EXTRAS: extras_sink.tensors}
+    return content, files
+
+
+def capture_rng(dist: DistState) -> dict[str, Any]:
+    """This process's random generators as tagged JSON (torch states inline, base64)."""
+    cuda = torch.cuda.get_rng_state_all() if dist.device.type == "cuda" else None
+    return {
+        "format": RNG_FORMAT,
+        "rank": dist.rank,
+        "python": encode(random.getstate()),
+        "numpy": encode(np.random.get_state(legacy=False)),
+        "torch": encode(torch.get_rng_state()),
+        "cuda": None if cuda is None else encode(cuda),
+    }

@@ -1,0 +1,100 @@
+"""The root folder of a run's checkpoints: which are complete, the latest, rotation, leftovers.
+
+A checkpoint counts once its ``step-NNNNNNNNNNNN`` folder holds a faccel
+manifest: the manifest is written last, and the folder appears by one rename.
+Folders of interrupted writes and deletions (``.tmp-``, ``.trash-``) never
+count, and the next checkpoint removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from faccel._checkpoint._durable import fsync_dir
+from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, STEP_FOLDER, trash_name
+from faccel._typecheck import setup_checked
+
+__all__ = ["latest_checkpoint", "manifest_step", "remove_leftovers", "rotate"]
+
+_MAX_MANIFEST = 1 << 20
+
+
+def manifest_step(directory: Path) -> int | None:
+    """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
+    try:
+        with open(directory / MANIFEST, "rb") as handle:
+            manifest = json.loads(handle.read(_MAX_MANIFEST))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    step = manifest.get("step")
+    return step if type(step) is int else None
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        match = STEP_FOLDER.fullmatch(entry.name)
+        if match and entry.is_dir() and manifest_step(Path(entry.path)) is not None:
+            found.append((int(match.group(1)), Path(entry.path)))
+    return sorted(found)
+
+
+@setup_checked
+def latest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
+    """The latest complete checkpoint at ``path``, or None when there is none.
+
+    ``path`` may be a checkpoint folder itself (returned as is when complete),
+    or a root folder of ``step-NNNNNNNNNNNN`` checkpoints, of which the one
+    with the highest step counts (only folders with a faccel manifest count;
+    folders being written are named ``.tmp-...`` and never count). No
+    symlink, no "latest" file: nothing to race with.
+
+    Args:
+        path: A checkpoint, or a root folder of them.
+
+    Returns:
+        The checkpoint folder, or None.
+
+    Example:
+        >>> import tempfile
+        >>> latest_checkpoint(tempfile.mkdtemp()) is None
+        True
+    """
+    candidate = Path(path)
+    if manifest_step(candidate) is not None:
+        return candidate
+    complete = _complete_checkpoints(candidate)
+    return complete[-1][1] if complete else None
+
+
+def remove_leftovers(root: Path) -> None:
+    """Delete folders of interrupted writes and deletions (invisible to restore anyway)."""
+    for entry in os.scandir(root):
+        if LEFTOVER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def rotate(root: Path, keep: int, step: int) -> None:
+    """Delete the oldest checkpoints before ``step``, so that ``keep`` remain with it."""
+    older = [folder for s, folder in _complete_checkpoints(root) if s < step]
+    doomed = older[: max(0, len(older) - (keep - 1))]
+    trashed = []
+    for folder in doomed:
+        trash = root / trash_name(folder.name)
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(folder, trash)  # invisible at once; deleting the files can then take its time
+        trashed.append(trash)
+    if trashed:
+        fsync_dir(root)
+    for trash in trashed:
+        shutil.rmtree(trash, ignore_errors=True)
