@@ -23,10 +23,11 @@ import attrs
 import torch
 import torch.distributed as tdist
 
+from faccel._process_group import require_peers
 from faccel._pytree import flatten, tree_flatten, tree_flatten_with_path, unflatten
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import DistributedError, FunctionalError
+from faccel.errors import FunctionalError
 
 __all__ = ["GradBuckets", "grad_buckets", "sync_grads"]
 
@@ -216,19 +217,7 @@ def sync_grads(
         _check_fits(dist, buckets, grads, leaves, structure)
     if dist.world_size == 1:
         return grads
-    if not dist.distributed:
-        msg = (
-            f"sync_grads() averages over real peer processes, but this DistState is "
-            f"{dist.launcher} with world_size={dist.world_size} and no process group; "
-            "run under a launcher (torchrun) and make the state with faccel.detect()"
-        )
-        raise DistributedError(msg)
-    if not tdist.is_initialized():
-        msg = (
-            f"sync_grads() on rank {dist.rank} of {dist.world_size} needs a running process group; "
-            "make the DistState with faccel.detect(), which starts it"
-        )
-        raise DistributedError(msg)
+    require_peers(dist, "sync_grads")
     out = list(leaves)
     with torch.no_grad():
         if buckets is None:
