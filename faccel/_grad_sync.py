@@ -27,7 +27,7 @@ from faccel._process_group import require_peers
 from faccel._pytree import flatten, tree_flatten, tree_flatten_with_path, unflatten
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import FunctionalError
+from faccel.errors import ArgumentValueError, FunctionalError
 
 __all__ = ["GradBuckets", "grad_buckets", "sync_grads"]
 
@@ -59,7 +59,7 @@ def _buckets(leaves: list[Any], cap_bytes: float | None) -> list[list[int]]:
 def _check_cap(bucket_cap_mb: float | None) -> float | None:
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         msg = f"bucket_cap_mb must be > 0 or None, got {bucket_cap_mb!r}"
-        raise FunctionalError(msg)
+        raise ArgumentValueError(msg)
     return None if bucket_cap_mb is None else bucket_cap_mb * 2**20
 
 
@@ -127,8 +127,9 @@ def grad_buckets(dist: DistState, like: Any, *, bucket_cap_mb: float | None = 4.
         The buckets.
 
     Raises:
-        FunctionalError: ``bucket_cap_mb`` is not positive, or ``like`` holds an
-            integer tensor.
+        ArgumentValueError: ``bucket_cap_mb`` is not positive.
+        FunctionalError: ``like`` holds an integer tensor.
+        ArgumentError: An argument of the wrong type.
 
     Example:
         >>> import torch, faccel
@@ -198,9 +199,9 @@ def sync_grads(
     Raises:
         DistributedError: ``dist`` is simulated with more than one rank (there
             are no peers to average with), or no process group is running.
-        FunctionalError: ``bucket_cap_mb`` is not positive, the tree holds
-            an integer tensor (an average of it is no integer), or ``grads``
-            does not fit ``buckets``.
+        ArgumentValueError: ``bucket_cap_mb`` is not positive.
+        FunctionalError: The tree holds an integer tensor (an average of it is
+            no integer), or ``grads`` does not fit ``buckets``.
 
     Example:
         >>> import torch, faccel

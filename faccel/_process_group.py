@@ -108,8 +108,11 @@ def detect(
 def start_process_group(dist: DistState) -> None:
     """Start the default process group that ``dist`` describes, once.
 
-    Idempotent: a running group with the same rank and world size is reused;
-    one that disagrees raises :class:`DistributedError`.
+    Idempotent: a running group with the same rank and world size is reused.
+
+    Raises:
+        DistributedError: A running group disagrees with ``dist``, ``dist`` has
+            no rendezvous address, or torch.distributed could not start the group.
     """
     if tdist.is_initialized():
         rank, world = tdist.get_rank(), tdist.get_world_size()
@@ -157,6 +160,9 @@ def start_process_group(dist: DistState) -> None:
 @setup_checked
 def shutdown(dist: DistState) -> None:
     """Stop the default process group, if one runs. Safe to call more than once.
+
+    Raises:
+        ArgumentError: ``dist`` is not a :class:`DistState`.
 
     Example:
         >>> import faccel
@@ -250,6 +256,9 @@ def comm_device(dist: DistState) -> torch.device:
 def wait_for_everyone(dist: DistState) -> None:
     """Block until every process reaches this call. A no-op in one process.
 
+    Raises:
+        DistributedError: Peer processes exist but no process group is running.
+
     Example:
         >>> import faccel
         >>> wait_for_everyone(faccel.detect({}))
@@ -266,6 +275,9 @@ def main_process_first(dist: DistState) -> Iterator[None]:
 
     For work that fills a cache (a download, a tokenised dataset) which the
     others then read. Every process must enter the block.
+
+    Raises:
+        DistributedError: As :func:`wait_for_everyone`.
 
     Example:
         >>> import faccel

@@ -254,9 +254,10 @@ def state_from_env(
         timeout: How long collectives wait for the other ranks.
 
     Raises:
-        LaunchError: The environment is malformed, or the device or backend
-            cannot serve this process.
+        LaunchError: The environment is malformed, the strategy is unknown, or
+            the device or backend cannot serve this process.
         PrecisionError: Unknown precision.
+        ArgumentError: An argument of the wrong type.
 
     Example:
         >>> s = state_from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
