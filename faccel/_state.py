@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._launch import parse_launch
+from faccel._launch import OPTION_VARIABLES, parse_launch
 from faccel._typecheck import setup_checked
 from faccel.errors import LaunchError, PrecisionError
 
@@ -239,7 +239,8 @@ def state_from_env(
 
     Options override the environment: ``precision`` over ``FACCEL_PRECISION``,
     ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``, ``strategy``
-    over ``FACCEL_STRATEGY``.
+    over ``FACCEL_STRATEGY`` (``faccel._launch.OPTION_VARIABLES``). Looks up
+    no variable outside ``faccel._launch.ENV_VARIABLES``.
 
     Args:
         env: The launcher's environment.
@@ -285,9 +286,9 @@ def state_from_env(
         node_rank=info.node_rank,
         device=chosen,
         backend=chosen_backend,
-        precision=precision if precision is not None else env.get("FACCEL_PRECISION", "no"),
-        accumulation_steps=_env_int(env, "FACCEL_ACCUMULATION_STEPS", accumulation_steps, 1),
-        strategy=strategy if strategy is not None else env.get("FACCEL_STRATEGY", "ddp"),
+        precision=precision if precision is not None else env.get(OPTION_VARIABLES["precision"], "no"),
+        accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
+        strategy=strategy if strategy is not None else env.get(OPTION_VARIABLES["strategy"], "ddp"),
         seed=seed,
         timeout=timeout,
         launcher=info.launcher,
