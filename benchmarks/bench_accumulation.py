@@ -1,6 +1,6 @@
 """Gradient accumulation: a micro-step of faccel's idiom, Accelerate's and Fabric's vs manual accumulation.
 
-DESIGN.md's setting: the seed's small MLP (32-64-64-1, batch 32, SGD + LambdaLR, one
+The setting: the seed's small MLP (32-64-64-1, batch 32, SGD + LambdaLR, one
 thread), 4 micro-steps per optimizer step. The manual loop divides the loss by 4 and
 steps every 4th micro-batch; faccel pairs batches with MicroSteps
 (``micro_batches``), enters ``accumulate`` and passes ``micro=`` to ``backward``;
@@ -125,5 +125,5 @@ def run(quick: bool) -> list[Row]:
         baseline=PLAIN,
         unit="us/micro-step",
         scale=1e6,
-        design="accumulation",
+        goals="accumulation",
     )

@@ -1,6 +1,6 @@
 """Checkpoint cost: faccel's durable, atomic, pickle-free checkpoint vs ``torch.save`` + fsync.
 
-DESIGN.md's setting: an MLP of Linear layers with ~50M parameters and AdamW
+The setting: an MLP of Linear layers with ~50M parameters and AdamW
 state (after one step, so the state exists): 200 MB of weights, 400 MB of
 optimizer state. Subjects, in interleaved rounds:
 
@@ -153,7 +153,7 @@ def run(quick: bool) -> list[Row]:
             saves,
             baseline=PLAIN,
             unit="s",
-            design="checkpoint",
+            goals="checkpoint",
             notes={
                 PLAIN: "torch.save(model/optimizer state_dict) + fsync each file",
                 FACCEL: "faccel.checkpoint: safetensors + JSON, sha256, fsync files+dirs, atomic rename",

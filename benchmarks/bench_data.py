@@ -75,4 +75,4 @@ def run(quick: bool) -> list[Row]:
     subjects = {name: make() for name, make in MAKERS.items() if installed.get(name, True)}
     samples = interleave(subjects, rounds=15 if quick else 60)
     case = f"TensorDataset {SAMPLES}x{FEATURES}, batch {BATCH}, shuffle (an epoch a block)"
-    return rows(case, samples, baseline=PLAIN, unit="us/batch", scale=1e6, design="batch_iteration")
+    return rows(case, samples, baseline=PLAIN, unit="us/batch", scale=1e6, goals="batch_iteration")

@@ -76,5 +76,5 @@ def run(quick: bool) -> list[Row]:
         baseline=RAW,
         unit="us/step",
         scale=1e6,
-        design="ddp_step",
+        goals="ddp_step",
     )

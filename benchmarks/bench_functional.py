@@ -7,7 +7,7 @@ python benchmarks/bench_functional.py [--quick]   # alone, printing the rows
    50 weight matrices and 50 bias vectors), two gloo processes spawned here (the
    parent hosts the TCPStore on a port the OS picks). The issue's two ways of averaging
    100 tensors by hand are timed beside it: one ``all_reduce`` per tensor, and one flat
-   ``all_reduce`` (DESIGN.md's "one flat bucket per dtype (``torch.cat``)": cat ->
+   ``all_reduce`` (one flat bucket per dtype with ``torch.cat``: cat ->
    divide -> one ``all_reduce`` -> split and view back), the baseline. Target: sync_grads
    <= 1.2x the one flat all_reduce. Also timed, for context: a bare ``all_reduce`` of a
    buffer that is already flat (no copy, no division: a floor no way of averaging 100

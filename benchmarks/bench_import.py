@@ -83,7 +83,7 @@ def run(quick: bool) -> list[Row]:
         baseline=PLAIN,
         unit="s",
         compare="difference",
-        design="import",
+        goals="import",
         notes={PLAIN: "import torch alone", FABRIC: "import lightning.fabric"},
     )
     inside_subjects = {
@@ -98,7 +98,7 @@ def run(quick: bool) -> list[Row]:
         baseline=PLAIN,
         unit="s",
         compare="difference",
-        design="import",
+        goals="import",
         notes={PLAIN: "torch already imported", FABRIC: "import lightning.fabric"},
     )
     return whole + parts

@@ -1,6 +1,6 @@
 """Per-step overhead: a training step under faccel, Accelerate and Fabric vs plain PyTorch.
 
-DESIGN.md's setting: one thread, SGD + LambdaLR, the seed's small MLP (32-64-64-1,
+The setting: one thread, SGD + LambdaLR, the seed's small MLP (32-64-64-1,
 batch 32, MSE) and a medium MLP (512-1024-1024-10, batch 64, cross-entropy). Every
 subject trains its own copy of the same initial model on the same cycled batches.
 """
@@ -155,6 +155,6 @@ def run(quick: bool) -> list[Row]:
             baseline=PLAIN,
             unit="us/step",
             scale=1e6,
-            design="step",
+            goals="step",
         )
     return out

@@ -25,9 +25,11 @@ FACCEL = "faccel"
 ACCELERATE = "Accelerate"
 FABRIC = "Fabric"
 
-# DESIGN.md's "Anchors to beat": faccel's target, and the figures measured there for
-# the anchors, per kind of comparison. Targets bound the median paired comparison.
-DESIGN: Mapping[str, Mapping[str, float]] = {
+# Per kind of comparison: faccel's target (a bound on the median paired comparison) and
+# the anchors' reference figures, the project's own earlier measurements of them.
+# docs/benchmarks.md ("Targets and reference figures", rendered from this table by
+# run.py) states what each figure is and how it was measured.
+GOALS: Mapping[str, Mapping[str, float]] = {
     "step": {FACCEL: 1.03, ACCELERATE: 1.34, FABRIC: 1.10},
     "accumulation": {FACCEL: 1.03, ACCELERATE: 1.38, FABRIC: 1.15},
     "batch_iteration": {FACCEL: 1.02, ACCELERATE: 1.07, FABRIC: 1.09},
@@ -55,7 +57,7 @@ class Row:
         low: The smallest paired comparison.
         high: The largest paired comparison.
         target: faccel's bound on ``median`` (met when ``median <= target``).
-        reference: DESIGN.md's figure for this subject, for the anchors.
+        reference: The anchors' reference figure for this subject (:data:`GOALS`).
         rounds: Rounds measured (after the warm-up).
         note: Anything a reader needs to read the figure right.
         bench: The module's name (``step`` for ``bench_step.py``); run.py fills it in.
@@ -153,7 +155,7 @@ def rows(
     unit: str,
     scale: float = 1.0,
     compare: str = "ratio",
-    design: str | None = None,
+    goals: str | None = None,
     notes: Mapping[str, str] | None = None,
 ) -> list[Row]:
     """Rows for every subject of ``samples`` (the baseline first), compared with ``baseline``.
@@ -165,10 +167,10 @@ def rows(
         unit: The unit of the figures after ``scale``.
         scale: Multiplies the figures (``1e6`` turns seconds into microseconds).
         compare: ``"ratio"`` or ``"difference"``.
-        design: Key of :data:`DESIGN` whose target and anchor figures apply.
+        goals: Key of :data:`GOALS` whose target and anchor figures apply.
         notes: Subject -> a note for its row.
     """
-    design_figures = DESIGN.get(design, {}) if design else {}
+    figures_of = GOALS.get(goals, {}) if goals else {}
     base = [x * scale for x in samples[baseline]]
     ordered = [baseline, *(name for name in samples if name != baseline)]
     out = []
@@ -186,8 +188,8 @@ def rows(
                 median=None if name == baseline else statistics.median(pairs),
                 low=None if name == baseline else min(pairs),
                 high=None if name == baseline else max(pairs),
-                target=design_figures.get(name) if name == FACCEL else None,
-                reference=design_figures.get(name) if name != FACCEL else None,
+                target=figures_of.get(name) if name == FACCEL else None,
+                reference=figures_of.get(name) if name != FACCEL else None,
                 rounds=len(figures),
                 note=(notes or {}).get(name, ""),
             )

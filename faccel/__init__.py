@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._precision import grad_scaler as grad_scaler
     from faccel._precision import optimizer_step as optimizer_step
     from faccel._prepare import prepare as prepare
+    from faccel._process_group import detect as detect
     from faccel._process_group import main_process_first as main_process_first
     from faccel._process_group import shutdown as shutdown
     from faccel._process_group import wait_for_everyone as wait_for_everyone
@@ -60,7 +61,6 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._sharding import Sharding as Sharding
     from faccel._split import split_between_processes as split_between_processes
     from faccel._state import DistState as DistState
-    from faccel._state import detect as detect
     from faccel._state import state_from_env as state_from_env
     from faccel._train_state import TrainState as TrainState
 
@@ -82,13 +82,13 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._model": ("unwrap_model",),
         "faccel._precision": ("autocast", "grad_scaler", "optimizer_step"),
         "faccel._prepare": ("prepare",),
-        "faccel._process_group": ("main_process_first", "shutdown", "wait_for_everyone"),
+        "faccel._process_group": ("detect", "main_process_first", "shutdown", "wait_for_everyone"),
         "faccel._progress": ("progress",),
         "faccel._random": ("set_seed",),
         "faccel._save_model": ("load_model", "save_model"),
         "faccel._sharding": ("Sharding",),
         "faccel._split": ("split_between_processes",),
-        "faccel._state": ("DistState", "detect", "state_from_env"),
+        "faccel._state": ("DistState", "state_from_env"),
         "faccel._train_state": ("TrainState",),
     },
     "faccel.func": {

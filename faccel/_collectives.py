@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from faccel._process_group import _require_group
+from faccel._process_group import comm_device, require_peers
 from faccel._state import DistState
 from faccel._tree import flatten_with_paths, rebuild
 from faccel.errors import ArgumentError, ArgumentValueError, DistributedError, FaccelError
@@ -62,23 +62,6 @@ def _describe(call: str, tree: Any) -> tuple[dict[str, Any], list[Any], list[str
     shapes = [list(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     dtypes = [str(leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     return {"call": call, "spec": spec, "shapes": shapes, "dtypes": dtypes}, leaves, paths
-
-
-def _comm_device(dist: DistState) -> torch.device:
-    # gloo and MPI move CPU tensors everywhere; NCCL and the others need the accelerator.
-    return torch.device("cpu") if dist.backend in ("gloo", "mpi") else dist.device
-
-
-def _require_peers(dist: DistState, name: str) -> None:
-    if dist.distributed:
-        _require_group(dist)
-    elif dist.world_size > 1:
-        msg = (
-            f"{name}() needs the other ranks, but this DistState is simulated (rank {dist.rank} of "
-            f"{dist.world_size}, no peer processes); run under a launcher and use faccel.detect(), "
-            "or test with DistState.simulated(world_size=1)"
-        )
-        raise DistributedError(msg)
 
 
 @contextlib.contextmanager
@@ -120,7 +103,7 @@ def _exchange(dist: DistState, description: dict[str, Any]) -> list[dict[str, An
     collective instead of two when the description fits in ``_META_BYTES``.
     """
     payload = json.dumps(description, separators=(",", ":")).encode()
-    device = _comm_device(dist)
+    device = comm_device(dist)
     name = description["call"].split("(")[0]
     with _peers_answer(dist, name):
         raw = _all_gather_bytes(payload, _META_BYTES, device, dist.world_size)
@@ -262,7 +245,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
         >>> gathered["x"].shape, sizes
         (torch.Size([3, 2]), [[3]])
     """
-    _require_peers(dist, "gather")
+    require_peers(dist, "gather")
     if not dist.distributed:
         leaves, _ = _check_local(tree, "gather")
         rows = [_as_rows(leaf) for leaf in leaves]
@@ -281,7 +264,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
     dtypes = [_dtype(name) for name in descriptions[0]["dtypes"]]
     layouts = [_layout(d["shapes"], dtypes) for d in descriptions]
     longest = max(length for _, length in layouts)
-    device = _comm_device(dist)
+    device = comm_device(dist)
     rows = [_as_rows(leaf) for leaf in leaves]
     buffer = _pack(rows, longest, device)
     received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(dist.world_size)]
@@ -361,7 +344,7 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
         >>> reduce(faccel.detect({}), {"loss": torch.tensor(2.0)}, op="sum")
         {'loss': tensor(2.)}
     """
-    _require_peers(dist, "reduce")
+    require_peers(dist, "reduce")
     if not dist.distributed:
         leaves, paths = _check_local(tree, "reduce")
         _check_op(op, leaves, paths)
@@ -376,7 +359,7 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
         same=lambda a, b: a == b,
     )
     _check_op(op, leaves, paths)
-    device = _comm_device(dist)
+    device = comm_device(dist)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(leaf.dtype, []).append(i)
@@ -431,7 +414,7 @@ def broadcast(dist: DistState, tree: Any, *, src: int = 0) -> Any:
         >>> broadcast(faccel.detect({}), [torch.arange(3)], src=0)
         [tensor([0, 1, 2])]
     """
-    _require_peers(dist, "broadcast")
+    require_peers(dist, "broadcast")
     if not dist.distributed:
         _check_src(src, dist.world_size)
         _check_local(tree, "broadcast")
@@ -444,7 +427,7 @@ def broadcast(dist: DistState, tree: Any, *, src: int = 0) -> Any:
     shapes = source["shapes"]
     dtypes = [_dtype(name) for name in source["dtypes"]]
     offsets, length = _layout(shapes, dtypes)
-    device = _comm_device(dist)
+    device = comm_device(dist)
     if dist.rank == src:
         buffer = _pack(leaves, length, device)
     else:
@@ -496,7 +479,7 @@ def pad_across_processes(
         >>> pad_across_processes(faccel.detect({}), torch.ones(2, 3), dim=1).shape
         torch.Size([2, 3])
     """
-    _require_peers(dist, "pad_across_processes")
+    require_peers(dist, "pad_across_processes")
     if not dist.distributed:
         _check_local(tree, "pad_across_processes")
         return tree
@@ -555,7 +538,7 @@ def gather_object(dist: DistState, obj: Any) -> list[Any]:
         >>> gather_object(faccel.detect({}), {"path": "ckpt/", "ok": True})
         [{'path': 'ckpt/', 'ok': True}]
     """
-    _require_peers(dist, "gather_object")
+    require_peers(dist, "gather_object")
     if not dist.distributed:
         return [obj]
     out: list[Any] = [None] * dist.world_size

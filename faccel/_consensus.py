@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as tdist
 
-from faccel._process_group import _require_group
+from faccel._process_group import comm_device, require_group
 from faccel._state import DistState
 
 __all__ = ["agree_max", "together"]
@@ -24,19 +24,20 @@ __all__ = ["agree_max", "together"]
 T = TypeVar("T")
 
 
-def _all_reduce(dist: DistState, values: Sequence[int], op: tdist.ReduceOp.RedOpType) -> list[int]:
+def _all_reduce(
+    dist: DistState, values: Sequence[int], op: tdist.ReduceOp.RedOpType, *, name: str
+) -> list[int]:
     if not dist.distributed:
         return list(values)
-    _require_group(dist)
-    device = dist.device if dist.backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
+    require_group(dist, name)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=comm_device(dist))
     tdist.all_reduce(tensor, op=op)
     return [int(v) for v in tensor.tolist()]
 
 
 def agree_max(dist: DistState, values: Sequence[int]) -> list[int]:
     """Element-wise maximum of ``values`` over all ranks (the values themselves in one process)."""
-    return _all_reduce(dist, values, tdist.ReduceOp.MAX)
+    return _all_reduce(dist, values, tdist.ReduceOp.MAX, name="agree_max")
 
 
 def together(dist: DistState, work: Callable[[], T], *, what: str, raises: type[Exception]) -> T:
@@ -50,12 +51,12 @@ def together(dist: DistState, work: Callable[[], T], *, what: str, raises: type[
     try:
         result = work()
     except Exception as error:
-        _all_reduce(dist, [1], tdist.ReduceOp.SUM)
+        _all_reduce(dist, [1], tdist.ReduceOp.SUM, name="together")
         if isinstance(error, OSError):  # a full disk, a permission: say what was being done
             msg = f"{what} failed on rank {dist.rank}: {error}"
             raise raises(msg) from error
         raise
-    (failures,) = _all_reduce(dist, [0], tdist.ReduceOp.SUM)
+    (failures,) = _all_reduce(dist, [0], tdist.ReduceOp.SUM, name="together")
     if failures:
         msg = (
             f"{what} failed on {failures} other rank(s) of {dist.world_size}; that rank's error "

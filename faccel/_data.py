@@ -27,7 +27,7 @@ from torch.utils.data import (
 from faccel._sharding import Sharding
 from faccel._state import DistState
 from faccel._tree import map_tensors
-from faccel.errors import PrepareError, UsageError
+from faccel.errors import ArgumentError, ArgumentValueError, PrepareError, UsageError
 
 __all__ = ["PreparedLoader", "prepare_loader", "to_device"]
 
@@ -185,6 +185,9 @@ class PreparedLoader:
     def at(self, *, epoch: int, start: int = 0) -> PreparedLoader:
         """A view of the same loader at ``epoch``, beginning at batch ``start``.
 
+        Raises:
+            ArgumentValueError: ``epoch`` or ``start`` is negative.
+
         Example:
             >>> import torch, faccel
             >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
@@ -197,17 +200,22 @@ class PreparedLoader:
         """
         if epoch < 0 or start < 0:
             msg = f"epoch and start must be >= 0, got epoch={epoch!r}, start={start!r}"
-            raise PrepareError(msg)
+            raise ArgumentValueError(msg)
         return attrs.evolve(self, epoch=epoch, start=start, bare_iterated=None)
 
     def __len__(self) -> int:
-        """Batches this rank sees in a whole epoch (``start`` not subtracted)."""
+        """Batches this rank sees in a whole epoch (``start`` not subtracted).
+
+        Raises:
+            ArgumentError: The loader reads an ``IterableDataset`` without ``__len__``
+                (a ``TypeError``, as ``len()`` of any object without a length).
+        """
         if isinstance(self._control, _ShardedStream):
             try:
                 len(self.dataset)
             except TypeError:
                 msg = "this loader reads an IterableDataset without __len__, so its length is unknown"
-                raise TypeError(msg) from None
+                raise ArgumentError(msg) from None
         return self.sharding.num_batches
 
     def __iter__(self) -> Iterator[Any]:

@@ -4,6 +4,10 @@
 hardware facts are its arguments, so it can be tested for any launcher and
 any machine. :func:`collect_versions` and :func:`collect_hardware` are the
 edge that reads the real ones. Nothing here starts a process group.
+
+The variables it lists are ``faccel._launch.ENV_VARIABLES``, the table that
+``parse_launch`` and ``state_from_env`` read by, so the report cannot drift
+from what ``detect()`` reads.
 """
 
 from __future__ import annotations
@@ -17,13 +21,12 @@ from typing import Any
 
 import attrs
 
-from faccel._launch import _MPI, _SLURM, _TORCHRUN, _Launcher
+from faccel._launch import ENV_VARIABLES, LAUNCHERS, OPTION_VARIABLES
 from faccel._state import DistState, state_from_env
 from faccel._tree import to_plain
 from faccel.errors import FaccelError
 
 __all__ = [
-    "VARIABLES",
     "EnvReport",
     "Hardware",
     "collect_hardware",
@@ -35,23 +38,6 @@ __all__ = [
 
 PACKAGES = ("torch", "faccel", "attrs", "safetensors", "numpy", "typeguard", "tqdm")
 BACKENDS = ("gloo", "nccl", "mpi")
-
-
-def _launcher_variables(row: _Launcher) -> tuple[str, ...]:
-    names = (row.rank, row.world_size, row.local_rank, row.local_world_size, row.node_rank)
-    return tuple(name for name in names if name is not None)
-
-
-# Every environment variable faccel reads, by who sets it. The launcher rows come
-# from faccel._launch's own table so this list cannot drift from what is parsed.
-VARIABLES: Mapping[str, tuple[str, ...]] = {
-    "torchrun": _launcher_variables(_TORCHRUN),
-    "slurm": (*_launcher_variables(_SLURM), "SLURM_NODELIST", "SLURM_JOB_ID"),
-    "mpi": _launcher_variables(_MPI),
-    "rendezvous": ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"),
-    "faccel": ("FACCEL_PRECISION", "FACCEL_ACCUMULATION_STEPS"),
-}
-_LAUNCHERS = ("torchrun", "slurm", "mpi")
 
 
 @attrs.frozen(kw_only=True)
@@ -127,6 +113,7 @@ def _state_fields(state: DistState) -> dict[str, Any]:
         "backend": state.backend,
         "precision": state.precision,
         "accumulation_steps": state.accumulation_steps,
+        "strategy": state.strategy,
         "master_addr": state.master_addr,
         "master_port": state.master_port,
         "external_store": state.external_store,
@@ -135,7 +122,7 @@ def _state_fields(state: DistState) -> dict[str, Any]:
 
 
 def _launcher_notes(found: Mapping[str, Mapping[str, str]], launcher: str | None) -> list[str]:
-    present = [name for name in _LAUNCHERS if found[name]]
+    present = [name for name in LAUNCHERS if found[name]]
     notes = []
     if launcher is not None and len(present) > 1:
         others = ", ".join(name for name in present if name != launcher)
@@ -179,10 +166,12 @@ def env_report(
         >>> print(report.problems[0])
         LaunchError: WORLD_SIZE is 2 (from torchrun) but MASTER_ADDR is not set; ...
     """
-    found = {group: {name: env[name] for name in names if name in env} for group, names in VARIABLES.items()}
+    found = {
+        group: {name: env[name] for name in names if name in env} for group, names in ENV_VARIABLES.items()
+    }
     # The launcher's variables and faccel's own options are checked apart, so a
     # bad FACCEL_PRECISION does not hide a missing MASTER_ADDR, or the reverse.
-    options = set(VARIABLES["faccel"])
+    options = set(OPTION_VARIABLES.values())
     launch, launch_problem = _attempt({k: v for k, v in env.items() if k not in options}, hardware)
     _, option_problem = _attempt({k: v for k, v in env.items() if k in options}, hardware)
     problems = [p for p in (launch_problem, option_problem) if p is not None]

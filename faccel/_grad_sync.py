@@ -2,10 +2,11 @@
 
 Functional code (``torch.func``, ``functional_call``) bypasses DDP's gradient
 hooks, so nothing averages its gradients. One ``all_reduce`` per tensor pays
-the collective's latency once per tensor (DESIGN.md measured ~30x slower on
-gloo than one flat buffer); here the tensors of each dtype and device are
-copied into flat buckets of at most 4 MB (or one per dtype), each reduced with
-one asynchronous ``all_reduce`` while the next is copied, and handed back as
+the collective's latency once per tensor: for 100 tensors on gloo, 7x (13 MB)
+to 35x (0.8 MB) slower than one flat buffer (docs/benchmarks.md, section
+"functional"). Here the tensors of each dtype and device are copied into flat
+buckets of at most 4 MB (or one per dtype), each reduced with one
+asynchronous ``all_reduce`` while the next is copied, and handed back as
 views of them.
 
 Those buckets are fresh memory on every call, which is what a pure function
@@ -23,10 +24,11 @@ import attrs
 import torch
 import torch.distributed as tdist
 
+from faccel._process_group import require_peers
 from faccel._pytree import flatten, tree_flatten, tree_flatten_with_path, unflatten
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import DistributedError, FunctionalError
+from faccel.errors import ArgumentValueError, FunctionalError
 
 __all__ = ["GradBuckets", "grad_buckets", "sync_grads"]
 
@@ -58,7 +60,7 @@ def _buckets(leaves: list[Any], cap_bytes: float | None) -> list[list[int]]:
 def _check_cap(bucket_cap_mb: float | None) -> float | None:
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         msg = f"bucket_cap_mb must be > 0 or None, got {bucket_cap_mb!r}"
-        raise FunctionalError(msg)
+        raise ArgumentValueError(msg)
     return None if bucket_cap_mb is None else bucket_cap_mb * 2**20
 
 
@@ -126,8 +128,9 @@ def grad_buckets(dist: DistState, like: Any, *, bucket_cap_mb: float | None = 4.
         The buckets.
 
     Raises:
-        FunctionalError: ``bucket_cap_mb`` is not positive, or ``like`` holds an
-            integer tensor.
+        ArgumentValueError: ``bucket_cap_mb`` is not positive.
+        FunctionalError: ``like`` holds an integer tensor.
+        ArgumentError: An argument of the wrong type.
 
     Example:
         >>> import torch, faccel
@@ -197,9 +200,9 @@ def sync_grads(
     Raises:
         DistributedError: ``dist`` is simulated with more than one rank (there
             are no peers to average with), or no process group is running.
-        FunctionalError: ``bucket_cap_mb`` is not positive, the tree holds
-            an integer tensor (an average of it is no integer), or ``grads``
-            does not fit ``buckets``.
+        ArgumentValueError: ``bucket_cap_mb`` is not positive.
+        FunctionalError: The tree holds an integer tensor (an average of it is
+            no integer), or ``grads`` does not fit ``buckets``.
 
     Example:
         >>> import torch, faccel
@@ -216,19 +219,7 @@ def sync_grads(
         _check_fits(dist, buckets, grads, leaves, structure)
     if dist.world_size == 1:
         return grads
-    if not dist.distributed:
-        msg = (
-            f"sync_grads() averages over real peer processes, but this DistState is "
-            f"{dist.launcher} with world_size={dist.world_size} and no process group; "
-            "run under a launcher (torchrun) and make the state with faccel.detect()"
-        )
-        raise DistributedError(msg)
-    if not tdist.is_initialized():
-        msg = (
-            f"sync_grads() on rank {dist.rank} of {dist.world_size} needs a running process group; "
-            "make the DistState with faccel.detect(), which starts it"
-        )
-        raise DistributedError(msg)
+    require_peers(dist, "sync_grads")
     out = list(leaves)
     with torch.no_grad():
         if buckets is None:

@@ -6,18 +6,26 @@ SLURM's ``srun`` and Open MPI's ``mpirun``. torchrun is always the innermost
 launcher (a scheduler starts torchrun, never the reverse), so its variables
 win over a scheduler's; SLURM and Open MPI both claim to have started this
 very process, so when both are present they must agree.
+
+:data:`ENV_VARIABLES` is the one list of every environment variable faccel
+reads, grouped by who sets it: this module's launcher rows, the rendezvous
+variables, and faccel's own options (:data:`OPTION_VARIABLES`, read by
+``faccel._state.state_from_env``). ``python -m faccel env`` prints what it
+lists, and a test proves that ``parse_launch``, ``state_from_env`` and
+``detect`` look up no variable outside it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import attrs
 
 from faccel.errors import LaunchError
 
-__all__ = ["LaunchInfo", "parse_launch"]
+__all__ = ["ENV_VARIABLES", "LAUNCHERS", "OPTION_VARIABLES", "LaunchInfo", "parse_launch"]
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +79,44 @@ _MPI = _Launcher(
 )
 # Schedulers that start this process directly; torchrun is handled first.
 _PEERS = (_SLURM, _MPI)
+# The launchers understood, innermost first (whose variables win).
+LAUNCHERS: tuple[str, ...] = tuple(row.name for row in (_TORCHRUN, *_PEERS))
+# SLURM's fallbacks for the rendezvous when MASTER_ADDR / MASTER_PORT are unset.
+_SLURM_NODELIST = "SLURM_NODELIST"
+_SLURM_JOB_ID = "SLURM_JOB_ID"
+# Read for every launcher: where the processes meet, and who hosts the store.
+_MASTER_ADDR = "MASTER_ADDR"
+_MASTER_PORT = "MASTER_PORT"
+_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+#: faccel's own options in the environment: ``DistState`` field -> variable.
+#: Read by ``faccel._state.state_from_env``; an explicit argument wins over each.
+OPTION_VARIABLES: Mapping[str, str] = MappingProxyType(
+    {
+        "precision": "FACCEL_PRECISION",
+        "accumulation_steps": "FACCEL_ACCUMULATION_STEPS",
+        "strategy": "FACCEL_STRATEGY",
+    }
+)
+
+
+def _row_variables(row: _Launcher) -> tuple[str, ...]:
+    names = (row.rank, row.world_size, row.local_rank, row.local_world_size, row.node_rank)
+    return tuple(name for name in names if name is not None)
+
+
+#: Every environment variable faccel reads, by who sets it: each launcher of
+#: :data:`LAUNCHERS`, ``"rendezvous"`` (any launcher) and ``"faccel"`` (the options).
+#: Built from the tables the parsing uses, so it cannot drift from them.
+ENV_VARIABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        _TORCHRUN.name: _row_variables(_TORCHRUN),
+        _SLURM.name: (*_row_variables(_SLURM), _SLURM_NODELIST, _SLURM_JOB_ID),
+        _MPI.name: _row_variables(_MPI),
+        "rendezvous": (_MASTER_ADDR, _MASTER_PORT, _AGENT_STORE),
+        "faccel": tuple(OPTION_VARIABLES.values()),
+    }
+)
 
 
 def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int:
@@ -114,7 +160,8 @@ def _read(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo | None:
         )
         raise LaunchError(msg)
 
-    view = dict(env)
+    # This launcher's own variables only: copying all of ``env`` would read every variable.
+    view = {name: env[name] for name in _row_variables(launcher) if name in env}
     if launcher.local_world_size and launcher is _SLURM and launcher.local_world_size in view:
         view[launcher.local_world_size] = _slurm_tasks_per_node(view[launcher.local_world_size])
     has_local = launcher.local_rank is not None and launcher.local_rank in view
@@ -164,18 +211,18 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def _rendezvous(env: Mapping[str, str], info: LaunchInfo) -> LaunchInfo:
-    addr = env.get("MASTER_ADDR")
-    if addr is None and info.launcher == _SLURM.name and "SLURM_NODELIST" in env:
-        addr = _first_slurm_host(env["SLURM_NODELIST"])
+    addr = env.get(_MASTER_ADDR)
+    if addr is None and info.launcher == _SLURM.name and _SLURM_NODELIST in env:
+        addr = _first_slurm_host(env[_SLURM_NODELIST])
     port: int | None = None
-    if "MASTER_PORT" in env:
-        port = _int(env, "MASTER_PORT", minimum=1)
+    if _MASTER_PORT in env:
+        port = _int(env, _MASTER_PORT, minimum=1)
         if port > 65535:
-            msg = f"MASTER_PORT must be in [1, 65535], got MASTER_PORT={env['MASTER_PORT']!r}"
+            msg = f"MASTER_PORT must be in [1, 65535], got MASTER_PORT={env[_MASTER_PORT]!r}"
             raise LaunchError(msg)
-    elif info.launcher == _SLURM.name and "SLURM_JOB_ID" in env:
+    elif info.launcher == _SLURM.name and _SLURM_JOB_ID in env:
         # Every task of a job derives the same port from the job id (as Lightning does).
-        port = 15000 + _int(env, "SLURM_JOB_ID", minimum=0) % 20000
+        port = 15000 + _int(env, _SLURM_JOB_ID, minimum=0) % 20000
     if info.world_size > 1 and not addr:
         msg = (
             f"WORLD_SIZE is {info.world_size} (from {info.launcher}) but MASTER_ADDR is not set; "
@@ -188,7 +235,7 @@ def _rendezvous(env: Mapping[str, str], info: LaunchInfo) -> LaunchInfo:
             "set MASTER_PORT to a free port on rank 0's host, or launch with torchrun"
         )
         raise LaunchError(msg)
-    external = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    external = env.get(_AGENT_STORE) == "True"
     return attrs.evolve(info, master_addr=addr or None, master_port=port, external_store=external)
 
 
@@ -211,7 +258,8 @@ def _check_agree(first: LaunchInfo, second: LaunchInfo) -> None:
 def parse_launch(env: Mapping[str, str]) -> LaunchInfo:
     """Read the launcher's variables from ``env`` into a :class:`LaunchInfo`.
 
-    Pure: depends on ``env`` alone. A missing launcher means one process.
+    Pure: depends on ``env`` alone, and looks up only the variables of
+    :data:`ENV_VARIABLES`. A missing launcher means one process.
 
     Args:
         env: The environment, usually ``os.environ``.

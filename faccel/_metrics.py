@@ -22,7 +22,7 @@ from faccel._data import PreparedLoader
 from faccel._sharding import Sharding
 from faccel._state import DistState
 from faccel._tree import flatten_with_paths, rebuild
-from faccel.errors import DistributedError
+from faccel.errors import ArgumentValueError
 
 __all__ = ["gather_for_metrics", "metrics_plan"]
 
@@ -57,8 +57,9 @@ def metrics_plan(
         ``sharding.order(epoch)[positions]`` are the rows' dataset indices.
 
     Raises:
-        DistributedError: ``counts`` does not match the plan (wrong batch index,
-            outputs with extra or missing rows, or an epoch cut short).
+        ArgumentValueError: ``counts`` does not match the plan (one count per
+            rank, each the rows of that rank's share), or ``batch`` is not a
+            batch of this epoch.
 
     Example:
         >>> import faccel
@@ -72,14 +73,14 @@ def metrics_plan(
     world = sharding.world_size
     if len(counts) != world:
         msg = f"counts must give one row count per rank ({world}), got {len(counts)}: {list(counts)}"
-        raise DistributedError(msg)
+        raise ArgumentValueError(msg)
     batches = -(-len(sharding.positions(0)) // sharding.batch_size)
     if batch is not None and not 0 <= batch < batches:
         msg = (
             f"batch must be an absolute batch index in [0, {batches}) for this epoch, got {batch}; "
             "pass loader.start + the index from enumerate(loader)"
         )
-        raise DistributedError(msg)
+        raise ArgumentValueError(msg)
     expected = [_expected_positions(sharding, rank, batch, start) for rank in range(world)]
     for rank, (count, positions) in enumerate(zip(counts, expected, strict=True)):
         if count != len(positions):
@@ -91,7 +92,7 @@ def metrics_plan(
                 "and the absolute batch index (loader.start + enumerate index), or batch=None with "
                 "the outputs of every batch the loader view yields"
             )
-            raise DistributedError(msg)
+            raise ArgumentValueError(msg)
     positions = torch.cat(expected) if expected else torch.empty(0, dtype=torch.long)
     real = torch.nonzero(positions < sharding.num_samples).flatten()
     ordered = real[torch.argsort(positions[real])]
@@ -133,8 +134,12 @@ def gather_for_metrics(
         The gathered tree, or ``(tree, indices)`` with ``with_indices=True``.
 
     Raises:
-        DistributedError: As :func:`faccel.gather`, or the row counts do not
-            match the loader's plan (the message says what was expected).
+        DistributedError: As :func:`faccel.gather` (no peers to talk to, or the
+            ranks' trees differ in structure, dtype or trailing dims).
+        ArgumentValueError: The row counts do not match the loader's plan, a
+            rank's leaves have different numbers of rows, ``batch`` is not a
+            batch of this epoch, or the loader's dataset has no length (the
+            message says what was expected).
         ArgumentError: A leaf is not a tensor.
 
     Example:
@@ -155,14 +160,14 @@ def gather_for_metrics(
         if len(set(rank_sizes)) > 1:
             detail = ", ".join(f"{p}: {n}" for p, n in zip(paths, rank_sizes, strict=True))
             msg = f"every leaf needs one row per sample, but on rank {rank} dim 0 differs ({detail})"
-            raise DistributedError(msg)
+            raise ArgumentValueError(msg)
         counts.append(rank_sizes[0] if rank_sizes else 0)
     if sharding.num_samples == 0 and any(counts):
         msg = (
             "the loader's dataset has no length (an IterableDataset without __len__), so padding "
             "cannot be told apart from samples; give the dataset a __len__, or use faccel.gather"
         )
-        raise DistributedError(msg)
+        raise ArgumentValueError(msg)
     rows, positions = metrics_plan(sharding, counts, batch=batch, start=loader.start)
     if len(rows) != sum(counts) or not torch.equal(rows, torch.arange(len(rows))):
         leaves = [leaf.index_select(0, rows.to(leaf.device)) for leaf in leaves]

@@ -1,30 +1,117 @@
-"""The one place that starts and stops torch.distributed's default process group."""
+"""The one place that talks to torch.distributed's default process group.
+
+It starts the group (:func:`detect`) and stops it (:func:`shutdown`), and it
+owns the rules every module follows before talking to peers:
+:func:`require_group` and :func:`require_peers` (is there a group to talk
+through, and is this state allowed to talk at all) and :func:`comm_device`
+(where the tensors of a collective must live for this backend).
+``faccel._state`` stays pure: this module imports it, never the reverse.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import datetime
+import os
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as tdist
 
-from faccel._state import DistState
+from faccel._state import DEFAULT_TIMEOUT, DistState, state_from_env
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError
 
 __all__ = [
+    "comm_device",
+    "detect",
     "main_process_first",
+    "require_group",
+    "require_peers",
     "shutdown",
     "start_process_group",
     "wait_for_everyone",
 ]
 
+# Backends that move CPU tensors between processes whatever the training device is;
+# the others (nccl, xccl) move tensors of the accelerator only.
+_CPU_BACKENDS = frozenset({"gloo", "mpi"})
+
+
+@setup_checked
+def detect(
+    env: Mapping[str, str] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    precision: str | None = None,
+    backend: str | None = None,
+    accumulation_steps: int | None = None,
+    strategy: str | None = None,
+    seed: int = 0,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    start: bool = True,
+) -> DistState:
+    """Read the launcher, the hardware and the options into a :class:`DistState`.
+
+    With more than one process (and ``start=True``) the default process group
+    is started once, with the backend recorded in the state; calling ``detect``
+    again reuses it. Stop it with :func:`faccel.shutdown`. The environment
+    variables it reads are listed in ``faccel._launch.ENV_VARIABLES``.
+
+    Args:
+        env: The environment to read; ``os.environ`` when None.
+        device: Force a device; by default ``cuda:LOCAL_RANK``, else ``mps``, else ``cpu``.
+        precision: ``'no'``, ``'bf16'`` or ``'fp16'``; default ``$FACCEL_PRECISION`` or ``'no'``.
+        backend: Force a backend; default ``nccl`` on CUDA, ``gloo`` elsewhere.
+        accumulation_steps: Micro-batches per optimizer step; default
+            ``$FACCEL_ACCUMULATION_STEPS`` or 1.
+        strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``) or ``'fsdp'`` to
+            shard models with FSDP2 across the processes.
+        seed: Seed of the data order, the same on every rank.
+        timeout: How long a collective waits for the other ranks before failing.
+        start: Start the process group when the world has more than one process.
+
+    Returns:
+        The frozen record describing this process.
+
+    Raises:
+        LaunchError: Malformed environment (names the variable and its value),
+            an unknown strategy, or a device or backend that cannot serve this process.
+        PrecisionError: Unknown precision.
+        ArgumentError: An argument of the wrong type (``seed="0"``).
+        DistributedError: The process group could not be started, or a running
+            one disagrees with the environment.
+
+    Example:
+        >>> dist = detect({})            # plain `python`: one process
+        >>> (dist.rank, dist.world_size, dist.launcher, dist.precision)
+        (0, 1, 'none', 'no')
+    """
+    state = state_from_env(
+        os.environ if env is None else env,
+        cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        mps_available=torch.backends.mps.is_available(),
+        device=device,
+        precision=precision,
+        backend=backend,
+        accumulation_steps=accumulation_steps,
+        strategy=strategy,
+        seed=seed,
+        timeout=timeout,
+    )
+    if start and state.distributed:
+        start_process_group(state)
+    return state
+
 
 def start_process_group(dist: DistState) -> None:
     """Start the default process group that ``dist`` describes, once.
 
-    Idempotent: a running group with the same rank and world size is reused;
-    one that disagrees raises :class:`DistributedError`.
+    Idempotent: a running group with the same rank and world size is reused.
+
+    Raises:
+        DistributedError: A running group disagrees with ``dist``, ``dist`` has
+            no rendezvous address, or torch.distributed could not start the group.
     """
     if tdist.is_initialized():
         rank, world = tdist.get_rank(), tdist.get_world_size()
@@ -73,6 +160,9 @@ def start_process_group(dist: DistState) -> None:
 def shutdown(dist: DistState) -> None:
     """Stop the default process group, if one runs. Safe to call more than once.
 
+    Raises:
+        ArgumentError: ``dist`` is not a :class:`DistState`.
+
     Example:
         >>> import faccel
         >>> faccel.shutdown(faccel.detect({}))   # nothing to stop in one process
@@ -81,17 +171,81 @@ def shutdown(dist: DistState) -> None:
         tdist.destroy_process_group()
 
 
-def _require_group(dist: DistState) -> None:
+def require_group(dist: DistState, name: str) -> None:
+    """Raise unless the default process group runs: ``name()`` is about to use it.
+
+    Raises:
+        DistributedError: No process group is running in this process.
+
+    Example:
+        >>> import faccel
+        >>> require_group(faccel.DistState(world_size=2, launcher="torchrun"), "barrier")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: barrier() on rank 0 of 2 needs a running process group; ...
+    """
     if not tdist.is_initialized():
         msg = (
-            f"rank {dist.rank} of {dist.world_size} needs a running process group; "
-            "create the DistState with faccel.detect() under a launcher such as torchrun"
+            f"{name}() on rank {dist.rank} of {dist.world_size} needs a running process group; "
+            "create the DistState with faccel.detect() under a launcher such as torchrun, "
+            "which starts it"
         )
         raise DistributedError(msg)
 
 
+def require_peers(dist: DistState, name: str) -> None:
+    """Raise unless ``name()`` may talk to the other ranks of ``dist``.
+
+    One process (world size 1) passes: it has nothing to say. Real peers pass
+    when the group runs. A simulated state with several ranks never passes: it
+    plans as one rank of a larger job, but there are no peers to talk to.
+
+    Raises:
+        DistributedError: ``dist`` is simulated with more than one rank, or no
+            process group is running.
+
+    Example:
+        >>> import faccel
+        >>> require_peers(faccel.DistState.simulated(world_size=1), "gather")   # alone: fine
+        >>> require_peers(faccel.DistState.simulated(rank=1, world_size=4), "gather")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: gather() needs the other ranks, but this DistState is simulated ...
+    """
+    if dist.distributed:
+        require_group(dist, name)
+    elif dist.world_size > 1:
+        msg = (
+            f"{name}() needs the other ranks, but this DistState is simulated (rank {dist.rank} of "
+            f"{dist.world_size}, no peer processes): a state simulated with world_size="
+            f"{dist.world_size} plans as that rank but has no process group; run under a launcher "
+            "such as torchrun and make the state with faccel.detect(), or test with "
+            "DistState.simulated(world_size=1)"
+        )
+        raise DistributedError(msg)
+
+
+def comm_device(dist: DistState) -> torch.device:
+    """Where a collective's tensors must live for ``dist``'s backend.
+
+    gloo and MPI move CPU tensors (whatever the training device); NCCL and the
+    other accelerator backends move tensors of ``dist.device`` only.
+
+    Example:
+        >>> import faccel
+        >>> str(comm_device(faccel.DistState(backend="gloo", device="cpu")))
+        'cpu'
+        >>> str(comm_device(faccel.DistState(backend="nccl", device="cuda:1")))
+        'cuda:1'
+    """
+    return torch.device("cpu") if dist.backend in _CPU_BACKENDS else dist.device
+
+
 def wait_for_everyone(dist: DistState) -> None:
     """Block until every process reaches this call. A no-op in one process.
+
+    Raises:
+        DistributedError: Peer processes exist but no process group is running.
 
     Example:
         >>> import faccel
@@ -99,7 +253,7 @@ def wait_for_everyone(dist: DistState) -> None:
     """
     if not dist.distributed:
         return
-    _require_group(dist)
+    require_group(dist, "wait_for_everyone")
     tdist.barrier()
 
 
@@ -109,6 +263,9 @@ def main_process_first(dist: DistState) -> Iterator[None]:
 
     For work that fills a cache (a download, a tokenised dataset) which the
     others then read. Every process must enter the block.
+
+    Raises:
+        DistributedError: As :func:`wait_for_everyone`.
 
     Example:
         >>> import faccel

@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from faccel.errors import PrepareError
+from faccel.errors import ArgumentValueError
 
 __all__ = ["Sharding"]
 
@@ -28,13 +28,13 @@ __all__ = ["Sharding"]
 def _non_negative(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
     if value < 0:
         msg = f"{attribute.name} must be >= 0, got {value!r}"
-        raise PrepareError(msg)
+        raise ArgumentValueError(msg)
 
 
 def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
     if value < 1:
         msg = f"{attribute.name} must be >= 1, got {value!r}"
-        raise PrepareError(msg)
+        raise ArgumentValueError(msg)
 
 
 @attrs.frozen(kw_only=True)
@@ -42,6 +42,11 @@ class Sharding:
     """How one rank's share of a dataset is drawn, epoch by epoch.
 
     Every method is a pure function of the fields and its arguments.
+
+    Raises:
+        ArgumentValueError: ``num_samples`` or ``rank`` is negative,
+            ``batch_size`` or ``world_size`` is below 1, ``rank`` is not below
+            ``world_size``, or :meth:`batches` gets a negative ``start``.
 
     Example:
         >>> s = Sharding(num_samples=7, batch_size=2, rank=2, world_size=3)
@@ -63,7 +68,7 @@ class Sharding:
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
             msg = f"rank must be in [0, {self.world_size}), got {self.rank!r}"
-            raise PrepareError(msg)
+            raise ArgumentValueError(msg)
 
     @property
     def total(self) -> int:
@@ -123,7 +128,7 @@ class Sharding:
         """This rank's batches of dataset indices in ``epoch``, from batch ``start`` on."""
         if start < 0:
             msg = f"start must be >= 0, got {start!r}"
-            raise PrepareError(msg)
+            raise ArgumentValueError(msg)
         b = self.batch_size
         if self.num_samples == 0 or start >= self.num_batches:
             return []

@@ -1,24 +1,24 @@
-"""DistState: the static facts of a run, and ``detect`` that reads them.
+"""DistState: the static facts of a run, and ``state_from_env`` that derives them. Pure.
 
-``state_from_env`` is pure: it takes the environment and the hardware it may
-use as arguments. ``detect`` is the thin edge that reads the real environment
-and hardware and, for more than one process, starts the process group.
+``state_from_env`` takes the environment and the hardware it may use as
+arguments; nothing here reads ``os.environ``, asks the hardware or starts a
+process group. :func:`faccel.detect`, the thin edge that does, lives in
+``faccel._process_group``, which imports this module (never the reverse).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Mapping
 
 import attrs
 import torch
 
-from faccel._launch import parse_launch
+from faccel._launch import OPTION_VARIABLES, parse_launch
 from faccel._typecheck import setup_checked
 from faccel.errors import LaunchError, PrecisionError
 
-__all__ = ["PRECISIONS", "DistState", "detect", "state_from_env"]
+__all__ = ["DEFAULT_TIMEOUT", "PRECISIONS", "DistState", "state_from_env"]
 
 # precision name -> autocast dtype (None: full precision, no autocast).
 PRECISIONS: Mapping[str, torch.dtype | None] = {
@@ -35,7 +35,8 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
     "mpi": frozenset({"cpu", "cuda"}),
     "xccl": frozenset({"xpu"}),
 }
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a collective waits for the other ranks unless told otherwise.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
 STRATEGIES = frozenset({"ddp", "fsdp"})
 
@@ -104,7 +105,7 @@ class DistState:
     accumulation_steps: int = attrs.field(default=1, validator=_positive)
     strategy: str = attrs.field(default="ddp", validator=_check_strategy)
     seed: int = 0
-    timeout: datetime.timedelta = _DEFAULT_TIMEOUT
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
     launcher: str = "none"
     master_addr: str | None = None
     master_port: int | None = None
@@ -230,13 +231,14 @@ def state_from_env(
     accumulation_steps: int | None = None,
     strategy: str | None = None,
     seed: int = 0,
-    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
     Options override the environment: ``precision`` over ``FACCEL_PRECISION``,
     ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``, ``strategy``
-    over ``FACCEL_STRATEGY``.
+    over ``FACCEL_STRATEGY`` (``faccel._launch.OPTION_VARIABLES``). Looks up
+    no variable outside ``faccel._launch.ENV_VARIABLES``.
 
     Args:
         env: The launcher's environment.
@@ -251,9 +253,10 @@ def state_from_env(
         timeout: How long collectives wait for the other ranks.
 
     Raises:
-        LaunchError: The environment is malformed, or the device or backend
-            cannot serve this process.
+        LaunchError: The environment is malformed, the strategy is unknown, or
+            the device or backend cannot serve this process.
         PrecisionError: Unknown precision.
+        ArgumentError: An argument of the wrong type.
 
     Example:
         >>> s = state_from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
@@ -281,9 +284,9 @@ def state_from_env(
         node_rank=info.node_rank,
         device=chosen,
         backend=chosen_backend,
-        precision=precision if precision is not None else env.get("FACCEL_PRECISION", "no"),
-        accumulation_steps=_env_int(env, "FACCEL_ACCUMULATION_STEPS", accumulation_steps, 1),
-        strategy=strategy if strategy is not None else env.get("FACCEL_STRATEGY", "ddp"),
+        precision=precision if precision is not None else env.get(OPTION_VARIABLES["precision"], "no"),
+        accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
+        strategy=strategy if strategy is not None else env.get(OPTION_VARIABLES["strategy"], "ddp"),
         seed=seed,
         timeout=timeout,
         launcher=info.launcher,
@@ -291,66 +294,3 @@ def state_from_env(
         master_port=info.master_port,
         external_store=info.external_store,
     )
-
-
-@setup_checked
-def detect(
-    env: Mapping[str, str] | None = None,
-    *,
-    device: str | torch.device | None = None,
-    precision: str | None = None,
-    backend: str | None = None,
-    accumulation_steps: int | None = None,
-    strategy: str | None = None,
-    seed: int = 0,
-    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
-    start: bool = True,
-) -> DistState:
-    """Read the launcher, the hardware and the options into a :class:`DistState`.
-
-    With more than one process (and ``start=True``) the default process group
-    is started once, with the backend recorded in the state; calling ``detect``
-    again reuses it. Stop it with :func:`faccel.shutdown`.
-
-    Args:
-        env: The environment to read; ``os.environ`` when None.
-        device: Force a device; by default ``cuda:LOCAL_RANK``, else ``mps``, else ``cpu``.
-        precision: ``'no'``, ``'bf16'`` or ``'fp16'``; default ``$FACCEL_PRECISION`` or ``'no'``.
-        backend: Force a backend; default ``nccl`` on CUDA, ``gloo`` elsewhere.
-        accumulation_steps: Micro-batches per optimizer step; default
-            ``$FACCEL_ACCUMULATION_STEPS`` or 1.
-        strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``) or ``'fsdp'`` to
-            shard models with FSDP2 across the processes.
-        seed: Seed of the data order, the same on every rank.
-        timeout: How long a collective waits for the other ranks before failing.
-        start: Start the process group when the world has more than one process.
-
-    Returns:
-        The frozen record describing this process.
-
-    Raises:
-        LaunchError: Malformed environment (names the variable and its value).
-        DistributedError: A running process group disagrees with the environment.
-
-    Example:
-        >>> dist = detect({})            # plain `python`: one process
-        >>> (dist.rank, dist.world_size, dist.launcher, dist.precision)
-        (0, 1, 'none', 'no')
-    """
-    state = state_from_env(
-        os.environ if env is None else env,
-        cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        mps_available=torch.backends.mps.is_available(),
-        device=device,
-        precision=precision,
-        backend=backend,
-        accumulation_steps=accumulation_steps,
-        strategy=strategy,
-        seed=seed,
-        timeout=timeout,
-    )
-    if start and state.distributed:
-        from faccel._process_group import start_process_group
-
-        start_process_group(state)
-    return state

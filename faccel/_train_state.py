@@ -9,22 +9,24 @@ import attrs
 import torch
 from torch import nn
 
-from faccel.errors import CheckpointError
+from faccel.errors import ArgumentError, ArgumentValueError
 
 __all__ = ["TrainState"]
 
 
 def _non_negative(_: object, attribute: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
-    if type(value) is not int or value < 0:  # bool is not a step count either
-        msg = f"TrainState.{attribute.name} must be an int >= 0, got {value!r}"
-        raise CheckpointError(msg)
+    msg = f"TrainState.{attribute.name} must be an int >= 0, got {value!r}"
+    if type(value) is not int:  # bool is not a step count either
+        raise ArgumentError(msg)
+    if value < 0:
+        raise ArgumentValueError(msg)
 
 
 def _extras_keys(_: object, attribute: attrs.Attribute, value: Mapping[Any, Any]) -> None:  # type: ignore[type-arg]
     bad = [key for key in value if type(key) is not str]
     if bad:
         msg = f"TrainState.extras keys must be strings (they name the entries in the checkpoint), got {bad!r}"
-        raise CheckpointError(msg)
+        raise ArgumentError(msg)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -55,6 +57,11 @@ class TrainState:
             tensors fits), or an object with ``state_dict()`` and
             ``load_state_dict()`` whose state is made of the same. Saved from
             the main process (keep them equal on every rank).
+
+    Raises:
+        ArgumentValueError: ``step``, ``epoch`` or ``position`` is negative.
+        ArgumentError: ``step``, ``epoch`` or ``position`` is not an ``int``
+            (a bool is not), or a key of ``extras`` is not a string.
 
     Example:
         >>> import attrs, torch

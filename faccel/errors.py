@@ -27,9 +27,11 @@ class FaccelError(Exception):
 
 
 class ArgumentError(FaccelError, TypeError):
-    """A set-up function got an argument of the wrong type.
+    """An argument has the wrong type, or lacks what the call needs of its type.
 
-    Cause: e.g. ``detect(seed="0")`` or ``prepare(dist=None, ...)``.
+    Cause: e.g. ``detect(seed="0")``, ``prepare(dist=None, ...)``,
+    ``TrainState(step=1.0)``, a collective's tree with a leaf that is not a
+    tensor, or ``len()`` of a loader whose ``IterableDataset`` has no ``__len__``.
     Fix: pass the type the message names (the function's signature shows it).
     """
 
@@ -38,8 +40,11 @@ class ArgumentValueError(FaccelError, ValueError):
     """An argument has the right type but a value faccel cannot use.
 
     Cause: e.g. ``reduce(dist, t, op="avg")``, a seed outside NumPy's
-    ``[0, 2**32)``, or dict values of different lengths given to
-    ``split_between_processes``. Fix: pass a value in the range the message names.
+    ``[0, 2**32)``, dict values of different lengths given to
+    ``split_between_processes``, a negative ``TrainState`` step, a
+    ``Sharding`` with ``batch_size=0``, or outputs given to
+    ``gather_for_metrics`` whose rows do not match the loader's plan.
+    Fix: pass a value in the range the message names.
     """
 
 
@@ -66,7 +71,7 @@ class DistributedError(FaccelError, RuntimeError):
 class PrepareError(FaccelError, TypeError):
     """An object given to :func:`faccel.prepare` cannot be prepared as asked.
 
-    Cause: a loader with a custom sampler, a batch size faccel cannot shard,
+    Cause: a loader with a custom sampler or batch sampler, ``batch_size=None``,
     or an object prepared under a different ``DistState``.
     Fix: follow the message; most cases name the argument to change.
     """

@@ -32,9 +32,9 @@ def test_rows_report_the_median_and_range_of_the_paired_comparisons(base: list[f
     assert difference[1].median == statistics.median([o - b for o, b in zip(other, base, strict=True)])
 
 
-def test_targets_and_anchor_figures_come_from_design() -> None:
+def test_targets_and_anchor_figures_come_from_the_goals_table() -> None:
     samples = {common.PLAIN: [1.0, 1.0], common.FACCEL: [1.01, 1.05], common.ACCELERATE: [1.3, 1.4]}
-    _, mine, anchor = common.rows("c", samples, baseline=common.PLAIN, unit="s", design="step")
+    _, mine, anchor = common.rows("c", samples, baseline=common.PLAIN, unit="s", goals="step")
     assert (mine.target, mine.met) == (1.03, True)  # median of 1.01 and 1.05
     assert (anchor.target, anchor.reference, anchor.met) == (None, 1.34, None)
 
@@ -78,7 +78,7 @@ def test_the_registry_finds_the_modules_in_display_order() -> None:
 
 def test_the_report_has_a_summary_the_sections_and_what_is_pending() -> None:
     samples = {common.PLAIN: [2.0, 2.2], common.FACCEL: [2.1, 2.2], common.FABRIC: [2.4, 2.6]}
-    made = common.rows("small MLP", samples, baseline=common.PLAIN, unit="us/step", design="step")
+    made = common.rows("small MLP", samples, baseline=common.PLAIN, unit="us/step", goals="step")
     rows = [attrs.asdict(run.coerce(r, "step")) for r in made]
     results = {
         "machine": {
@@ -117,3 +117,17 @@ def test_the_report_has_a_summary_the_sections_and_what_is_pending() -> None:
         [run.coerce(r, "step") for r in common.rows("m", samples, baseline=common.PLAIN, unit="s")]
     )
     assert "faccel" in table and "1.025" in table
+
+
+def test_the_committed_report_is_rendered_from_the_committed_results() -> None:
+    import json
+
+    # docs/benchmarks.md is generated: its targets, reference figures and labels come from
+    # results.json and the GOALS table, and it cites nothing outside the repository.
+    text = run.render_markdown(json.loads(run.RESULTS.read_text()))
+    assert run.DOC.read_text() == text
+    assert "DESIGN" not in text and "DESIGN" not in run.RESULTS.read_text()
+    section = text.split("## Targets and reference figures")[1].split("\n## ")[0]
+    for kind, figures in common.GOALS.items():
+        assert run.GOAL_MEANINGS[kind] in section
+        assert len(figures) >= 1

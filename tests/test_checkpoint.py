@@ -276,9 +276,11 @@ def test_train_state_is_a_frozen_record() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         state.step = 3  # type: ignore[misc]
     assert attrs.evolve(state, step=3).step == 3 and state.step == 0
-    with pytest.raises(faccel.errors.CheckpointError, match="position"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match=r"TrainState.position must be .* got -1"):
         attrs.evolve(state, position=-1)
-    with pytest.raises(faccel.errors.CheckpointError, match="strings"):
+    with pytest.raises(faccel.errors.ArgumentError, match=r"TrainState.step must be an int >= 0, got True"):
+        attrs.evolve(state, step=True)
+    with pytest.raises(faccel.errors.ArgumentError, match="strings"):
         attrs.evolve(state, extras={1: "x"})
 
 

@@ -179,7 +179,7 @@ def test_plan_refuses_row_counts_that_do_not_match_the_loader(kwargs: dict, data
     counts = [len(sharding.positions(r)) for r in range(sharding.world_size)]
     rank = data.draw(st.integers(0, sharding.world_size - 1))
     counts[rank] += data.draw(st.sampled_from([-1, 1])) if counts[rank] else 1
-    with pytest.raises(faccel.errors.DistributedError, match=f"rank {rank} gave {counts[rank]} rows"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match=f"rank {rank} gave {counts[rank]} rows"):
         metrics_plan(sharding, counts)
 
 
@@ -188,9 +188,9 @@ def test_plan_refuses_a_batch_outside_the_epoch() -> None:
     from faccel._metrics import metrics_plan
 
     sharding = faccel.Sharding(num_samples=5, batch_size=2, world_size=2)
-    with pytest.raises(faccel.errors.DistributedError, match=r"batch must be .* in \[0, 2\)"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match=r"batch must be .* in \[0, 2\)"):
         metrics_plan(sharding, [0, 0], batch=2)
-    with pytest.raises(faccel.errors.DistributedError, match="one row count per rank"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match="one row count per rank"):
         metrics_plan(sharding, [3])
 
 
@@ -276,12 +276,12 @@ def test_gather_for_metrics_explains_wrong_rows() -> None:
     dist = faccel.detect({})
     loader = faccel.prepare(dist, DataLoader(TensorDataset(torch.arange(5)), batch_size=2))
     with pytest.raises(
-        faccel.errors.DistributedError, match="rank 0 gave 3 rows but its share of batch 1 holds 2"
+        faccel.errors.ArgumentValueError, match="rank 0 gave 3 rows but its share of batch 1 holds 2"
     ):
         faccel.gather_for_metrics(dist, torch.ones(3), loader, batch=1)
-    with pytest.raises(faccel.errors.DistributedError, match=r"dim 0 differs \(tree\[0\]: 2, tree\[1\]: 1\)"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match=r"dim 0 differs \(tree\[0\]: 2, tree\[1\]: 1"):
         faccel.gather_for_metrics(dist, [torch.ones(2), torch.ones(1)], loader, batch=0)
-    with pytest.raises(faccel.errors.DistributedError, match=r"in \[0, 3\)"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match=r"in \[0, 3\)"):
         faccel.gather_for_metrics(dist, torch.ones(1), loader, batch=3)
 
 
@@ -295,7 +295,7 @@ def test_gather_for_metrics_needs_a_dataset_length() -> None:
 
     dist = faccel.detect({})
     loader = faccel.prepare(dist, DataLoader(_Unsized(), batch_size=2))
-    with pytest.raises(faccel.errors.DistributedError, match="no length"):
+    with pytest.raises(faccel.errors.ArgumentValueError, match="no length"):
         faccel.gather_for_metrics(dist, torch.ones(2), loader, batch=0)
 
 

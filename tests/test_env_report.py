@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import ItemsView, Iterator, Mapping
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,10 +31,15 @@ _NAMES = [
     "OMPI_COMM_WORLD_SIZE",
     "FACCEL_PRECISION",
     "FACCEL_ACCUMULATION_STEPS",
+    "FACCEL_STRATEGY",
     "PATH",
     "HOME",
 ]
-_values = st.one_of(st.integers(-2, 9).map(str), not_integers, st.sampled_from(["no", "bf16", "fp16", "fp8"]))
+_values = st.one_of(
+    st.integers(-2, 9).map(str),
+    not_integers,
+    st.sampled_from(["no", "bf16", "fp16", "fp8", "ddp", "fsdp", "zero"]),
+)
 # Valid launches, valid launches with a few variables overwritten or removed, and noise.
 envs = st.one_of(
     torchrun_envs(),
@@ -63,13 +72,14 @@ def hardware(draw: st.DrawFn):  # type: ignore[no-untyped-def]
 @given(envs, hardware())
 def test_the_report_is_what_detect_would_see(env: dict[str, str], hw) -> None:  # type: ignore[no-untyped-def]
     from faccel import state_from_env
-    from faccel._env_report import VARIABLES, env_report
+    from faccel._env_report import env_report
+    from faccel._launch import ENV_VARIABLES
     from faccel.errors import FaccelError
 
     report = env_report(env, versions={"torch": "2.13.0"}, hardware=hw)
     # Every variable faccel reads is listed, with its value, and nothing else.
     listed = {name: value for group in report.variables.values() for name, value in group.items()}
-    assert listed == {k: v for k, v in env.items() if any(k in names for names in VARIABLES.values())}
+    assert listed == {k: v for k, v in env.items() if any(k in names for names in ENV_VARIABLES.values())}
     try:
         state = state_from_env(env, cuda_count=hw.cuda_count, mps_available=hw.mps_available)
     except FaccelError as error:
@@ -84,9 +94,10 @@ def test_the_report_is_what_detect_would_see(env: dict[str, str], hw) -> None:  
             state.world_size,
         )
         assert (report.state["device"], report.state["backend"]) == (str(state.device), state.backend)
-        assert (report.state["precision"], report.state["accumulation_steps"]) == (
+        assert (report.state["precision"], report.state["accumulation_steps"], report.state["strategy"]) == (
             state.precision,
             state.accumulation_steps,
+            state.strategy,
         )
         usable = not state.distributed or hw.backends[state.backend]
         assert (report.problems == ()) == usable
@@ -188,3 +199,126 @@ def test_cli_never_starts_a_process_group() -> None:
     assert done.returncode == 0, done.stderr
     assert "would start a gloo process group at 127.0.0.1:9" in done.stdout
     assert "MASTER_PORT=9  (rendezvous)" in done.stdout
+
+
+# --- the one table of variables: everything detect() reads is in it ------------------------------
+
+
+class _Recording(Mapping[str, str]):
+    """An environment that logs every variable looked up (present or not)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = dict(env)
+        self.looked_up: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.looked_up.add(key)
+        return self._env[key]
+
+    def __contains__(self, key: object) -> bool:
+        self.looked_up.add(str(key))
+        return key in self._env
+
+    def __iter__(self) -> Iterator[str]:  # walking the whole environment reads every variable
+        self.looked_up.add("<every variable: the environment was iterated>")
+        return iter(self._env)
+
+    def __len__(self) -> int:
+        self.looked_up.add("<every variable: the environment was measured>")
+        return len(self._env)
+
+    def items(self) -> ItemsView[str, str]:
+        # typeguard (setup_checked, and the suite's --typeguard-packages) samples a
+        # Mapping[str, str] argument through items(): a type check, not a variable read.
+        if not sys._getframe(1).f_globals.get("__name__", "").startswith("typeguard"):
+            self.looked_up.add("<every variable: the environment's items were read>")
+        return self._env.items()
+
+
+def _reads(env: Mapping[str, str]) -> set[str]:
+    """The variables parse_launch, state_from_env and detect(start=False) look up in ``env``."""
+    from faccel import detect, parse_launch, state_from_env
+    from faccel.errors import FaccelError
+
+    read: set[str] = set()
+    for call in (
+        parse_launch,
+        lambda e: state_from_env(e, cuda_count=2, mps_available=True),
+        lambda e: detect(e, start=False),
+    ):
+        recording = _Recording(env)
+        # A malformed environment raises: what was read up to the error still counts.
+        with contextlib.suppress(FaccelError):
+            call(recording)
+        read |= recording.looked_up
+    return read
+
+
+def _table() -> set[str]:
+    from faccel._launch import ENV_VARIABLES
+
+    return {name for names in ENV_VARIABLES.values() for name in names}
+
+
+_LISTED = sorted(
+    {*_NAMES, "GROUP_RANK", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID", "SLURM_NODELIST"}
+    | {"SLURM_JOB_ID", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}
+    | {"TORCHELASTIC_USE_AGENT_STORE", "CUDA_VISIBLE_DEVICES", "FACCEL_SEED", "USER"}
+)
+_any_values = st.one_of(_values, st.sampled_from(["True", "False", "node[01-04]", "4(x2)", "2,1"]))
+
+
+@given(
+    st.one_of(
+        envs,
+        st.dictionaries(st.sampled_from(_LISTED), _any_values),
+        st.builds(
+            lambda a, b: {**a, **b}, mpi_envs(), st.dictionaries(st.sampled_from(_LISTED), _any_values)
+        ),
+        st.builds(
+            lambda a, b: {**a, **b}, slurm_envs(), st.dictionaries(st.sampled_from(_LISTED), _any_values)
+        ),
+    )
+)
+def test_detect_reads_no_variable_outside_the_table(env: dict[str, str]) -> None:
+    outside = _reads(env) - _table()
+    assert not outside, f"read but not in faccel._launch.ENV_VARIABLES: {sorted(outside)}"
+
+
+def test_every_variable_of_the_table_is_read_somewhere() -> None:
+    # The converse: the table lists nothing that is no longer read (one environment per path).
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"}
+    read = (
+        _reads(
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+        )
+        | _reads({**slurm, "SLURM_NODEID": "0", "SLURM_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"})
+        | _reads({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})
+        | _reads({"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"} | slurm)
+    )
+    assert read == _table()
+
+
+def test_the_table_is_the_one_the_docs_and_the_report_show() -> None:
+    from faccel._env_report import Hardware, env_report
+
+    docs = (ROOT / "docs" / "distributed.md").read_text()
+    section = docs.split("## Every environment variable faccel reads")[1].split("\n## ")[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    assert {name for row in rows for name in re.findall(r"`([A-Z_]+)`", row)} == _table()
+    every = {name: "1" for name in _table()}
+    report = env_report(every, versions={}, hardware=Hardware())
+    assert {name for group in report.variables.values() for name in group} == _table()
+    assert report.variables["faccel"] == {
+        "FACCEL_PRECISION": "1",
+        "FACCEL_ACCUMULATION_STEPS": "1",
+        "FACCEL_STRATEGY": "1",
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_report_shows_the_strategy_from_the_environment(strategy: str) -> None:
+    from faccel._env_report import Hardware, env_report
+
+    report = env_report({"FACCEL_STRATEGY": strategy}, versions={}, hardware=Hardware())
+    assert report.state is not None and report.state["strategy"] == strategy

@@ -137,11 +137,13 @@ def test_matches_distributed_sampler_where_they_should(
 
 def test_bad_arguments_are_named() -> None:
     from faccel import Sharding
-    from faccel.errors import PrepareError
+    from faccel.errors import ArgumentValueError
 
-    with pytest.raises(PrepareError, match="batch_size"):
+    with pytest.raises(ArgumentValueError, match="batch_size"):
         Sharding(num_samples=4, batch_size=0)
-    with pytest.raises(PrepareError, match="rank"):
+    with pytest.raises(ArgumentValueError, match="rank"):
         Sharding(num_samples=4, batch_size=1, rank=2, world_size=2)
-    with pytest.raises(PrepareError, match="start"):
+    with pytest.raises(ArgumentValueError, match="start"):
         Sharding(num_samples=4, batch_size=1).batches(0, start=-1)
+    with pytest.raises(ArgumentValueError, match=r"num_samples must be >= 0, got -1"):
+        Sharding(num_samples=-1, batch_size=1)
