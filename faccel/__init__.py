@@ -98,7 +98,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._optim._sgd": ("SGDState", "sgd"),
         "faccel._optim._adamw": ("AdamWState", "adamw"),
         "faccel._optim._groups": ("ParamGroupsState", "param_groups"),
-        "faccel._pytree": ("register_pytree", "static_field", "tree_map"),
+        "faccel._tree": ("register_pytree", "static_field", "tree_map"),
     },
 }
 

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._model import Autocast, float32_outputs, unwrap_model
 from faccel._module_call import ModuleCaller
 from faccel._optim._base import Optimizer, state_from_dict, state_to_dict
-from faccel._pytree import register_pytree, static_field
 from faccel._state import DistState
+from faccel._tree import register_pytree, static_field
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FunctionalError
 

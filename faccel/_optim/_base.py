@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from faccel._pytree import flatten, same_structure, tree_map, unflatten
+from faccel._tree import flatten, same_structure, tree_map, unflatten
 from faccel.errors import FunctionalError
 
 __all__ = ["Optimizer", "check", "leaves_like", "state_from_dict", "state_to_dict", "zeros_like"]

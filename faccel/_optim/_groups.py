@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from faccel._optim._base import Optimizer, check, leaves_like
-from faccel._pytree import flatten, keystr, register_pytree, tree_flatten_with_path, unflatten
+from faccel._tree import flatten, keystr, register_pytree, tree_flatten_with_path, unflatten
 from faccel._typecheck import setup_checked
 from faccel.errors import FunctionalError
 

@@ -39,9 +39,9 @@ if TYPE_CHECKING:  # _PUBLIC["faccel.func"] again, for type checkers and IDEs (t
     from faccel._optim._groups import param_groups as param_groups
     from faccel._optim._sgd import SGDState as SGDState
     from faccel._optim._sgd import sgd as sgd
-    from faccel._pytree import register_pytree as register_pytree
-    from faccel._pytree import static_field as static_field
-    from faccel._pytree import tree_map as tree_map
+    from faccel._tree import register_pytree as register_pytree
+    from faccel._tree import static_field as static_field
+    from faccel._tree import tree_map as tree_map
 
 __all__ = _public_names(__name__)
 _resolve = _lazy_getattr(__name__, globals())
