@@ -19,6 +19,7 @@ __all__ = [
     "PrecisionError",
     "PrepareError",
     "StorageError",
+    "UsageError",
 ]
 
 
@@ -119,9 +120,11 @@ class FunctionalError(FaccelError, ValueError):
     """A functional-training call (pytrees, pure optimizers) got inconsistent input.
 
     Cause: gradients, parameters and optimizer state whose tree structures
-    differ, an optimizer hyperparameter out of range, or a class given to
-    ``register_pytree`` that is not an attrs class. Fix: build the state with
-    the same optimizer's ``init(params)`` and pass trees of the same shape.
+    differ, saved optimizer state that does not fit, or the ``"autograd"``
+    engine inside a ``torch.func`` transform. Fix: build the state with the
+    same optimizer's ``init(params)`` and pass trees of the same shape. (A bad
+    hyperparameter is an :class:`ArgumentValueError`, a bad type an
+    :class:`ArgumentError`.)
     """
 
 

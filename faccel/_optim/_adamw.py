@@ -184,7 +184,7 @@ def adamw(
         The optimizer (a frozen record).
 
     Raises:
-        FunctionalError: A hyperparameter out of range.
+        ArgumentValueError: A hyperparameter out of range.
 
     Example:
         >>> import torch, faccel

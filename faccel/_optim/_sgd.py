@@ -153,7 +153,7 @@ def sgd(
         The optimizer (a frozen record).
 
     Raises:
-        FunctionalError: A hyperparameter out of range (as torch.optim's checks).
+        ArgumentValueError: A hyperparameter out of range (as torch.optim's checks).
 
     Example:
         >>> import torch, faccel
