@@ -103,13 +103,14 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def _public_names(namespace: str) -> list[str]:
-    """The sorted ``__all__`` of ``namespace``, from :data:`_PUBLIC`."""
-    return sorted(name for names in _PUBLIC[namespace].values() for name in names)
+def _namespace(
+    namespace: str, space: dict[str, Any]
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """``__all__``, ``__getattr__`` (PEP 562) and ``__dir__`` of ``namespace``, from :data:`_PUBLIC`.
 
-
-def _lazy_getattr(namespace: str, space: dict[str, Any]) -> Callable[[str], Any]:
-    """The PEP 562 ``__getattr__`` of ``namespace`` (whose globals are ``space``), from :data:`_PUBLIC`."""
+    ``space`` is the namespace's globals, where each name is bound on first use.
+    """
+    public = sorted(name for names in _PUBLIC[namespace].values() for name in names)
     module_of = {name: module for module, names in _PUBLIC[namespace].items() for name in names}
 
     def resolve(name: str) -> Any:
@@ -126,18 +127,9 @@ def _lazy_getattr(namespace: str, space: dict[str, Any]) -> Callable[[str], Any]
         space[name] = value
         return value
 
-    return resolve
+    return public, resolve, lambda: list(public)
 
 
 __version__ = "0.1.0"
 
-__all__ = _public_names(__name__)
-_resolve = _lazy_getattr(__name__, globals())
-
-
-def __getattr__(name: str) -> Any:
-    return _resolve(name)
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__all__, __getattr__, __dir__ = _namespace(__name__, globals())
