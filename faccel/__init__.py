@@ -62,6 +62,10 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._split import split_between_processes as split_between_processes
     from faccel._state import DistState as DistState
     from faccel._state import state_from_env as state_from_env
+    from faccel._tracking import Tracker as Tracker
+    from faccel._tracking import end_training as end_training
+    from faccel._tracking import init_tracker as init_tracker
+    from faccel._tracking import log as log
     from faccel._train_state import TrainState as TrainState
 
 # The public surface, the one table of it: namespace -> defining module -> names. A
@@ -90,6 +94,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._split": ("split_between_processes",),
         "faccel._state": ("DistState", "state_from_env"),
         "faccel._train_state": ("TrainState",),
+        "faccel._tracking": ("Tracker", "end_training", "init_tracker", "log"),
     },
     "faccel.func": {
         "faccel._functional": ("FunctionalState", "loss_and_grad", "model_params"),

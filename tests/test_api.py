@@ -58,6 +58,10 @@ PINNED: dict[str, list[str]] = {
         "wait_for_everyone",
         # checkpoints: atomic, pickle-free TrainState checkpoints; weights in the HF layout
         "TrainState",
+        "Tracker",
+        "end_training",
+        "init_tracker",
+        "log",
         "checkpoint",
         "latest_checkpoint",
         "load_model",
