@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._logging import print as print
     from faccel._metrics import gather_for_metrics as gather_for_metrics
     from faccel._model import unwrap_model as unwrap_model
+    from faccel._notebook import launch as launch
     from faccel._precision import autocast as autocast
     from faccel._precision import grad_scaler as grad_scaler
     from faccel._precision import optimizer_step as optimizer_step
@@ -84,6 +85,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._logging": ("RankLogger", "get_logger", "print"),
         "faccel._metrics": ("gather_for_metrics",),
         "faccel._model": ("unwrap_model",),
+        "faccel._notebook": ("launch",),
         "faccel._precision": ("autocast", "grad_scaler", "optimizer_step"),
         "faccel._prepare": ("prepare",),
         "faccel._process_group": ("detect", "main_process_first", "shutdown", "wait_for_everyone"),

@@ -38,6 +38,7 @@ PINNED: dict[str, list[str]] = {
         "gather_for_metrics",
         "gather_object",
         "get_logger",
+        "launch",
         "print",
         "grad_scaler",
         "main_process_first",
