@@ -10,7 +10,7 @@ collective every rank must call). Close it with :func:`end_training` or a
 
 Back-ends, one small writer each (the table ``_WRITERS``): ``jsonl`` (the default)
 and ``csv`` need nothing; ``tensorboard``, ``wandb`` (offline) and ``mlflow`` (a
-local file store) use their package when it is installed.
+local SQLite store) use their package when it is installed.
 """
 
 from __future__ import annotations
@@ -117,12 +117,13 @@ class _Wandb:
 
 
 class _Mlflow:
-    """An MLflow run in a local file store (``folder/mlruns``), through the client: no global state."""
+    """An MLflow run in a local SQLite store (``folder/mlflow.db``), through the client: no global state."""
 
     def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+        # MLflow 3 keeps its plain-file store for old runs only; SQLite is its local store now.
+        self._client = MlflowClient(tracking_uri=f"sqlite:///{(folder / 'mlflow.db').resolve()}")
         found = self._client.get_experiment_by_name("faccel")
         experiment = found.experiment_id if found else self._client.create_experiment("faccel")
         self._run = self._client.create_run(experiment, run_name=name).info.run_id
@@ -197,7 +198,7 @@ def init_tracker(
         dist: The run's :class:`DistState`.
         logdir: The run's folder; created if missing.
         kind: ``"jsonl"`` (default; ``metrics.jsonl`` and ``config.json``), ``"csv"``,
-            ``"tensorboard"``, ``"wandb"`` (offline) or ``"mlflow"`` (local store).
+            ``"tensorboard"``, ``"wandb"`` (offline) or ``"mlflow"`` (``mlflow.db``, SQLite).
         config: Hyperparameters, recorded once.
         per_rank: Every rank writes its own values to ``logdir/rank-NNNNN``;
             by default only the main process writes.
