@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._accumulate import accumulate as accumulate
     from faccel._accumulate import micro_batches as micro_batches
     from faccel._accumulate import micro_step as micro_step
+    from faccel._accumulate import steps_per_epoch as steps_per_epoch
     from faccel._backward import backward as backward
     from faccel._checkpoint import checkpoint as checkpoint
     from faccel._checkpoint import latest_checkpoint as latest_checkpoint
@@ -75,7 +76,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
 _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
     "faccel": {
         "faccel": ("errors", "func"),
-        "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step"),
+        "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step", "steps_per_epoch"),
         "faccel._backward": ("backward",),
         "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
         "faccel._clip": ("clip_grad_norm", "clip_grad_value"),

@@ -52,6 +52,7 @@ PINNED: dict[str, list[str]] = {
         "reduce",
         "set_seed",
         "shutdown",
+        "steps_per_epoch",
         "split_between_processes",
         "state_from_env",
         "to_device",

@@ -352,3 +352,41 @@ def prepare_twice() -> dict[str, Any]:
         "copy_wrapped_apart": copied is not first and faccel.unwrap_model(copied) is not model,
         "refused": refused,
     }
+
+
+def schedule_sized_after_prepare(epochs: int = 3, accumulation_steps: int = 2) -> dict[str, Any]:
+    """The documented way to size a OneCycleLR: after prepare, from faccel.steps_per_epoch."""
+    import faccel
+
+    dist = faccel.detect(accumulation_steps=accumulation_steps)
+    x, y = seed_task(n=56)
+    model = seed_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+    model, optimizer, loader = faccel.prepare(dist, model, optimizer, raw)
+    try:
+        faccel.steps_per_epoch(dist, raw)
+        refused = ""
+    except faccel.errors.ArgumentError as error:
+        refused = str(error)
+    total = epochs * faccel.steps_per_epoch(dist, loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+    steps = 0
+    for epoch in range(epochs):
+        for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=epoch)):
+            with faccel.accumulate(dist, model, micro):
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                faccel.backward(dist, loss, micro=micro)
+            if micro.sync:
+                last_used = optimizer.param_groups[0]["lr"]
+                faccel.optimizer_step(dist, optimizer, scheduler=scheduler)
+                optimizer.zero_grad()
+                steps += 1
+    return {
+        "raw_len": len(raw),
+        "len": len(loader),
+        "total": total,
+        "steps": steps,
+        "last_lr": last_used,
+        "refused": refused,
+    }
