@@ -149,7 +149,11 @@ def _meet(dist: DistState, failed: int, *, what: str, raises: type[Exception]) -
     except FaccelError:
         raise
     except RuntimeError as error:  # gloo's and NCCL's timeouts, a peer's closed connection
-        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        first = (
+            str(error).strip().splitlines()[0].split(". ")[0][:200]
+            if str(error).strip()
+            else type(error).__name__
+        )
         msg = (
             f"{what}: rank {dist.rank} waited for the other ranks longer than the process group's "
             f"timeout ({dist.timeout}), or lost one of them ({first}). If {what} takes that long "

@@ -371,3 +371,37 @@ def test_a_state_without_a_torch_optimizer_round_trips_and_mismatches_are_named(
     )
     with pytest.raises(faccel.errors.CheckpointError, match="no optimizer was saved"):
         faccel.restore(dist, with_optimizer, tmp_path)
+
+
+def test_the_readme_loop_counts_steps_and_resumes_after_the_last_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's loop fragment (not run by test_docs: it needs a model) runs as written, twice."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    fragment = re.search(r"## The loop\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+
+    def run(epochs: int) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.randn(12, 2), torch.randn(12, 1))
+        namespace = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2),
+            "loader": torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+            "loss_function": torch.nn.functional.mse_loss,
+            "epochs": epochs,
+        }
+        exec(compile(fragment, "README.md#the-loop", "exec"), namespace)
+        return namespace
+
+    first = run(epochs=2)
+    assert (first["state"].step, first["state"].epoch) == (6, 2)  # 3 batches an epoch, counted
+    assert sorted(os.listdir("ckpt")) == ["step-000000000003", "step-000000000006"]
+    again = run(epochs=3)  # a new process: resumes after epoch 1, trains epoch 2 only
+    assert (again["state"].step, again["state"].epoch, again["state"].position) == (9, 3, 0)
+    assert sorted(os.listdir("ckpt")) == ["step-000000000006", "step-000000000009"]
