@@ -113,6 +113,13 @@ class CheckpointError(FaccelError, ValueError):
     match the objects being restored. Nothing has been modified when this is
     raised. Fix: restore from another checkpoint, or build the objects with
     the same architecture as when the checkpoint was written.
+
+    Also the checkpoint mistakes: a step that already exists (advance
+    ``state.step``, or pass ``replace=True``), a path that is a file, extras
+    that differ between ranks (use ``rank_extras``), a call made on some
+    ranks only (every rank must call; ``arrival_timeout``), a meeting of the
+    ranks past the process group's timeout (``faccel.detect(timeout=...)``),
+    and a mid-epoch checkpoint restored at another world size.
     """
 
 

@@ -308,14 +308,25 @@ def _fsdp_run(dist: Any, root: str | None, stop: int | None, total: int, resume:
     return state
 
 
-def fsdp_checkpoint(root: str, stop: int, total: int, model_dir: str) -> dict[str, Any]:
-    """Uninterrupted vs stop-checkpoint-restore-continue under FSDP2; plus save_model."""
+def fsdp_checkpoint(
+    root: str, stop: int, total: int, model_dir: str, boundary_root: str | None = None
+) -> dict[str, Any]:
+    """Uninterrupted vs stop-checkpoint-restore-continue under FSDP2; plus save_model.
+
+    ``boundary_root``: the stopped state is also checkpointed there as at an epoch
+    boundary (the next epoch, batch 0), which another world size may restore.
+    """
+    import attrs
+
     import faccel
 
     dist = faccel.detect(strategy="fsdp")
     reference = _fsdp_run(dist, None, None, total, resume=False)
     stopped = _fsdp_run(dist, root, stop, total, resume=False)
     at_stop = full_params(stopped.model)
+    if boundary_root is not None:
+        boundary = attrs.evolve(stopped, epoch=stopped.epoch + 1, position=0)
+        faccel.checkpoint(dist, boundary, boundary_root)
     faccel.save_model(dist, stopped.model, model_dir)
     resumed = _fsdp_run(dist, root, None, total, resume=True)
     return {
