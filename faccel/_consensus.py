@@ -36,8 +36,6 @@ T = TypeVar("T")
 DEFAULT_ARRIVAL = datetime.timedelta(seconds=60)
 # A check-in's count: arrivals, plus this much for each rank that gave up waiting.
 _GAVE_UP = 1 << 32
-# Calls made so far of each kind in this process: the same on every rank of a correct program.
-_CALLS: dict[str, int] = {}
 
 
 def _all_reduce(
@@ -78,8 +76,10 @@ def arrive(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: t
         return
     require_group(dist, name)
     store = tdist.distributed_c10d._get_default_store()
-    number = _CALLS.get(name, 0)
-    _CALLS[name] = number + 1
+    # This rank's n-th call of ``name``, counted in the group's own store: it lives and dies
+    # with the process group (a module-level counter would outlive a shutdown and disagree
+    # with the peers of the next group).
+    number = store.add(f"faccel/arrive/{name}/calls/rank{dist.rank}", 1) - 1
     key = f"faccel/arrive/{name}/{number}"
     decided = f"{key}/decided"
     store.set(f"{key}/rank{dist.rank}", "1")
