@@ -15,8 +15,9 @@ import datetime
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,10 +27,11 @@ from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA
 from faccel._checkpoint._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
 from faccel._checkpoint._sharded_state import full_state
-from faccel._checkpoint._weights import compare_tensors, model_tensors
+from faccel._checkpoint._weights import alias_groups, compare_tensors, model_tensors
 from faccel._consensus import DEFAULT_ARRIVAL, arrive, together
 from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
+from faccel._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError, StorageError
 
@@ -159,7 +161,9 @@ def save_model(
     ``if dist.is_main_process:``); every process returns once the files are
     complete (a barrier), so all ranks may read them right after. Each file is replaced
     atomically; shards of an earlier save that this one does not use are deleted.
-    Other files in ``directory`` (``config.json``...) are left alone.
+    A transformers model's ``config.json`` (and ``generation_config.json``
+    where it has one) is written beside the weights, so ``from_pretrained``
+    loads the folder as it is; other files in ``directory`` are left alone.
 
     Args:
         dist: The run's :class:`DistState`.
@@ -200,23 +204,18 @@ def save_model(
         if dist.is_main_process:
             stored, _ = model_tensors(model, whole)
             _write_model(target, stored, limit)
+            for name, content in _configs(unwrap_model(model)).items():
+                atomic_write(target / name, [content.encode()])
 
     together(dist, write, what="save_model", raises=StorageError)
     return target
 
 
-def _layout(directory: Path) -> dict[str, tuple[str, TensorInfo]]:
-    """Every stored tensor: ``name -> (file, info)``, from the single file or the index."""
-    if (directory / WEIGHTS_NAME).is_file():
-        header = read_header(directory / WEIGHTS_NAME, where=str(directory / WEIGHTS_NAME))
-        return {name: (WEIGHTS_NAME, info) for name, info in header.tensors.items()}
-    index_path = directory / INDEX_NAME
-    if not index_path.is_file():
-        msg = (
-            f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there; "
-            "pass the folder that faccel.save_model (or save_pretrained) wrote"
-        )
-        raise CheckpointError(msg)
+def _from_index(index_path: Path, read: Callable[[Path], Mapping[str, Any]]) -> dict[str, tuple[str, Any]]:
+    """``name -> (shard, entry)`` for every tensor of a sharded layout, checked against its index.
+
+    ``read`` gives a shard's entries: safetensors headers, or the tensors of ``.bin`` shards.
+    """
     try:
         index = json.loads(index_path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -229,15 +228,14 @@ def _layout(directory: Path) -> dict[str, tuple[str, TensorInfo]]:
     ):
         msg = f"{index_path}: needs a weight_map of tensor names to shard file names in the folder"
         raise CheckpointError(msg)
-    layout: dict[str, tuple[str, TensorInfo]] = {}
+    layout: dict[str, tuple[str, Any]] = {}
     problems: list[str] = []
     for shard in sorted(set(weight_map.values())):
-        header = read_header(directory / shard, where=str(directory / shard))
-        for name, info in header.tensors.items():
+        for name, entry in read(index_path.parent / shard).items():
             if weight_map.get(name) != shard:
                 problems.append(f"{shard} holds {name!r}, which the index maps to {weight_map.get(name)!r}")
             else:
-                layout[name] = (shard, info)
+                layout[name] = (shard, entry)
     problems += [
         f"{name!r} is in the index but not in {shard}"
         for name, shard in weight_map.items()
@@ -247,6 +245,55 @@ def _layout(directory: Path) -> dict[str, tuple[str, TensorInfo]]:
         msg = f"{index_path}: the index and the shards disagree: " + "; ".join(problems)
         raise CheckpointError(msg)
     return layout
+
+
+def _header(path: Path) -> dict[str, TensorInfo]:
+    return dict(read_header(path, where=str(path)).tensors)
+
+
+# The layouts load_model reads, in order of preference: (single file, index, reader of a file).
+# safetensors is read by byte ranges; the legacy .bin through torch's restricted loader.
+_LAYOUTS: tuple[tuple[str, str, Callable[[Path], Mapping[str, Any]]], ...] = (
+    (WEIGHTS_NAME, INDEX_NAME, _header),
+    (BIN_NAME, BIN_INDEX_NAME, load_bin),
+)
+
+
+def _configs(module: nn.Module) -> dict[str, str]:
+    """What ``from_pretrained`` needs beside the weights, for a transformers model: file -> JSON.
+
+    Found by what the model has, not by importing transformers: a ``config``
+    and a ``generation_config`` that can write themselves as JSON.
+    """
+    files = {}
+    for name, attribute in (("config.json", "config"), ("generation_config.json", "generation_config")):
+        value = getattr(module, attribute, None)
+        if value is not None and callable(getattr(value, "to_json_string", None)):
+            files[name] = value.to_json_string()
+    if "config.json" in files and hasattr(module.config, "architectures"):
+        # As save_pretrained records it (on a copy: the model's own config is not changed).
+        content = json.loads(files["config.json"])
+        content["architectures"] = [type(module).__name__]
+        files["config.json"] = json.dumps(content, indent=2, sort_keys=True) + "\n"
+    return files
+
+
+def _layout(directory: Path) -> dict[str, tuple[str, Any]]:
+    """Every stored tensor: ``name -> (file, TensorInfo or tensor)``, from a single file or an index."""
+    for single, index, read in _LAYOUTS:
+        if (directory / single).is_file():
+            return {name: (single, entry) for name, entry in read(directory / single).items()}
+        if (directory / index).is_file():
+            return _from_index(directory / index, read)
+    msg = (
+        f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
+        f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
+    )
+    raise CheckpointError(msg)
+
+
+def _spec(entry: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+    return entry.dtype, tuple(entry.shape)
 
 
 @setup_checked
@@ -294,7 +341,7 @@ def load_model(
     layout = _layout(folder)
     inner = unwrap_model(model)
     target = inner.state_dict()
-    specs = {name: (info.dtype, info.shape) for name, (_, info) in layout.items()}
+    specs = {name: _spec(entry) for name, (_, entry) in layout.items()}
     missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
     if problems:
         msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
@@ -306,8 +353,12 @@ def load_model(
             by_file.setdefault(file, []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
-            tensors = _read_tensors(folder / file)
-            inner.load_state_dict({name: tensors[name] for name in names}, strict=False)
+            if isinstance(layout[names[0]][1], torch.Tensor):  # .bin: the entries are the tensors
+                tensors = {name: layout[name][1] for name in names}
+            else:  # safetensors: the entries say where to read
+                read = _read_tensors(folder / file)
+                tensors = {name: read[name] for name in names}
+            inner.load_state_dict(tensors, strict=False)
     return tuple(missing), tuple(unexpected)
 
 
@@ -315,3 +366,42 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     buffer, record = read_verified(path, None, where=str(path))
     header: Header = parse_header(buffer.numpy().data, record.size, where=str(path))
     return tensor_views(buffer, header)
+
+
+def convert_weights(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
+) -> Path:
+    """Rewrite the weights in ``source`` (``pytorch_model.bin`` or its shards) to safetensors in ``target``.
+
+    ``python -m faccel convert SOURCE TARGET``. The tensors are read as
+    :func:`load_model` reads them (``.bin`` through the restricted loader),
+    tied weights are stored once, and ``config.json`` and
+    ``generation_config.json`` are copied when ``source`` has them.
+
+    Raises:
+        CheckpointError: As :func:`load_model`: no weights, a file that holds
+            anything but tensors, an inconsistent index.
+        StorageError: ``target`` is a file.
+
+    Example:
+        >>> import pathlib, tempfile, torch
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> torch.save({"w": torch.ones(2)}, folder / "pytorch_model.bin")
+        >>> sorted(p.name for p in convert_weights(folder, folder / "out").iterdir())
+        ['model.safetensors']
+    """
+    folder, out = Path(source), Path(target)
+    layout = _layout(folder)
+    files = {file for file, entry in layout.values() if not isinstance(entry, torch.Tensor)}
+    read = {file: _read_tensors(folder / file) for file in files}  # safetensors: each file once
+    tensors = {
+        name: entry if isinstance(entry, torch.Tensor) else read[file][name]
+        for name, (file, entry) in layout.items()
+    }
+    aliases = alias_groups(tensors)
+    stored = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in aliases}
+    _write_model(out, stored, parse_size(max_shard_size))
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            atomic_write(out / name, [(folder / name).read_bytes()])
+    return out
