@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> Outcome:
         # The epoch is done: the state says "epoch + 1, batch 0", so a restore starts there.
         state = attrs.evolve(state, epoch=epoch + 1, position=0)
         if args.checkpoint_dir is not None:
-            faccel.checkpoint(dist, state, args.checkpoint_dir, keep=2)
+            # replace: a run stopped after an epoch's last batch saved this step as "epoch, batch
+            # len"; resumed, it reaches the same point and saves it again as "epoch + 1, batch 0".
+            faccel.checkpoint(dist, state, args.checkpoint_dir, keep=2, replace=True)
         accuracy, _ = evaluate(dist, state.model, test_loader)
         mean_loss = faccel.reduce(dist, loss.detach(), op="mean")  # the last batch's loss, over ranks
         log.info("epoch %d: loss %.4f, test accuracy %.4f", epoch, mean_loss.item(), accuracy)

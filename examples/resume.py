@@ -40,9 +40,11 @@ def build(dist: faccel.DistState) -> tuple[faccel.TrainState, faccel.PreparedLoa
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-2, total_steps=EPOCHS * 8)
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=32, shuffle=True)
     model, optimizer, loader = faccel.prepare(dist, model, optimizer, loader)
+    # Sized after prepare, in this process's optimizer steps (8 an epoch in one process).
+    total_steps = EPOCHS * faccel.steps_per_epoch(dist, loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-2, total_steps=total_steps)
     state = faccel.TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler)
     return state, loader
 

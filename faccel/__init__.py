@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._accumulate import accumulate as accumulate
     from faccel._accumulate import micro_batches as micro_batches
     from faccel._accumulate import micro_step as micro_step
+    from faccel._accumulate import steps_per_epoch as steps_per_epoch
     from faccel._backward import backward as backward
     from faccel._checkpoint import checkpoint as checkpoint
     from faccel._checkpoint import latest_checkpoint as latest_checkpoint
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._logging import print as print
     from faccel._metrics import gather_for_metrics as gather_for_metrics
     from faccel._model import unwrap_model as unwrap_model
+    from faccel._notebook import launch as launch
     from faccel._precision import autocast as autocast
     from faccel._precision import grad_scaler as grad_scaler
     from faccel._precision import optimizer_step as optimizer_step
@@ -62,6 +64,10 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._split import split_between_processes as split_between_processes
     from faccel._state import DistState as DistState
     from faccel._state import state_from_env as state_from_env
+    from faccel._tracking import Tracker as Tracker
+    from faccel._tracking import end_training as end_training
+    from faccel._tracking import init_tracker as init_tracker
+    from faccel._tracking import log as log
     from faccel._train_state import TrainState as TrainState
 
 # The public surface, the one table of it: namespace -> defining module -> names. A
@@ -70,7 +76,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
 _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
     "faccel": {
         "faccel": ("errors", "func"),
-        "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step"),
+        "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step", "steps_per_epoch"),
         "faccel._backward": ("backward",),
         "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
         "faccel._clip": ("clip_grad_norm", "clip_grad_value"),
@@ -80,6 +86,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._logging": ("RankLogger", "get_logger", "print"),
         "faccel._metrics": ("gather_for_metrics",),
         "faccel._model": ("unwrap_model",),
+        "faccel._notebook": ("launch",),
         "faccel._precision": ("autocast", "grad_scaler", "optimizer_step"),
         "faccel._prepare": ("prepare",),
         "faccel._process_group": ("detect", "main_process_first", "shutdown", "wait_for_everyone"),
@@ -90,6 +97,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._split": ("split_between_processes",),
         "faccel._state": ("DistState", "state_from_env"),
         "faccel._train_state": ("TrainState",),
+        "faccel._tracking": ("Tracker", "end_training", "init_tracker", "log"),
     },
     "faccel.func": {
         "faccel._functional": ("FunctionalState", "loss_and_grad", "model_params"),
@@ -98,18 +106,19 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._optim._sgd": ("SGDState", "sgd"),
         "faccel._optim._adamw": ("AdamWState", "adamw"),
         "faccel._optim._groups": ("ParamGroupsState", "param_groups"),
-        "faccel._pytree": ("register_pytree", "static_field", "tree_map"),
+        "faccel._tree": ("register_pytree", "static_field", "tree_map"),
     },
 }
 
 
-def _public_names(namespace: str) -> list[str]:
-    """The sorted ``__all__`` of ``namespace``, from :data:`_PUBLIC`."""
-    return sorted(name for names in _PUBLIC[namespace].values() for name in names)
+def _namespace(
+    namespace: str, space: dict[str, Any]
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """``__all__``, ``__getattr__`` (PEP 562) and ``__dir__`` of ``namespace``, from :data:`_PUBLIC`.
 
-
-def _lazy_getattr(namespace: str, space: dict[str, Any]) -> Callable[[str], Any]:
-    """The PEP 562 ``__getattr__`` of ``namespace`` (whose globals are ``space``), from :data:`_PUBLIC`."""
+    ``space`` is the namespace's globals, where each name is bound on first use.
+    """
+    public = sorted(name for names in _PUBLIC[namespace].values() for name in names)
     module_of = {name: module for module, names in _PUBLIC[namespace].items() for name in names}
 
     def resolve(name: str) -> Any:
@@ -126,18 +135,9 @@ def _lazy_getattr(namespace: str, space: dict[str, Any]) -> Callable[[str], Any]
         space[name] = value
         return value
 
-    return resolve
+    return public, resolve, lambda: list(public)
 
 
 __version__ = "0.1.0"
 
-__all__ = _public_names(__name__)
-_resolve = _lazy_getattr(__name__, globals())
-
-
-def __getattr__(name: str) -> Any:
-    return _resolve(name)
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__all__, __getattr__, __dir__ = _namespace(__name__, globals())

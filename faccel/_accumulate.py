@@ -18,11 +18,13 @@ from typing import Any, NamedTuple
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._data import PreparedLoader
 from faccel._model import is_sharded
 from faccel._state import DistState
-from faccel.errors import AccumulationError
+from faccel._typecheck import setup_checked
+from faccel.errors import AccumulationError, ArgumentError
 
-__all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step"]
+__all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step", "steps_per_epoch"]
 
 # nullcontext keeps no state, so one instance serves every `with` (in the hot loop).
 _NOTHING = contextlib.nullcontext()
@@ -123,6 +125,42 @@ def micro_batches(dist: DistState, loader: Iterable[Any]) -> Iterator[tuple[Micr
             micro = MicroStep(index=index, sync=position == len(group) - 1, group_size=size)
             yield micro, batch
             index += 1
+
+
+@setup_checked
+def steps_per_epoch(dist: DistState, loader: Iterable[Any]) -> int:
+    """Optimizer steps this rank takes in one epoch of the prepared ``loader``.
+
+    Its batches (``len(loader)``, this rank's shard) over ``dist.accumulation_steps``,
+    rounded up: the last, partial group of an epoch steps too (see :func:`micro_step`).
+    Size a schedule with it after :func:`faccel.prepare`, e.g.
+    ``OneCycleLR(optimizer, max_lr, total_steps=epochs * steps_per_epoch(dist, loader))``:
+    ``len()`` of the ``DataLoader`` before ``prepare`` counts every rank's batches,
+    so a schedule sized from it would end only partly annealed on several processes.
+
+    Raises:
+        ArgumentError: ``loader`` is not the :class:`PreparedLoader` that
+            ``prepare`` returned (e.g. the ``DataLoader`` given to it), it reads
+            an ``IterableDataset`` without ``__len__`` (its length is unknown), or
+            ``dist`` is not a ``DistState``.
+
+    Example:
+        >>> import torch, faccel
+        >>> data = torch.utils.data.TensorDataset(torch.arange(64.0))
+        >>> raw = torch.utils.data.DataLoader(data, batch_size=4)
+        >>> dist = faccel.DistState.simulated(rank=0, world_size=2, accumulation_steps=3)
+        >>> loader = faccel.prepare(dist, raw)
+        >>> len(raw), len(loader), faccel.steps_per_epoch(dist, loader)
+        (16, 8, 3)
+    """
+    if not isinstance(loader, PreparedLoader):
+        msg = (
+            f"steps_per_epoch needs the loader that faccel.prepare returned, got {type(loader).__name__}: "
+            "before prepare, a DataLoader's len() counts the batches of every rank; "
+            "call it with the prepared loader (and build the scheduler after prepare)"
+        )
+        raise ArgumentError(msg)
+    return -(-len(loader) // dist.accumulation_steps)
 
 
 def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextlib.AbstractContextManager[Any]:

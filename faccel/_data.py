@@ -136,7 +136,10 @@ class PreparedLoader:
     the view of epoch 0; if it shuffles, iterating it a second time raises
     :class:`~faccel.errors.UsageError`, because a bare ``for epoch in ...: for
     batch in loader:`` would repeat epoch 0's order every epoch (iterate
-    ``loader.at(epoch=epoch)`` instead).
+    ``loader.at(epoch=epoch)`` instead). With ``persistent_workers=True`` the
+    ``DataLoader`` has one iterator, which each iteration resets: read one view at
+    a time (a view whose iterator another iteration has reset raises
+    :class:`~faccel.errors.UsageError` on its next batch instead of mixing them).
 
     Attributes:
         dataloader: The rebuilt ``DataLoader`` that reads this rank's shard.
@@ -165,6 +168,9 @@ class PreparedLoader:
     # Only on the view prepare() returns: whether it has been iterated (one cell, set once).
     # Views from at() name their epoch, so iterating them again is deliberate.
     _bare_iterated: list[bool] | None = None
+    # Shared by every view of one loader: how many iterations have been started. With
+    # persistent workers the DataLoader has one iterator, which each new iteration resets.
+    _started: list[int] = attrs.field(factory=lambda: [0])
 
     @property
     def batch_size(self) -> int:
@@ -179,8 +185,27 @@ class PreparedLoader:
 
     @property
     def padding(self) -> int:
-        """Samples repeated in an epoch (over all ranks) so batch counts are even."""
-        return self.sharding.padding
+        """Samples repeated in an epoch (over all ranks) so batch counts are even.
+
+        Raises:
+            ArgumentError: The loader reads an ``IterableDataset`` without
+                ``__len__`` and pads (``even_batches`` without ``drop_last``): it
+                repeats samples from the stream's start once the stream ends, how
+                many depends on a length nobody knows beforehand.
+        """
+        s = self.sharding
+        if isinstance(self._control, _ShardedStream) and s.even_batches and not s.drop_last:
+            try:
+                len(self.dataset)
+            except TypeError:
+                msg = (
+                    "this loader reads an IterableDataset without __len__, so its padding is unknown: "
+                    "at the end of the stream each rank repeats samples from its start until every "
+                    "rank has as many batches (5 samples, batch 2, 2 ranks: 6 are read). Give the "
+                    "dataset a __len__, or prepare(..., even_batches=False) to repeat none"
+                )
+                raise ArgumentError(msg) from None
+        return s.padding
 
     def at(self, *, epoch: int, start: int = 0) -> PreparedLoader:
         """A view of the same loader at ``epoch``, beginning at batch ``start``.
@@ -228,6 +253,7 @@ class PreparedLoader:
                 )
                 raise UsageError(msg)
             self._bare_iterated[0] = True
+        self._started[0] += 1
         control = self._control
         if isinstance(control, _ShardBatchSampler):
             control.point(self.epoch, self.start)
@@ -236,12 +262,34 @@ class PreparedLoader:
         # Worker seeds follow (seed, epoch, start), and the global torch RNG is not
         # consumed by the DataLoader, so a resumed run draws the same random numbers.
         self._seeder.manual_seed(hash((self.sharding.seed, self.epoch, self.start)) & (2**63 - 1))
-        iterator = iter(self.dataloader)
+        iterator: Iterator[Any] = iter(self.dataloader)
+        if self.dataloader.persistent_workers:
+            iterator = _alone(iterator, self._started, self._started[0])
         device, non_blocking = self.device, self.non_blocking
         if device.type == "cpu" and not self.dataloader.pin_memory:
             # Collated batches are already on the CPU: skip the walk over the batch.
             return iterator
         return (to_device(batch, device, non_blocking=non_blocking) for batch in iterator)
+
+
+def _alone(iterator: Iterator[Any], started: list[int], mine: int) -> Iterator[Any]:
+    """``iterator``'s batches, as long as no other iteration of the loader has started since."""
+    while True:
+        if started[0] != mine:
+            # Checked before each fetch: a fetch would take a batch of the other iteration.
+            msg = (
+                "another iteration of this loader started while this one was still being read; with "
+                "persistent_workers=True the DataLoader has one iterator, which each iteration "
+                "resets, so the two would mix their batches. Finish one view before iterating the "
+                "next (e.g. not zip(loader.at(epoch=0), loader.at(epoch=1))), or build the "
+                "DataLoader without persistent_workers"
+            )
+            raise UsageError(msg)
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        yield batch
 
 
 def _loader_options(loader: DataLoader) -> dict[str, Any]:  # type: ignore[type-arg]

@@ -22,10 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._model import Autocast, float32_outputs, unwrap_model
 from faccel._module_call import ModuleCaller
 from faccel._optim._base import Optimizer, state_from_dict, state_to_dict
-from faccel._pytree import register_pytree, static_field
 from faccel._state import DistState
+from faccel._tree import register_pytree, static_field
 from faccel._typecheck import setup_checked
-from faccel.errors import DistributedError, FunctionalError
+from faccel.errors import ArgumentValueError, DistributedError, FunctionalError
 
 __all__ = ["FunctionalState", "loss_and_grad", "model_params"]
 
@@ -148,8 +148,9 @@ def loss_and_grad(
     Raises:
         DistributedError: ``model`` is wrapped in ``DistributedDataParallel``:
             its gradient hooks would not run, so ranks would train apart.
-        FunctionalError: Unknown ``engine``; or, when called, the ``"autograd"``
-            engine inside a ``torch.func`` transform.
+        ArgumentValueError: Unknown ``engine``.
+        FunctionalError: When called, the ``"autograd"`` engine inside a
+            ``torch.func`` transform.
 
     Example:
         >>> import torch, faccel
@@ -163,7 +164,7 @@ def loss_and_grad(
     """
     if engine not in _ENGINES:
         msg = f"engine must be one of {_ENGINES}, got {engine!r}"
-        raise FunctionalError(msg)
+        raise ArgumentValueError(msg)
     if _has_ddp(model):
         msg = (
             "loss_and_grad() got a DistributedDataParallel module: functional_call and torch.func "

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as tdist
 
 from faccel._process_group import require_peers
-from faccel._pytree import flatten, tree_flatten, tree_flatten_with_path, unflatten
 from faccel._state import DistState
+from faccel._tree import flatten, tree_flatten, tree_flatten_with_path, unflatten
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, FunctionalError
 

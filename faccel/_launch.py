@@ -25,7 +25,15 @@ import attrs
 
 from faccel.errors import LaunchError
 
-__all__ = ["ENV_VARIABLES", "LAUNCHERS", "OPTION_VARIABLES", "LaunchInfo", "parse_launch"]
+__all__ = [
+    "ENV_VARIABLES",
+    "LAUNCHERS",
+    "MAX_INT",
+    "OPTION_VARIABLES",
+    "LaunchInfo",
+    "parse_launch",
+    "read_int",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -120,15 +128,36 @@ ENV_VARIABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int:
+# Counts and ranks beyond this are no real job: a bound, so no value read can be absurd.
+MAX_INT = 2**31 - 1
+# ASCII decimal digits only: Python's int() also takes "1_0", "+1", " 1", full-width
+# and Arabic-Indic digits, none of which a launcher writes.
+_DIGITS = re.compile(r"[0-9]{1,10}")
+
+
+def read_int(env: Mapping[str, str], name: str, *, minimum: int, maximum: int = MAX_INT) -> int:
+    """The variable ``name`` of ``env`` as an integer in ``[minimum, maximum]``, else a LaunchError.
+
+    Example:
+        >>> read_int({"RANK": "3"}, "RANK", minimum=0)
+        3
+        >>> read_int({"RANK": "0_1"}, "RANK", minimum=0)
+        Traceback (most recent call last):
+        ...
+        faccel.errors.LaunchError: RANK must be a whole number in ASCII digits, got RANK='0_1'; ...
+    """
     raw = env[name]
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        msg = f"{name} must be an integer, got {name}={raw!r}; check the launcher's environment"
-        raise LaunchError(msg) from None
-    if value < minimum:
-        msg = f"{name} must be >= {minimum}, got {name}={raw!r}; check the launcher's environment"
+    if not _DIGITS.fullmatch(raw):
+        msg = (
+            f"{name} must be a whole number in ASCII digits, got {name}={raw!r}; "
+            "check the launcher's environment"
+        )
+        raise LaunchError(msg)
+    value = int(raw)
+    if not minimum <= value <= maximum:
+        msg = (
+            f"{name} must be in [{minimum}, {maximum}], got {name}={raw!r}; check the launcher's environment"
+        )
         raise LaunchError(msg)
     return value
 
@@ -142,6 +171,15 @@ def _slurm_tasks_per_node(raw: str) -> str:
 def _read(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo | None:
     present = [k for k in (launcher.rank, launcher.world_size) if k in env]
     if not present:
+        partial = [name for name in _row_variables(launcher) if name in env]
+        if partial:
+            # A launcher's local variables alone describe no job: one process would be a guess.
+            msg = (
+                f"{', '.join(f'{n}={env[n]!r}' for n in partial)} set without {launcher.rank} and "
+                f"{launcher.world_size}; a {launcher.name} environment needs both (unset the others "
+                "to run one process)"
+            )
+            raise LaunchError(msg)
         return None
     for key in (launcher.rank, launcher.world_size):
         if key not in env:
@@ -150,8 +188,8 @@ def _read(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo | None:
                 f"a {launcher.name} environment needs both {launcher.rank} and {launcher.world_size}"
             )
             raise LaunchError(msg)
-    world_size = _int(env, launcher.world_size, minimum=1)
-    rank = _int(env, launcher.rank, minimum=0)
+    world_size = read_int(env, launcher.world_size, minimum=1)
+    rank = read_int(env, launcher.rank, minimum=0)
     if rank >= world_size:
         msg = (
             f"{launcher.rank} must be in [0, {world_size}) since "
@@ -170,9 +208,9 @@ def _read(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo | None:
     # Without local variables the launch is a single node: a documented default,
     # not a guess, since every multi-node launcher sets them.
     local_world_size = (
-        _int(view, launcher.local_world_size, minimum=1) if has_local_size else world_size  # type: ignore[arg-type]
+        read_int(view, launcher.local_world_size, minimum=1) if has_local_size else world_size  # type: ignore[arg-type]
     )
-    local_rank = _int(view, launcher.local_rank, minimum=0) if has_local else rank  # type: ignore[arg-type]
+    local_rank = read_int(view, launcher.local_rank, minimum=0) if has_local else rank  # type: ignore[arg-type]
     if local_world_size > world_size:
         msg = (
             f"{launcher.local_world_size} must be <= {launcher.world_size}={world_size}, "
@@ -186,10 +224,16 @@ def _read(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo | None:
             "check the launcher's environment"
         )
         raise LaunchError(msg)
+    node_rank = rank // local_world_size
     if launcher.node_rank is not None and launcher.node_rank in view:
-        node_rank = _int(view, launcher.node_rank, minimum=0)
-    else:
-        node_rank = rank // local_world_size
+        given = read_int(view, launcher.node_rank, minimum=0)
+        if given != node_rank:
+            msg = (
+                f"{launcher.node_rank}={view[launcher.node_rank]!r} contradicts {launcher.rank}={rank} "
+                f"with {local_world_size} processes per node (node {node_rank}); "
+                "check the launcher's environment"
+            )
+            raise LaunchError(msg)
     return LaunchInfo(
         launcher=launcher.name,
         rank=rank,
@@ -203,11 +247,19 @@ def _read(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo | None:
     )
 
 
+# A host name, then optionally its first bracketed number range, then more hosts.
+_SLURM_HOSTS = re.compile(r"([A-Za-z0-9._-]+)(?:\[([0-9]+)(?:-[0-9]+)?(?:,[^\]]*)?\])?(?:,.*)?")
+
+
 def _first_slurm_host(nodelist: str) -> str:
     # "node[03-05,07],gpu1" -> "node03": enough of scontrol's syntax for the first host.
-    match = re.match(r"([^,\[]+)(?:\[([^\],\-]+))?", nodelist.strip())
+    match = _SLURM_HOSTS.fullmatch(nodelist.strip())
     if not match:
-        return nodelist
+        msg = (
+            f"SLURM_NODELIST={nodelist!r} names no host faccel can read; "
+            "set MASTER_ADDR to rank 0's host name"
+        )
+        raise LaunchError(msg)
     return match.group(1) + (match.group(2) or "")
 
 
@@ -217,13 +269,13 @@ def _rendezvous(env: Mapping[str, str], info: LaunchInfo) -> LaunchInfo:
         addr = _first_slurm_host(env[_SLURM_NODELIST])
     port: int | None = None
     if _MASTER_PORT in env:
-        port = _int(env, _MASTER_PORT, minimum=1)
+        port = read_int(env, _MASTER_PORT, minimum=1)
         if port > 65535:
             msg = f"MASTER_PORT must be in [1, 65535], got MASTER_PORT={env[_MASTER_PORT]!r}"
             raise LaunchError(msg)
     elif info.launcher == _SLURM.name and _SLURM_JOB_ID in env:
         # Every task of a job derives the same port from the job id (as Lightning does).
-        port = 15000 + _int(env, _SLURM_JOB_ID, minimum=0) % 20000
+        port = 15000 + read_int(env, _SLURM_JOB_ID, minimum=0) % 20000
     if info.world_size > 1 and not addr:
         msg = (
             f"WORLD_SIZE is {info.world_size} (from {info.launcher}) but MASTER_ADDR is not set; "
@@ -246,6 +298,8 @@ def _check_agree(first: LaunchInfo, second: LaunchInfo) -> None:
     for field, left, right in (
         ("rank", a.rank, b.rank),
         ("world_size", a.world_size, b.world_size),
+        ("local_rank", a.local_rank, b.local_rank),
+        ("local_world_size", a.local_world_size, b.local_world_size),
     ):
         if getattr(first, field) != getattr(second, field):
             msg = (

@@ -121,10 +121,29 @@ def _wrap_ddp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> 
         wrapped = Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
     if dist.distributed:
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(
-            wrapped, device_ids=device_ids, **dict(options.get("ddp_kwargs") or {})
-        )
+        ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.get("ddp_kwargs") or {}))
+        if dist.world_size > 2:
+            _fix_bucket_layout(ddp)
+        wrapped = ddp
     return wrapped
+
+
+def _fix_bucket_layout(ddp: DistributedDataParallel) -> None:
+    """Give ``ddp`` the gradient buckets it reduces in from its first step on.
+
+    DDP reduces its first step in one bucket of every parameter, then rebuilds
+    its buckets in the order gradients became ready. An all-reduce over more
+    than two ranks sums each element in an order that depends on where the
+    element lies in its bucket, so a freshly built DDP (a resumed job) would
+    reduce its first step differently from a job that has been running: the
+    weights part in the last bits. Rebuilding here, in parameter order, fixes
+    the layout for every step of every job. (With two ranks each element is
+    ``a + b`` whatever the layout, so DDP's own bucketing is kept there.)
+    Both calls are collectives that every rank makes, as DDP's constructor is.
+    A DDP that never rebuilds (``find_unused_parameters=True``) is left as it is.
+    """
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
 
 
 def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:

@@ -19,8 +19,12 @@ def set_seed(dist: DistState, seed: int, *, per_rank: bool = False) -> int:
 
     This changes process-wide state: the global generators that ``random.random()``,
     ``numpy.random.rand()`` and ``torch.randn()`` draw from (``torch.manual_seed``
-    also seeds every CUDA, MPS and XPU device). It does not change the data
-    order, which follows ``dist.seed`` and the epoch (see :class:`faccel.Sharding`).
+    also seeds every CUDA, MPS and XPU device).
+
+    It does **not** change the data order (a plain ``DataLoader`` shuffles from the
+    global torch generator; a prepared one does not): a prepared loader's shuffle
+    follows ``dist.seed`` and the epoch (see :class:`faccel.Sharding`); for
+    another order, ``faccel.detect(seed=...)``.
 
     Args:
         dist: This process's state.

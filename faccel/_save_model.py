@@ -11,6 +11,7 @@ the first name, and a model with the same ties gets them back tied.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -21,11 +22,12 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._durable import atomic_write, fsync_dir, read_verified
+from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA
 from faccel._checkpoint._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
 from faccel._checkpoint._sharded_state import full_state
 from faccel._checkpoint._weights import compare_tensors, model_tensors
-from faccel._consensus import together
+from faccel._consensus import DEFAULT_ARRIVAL, arrive, together
 from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
@@ -110,6 +112,13 @@ def shard_names(count: int) -> list[str]:
 
 
 def _write_model(directory: Path, stored: Mapping[str, torch.Tensor], max_shard_size: int) -> None:
+    blocked = blocking_file(directory)
+    if blocked is not None:
+        msg = (
+            f"{blocked} is a file, not a folder: save_model writes model.safetensors (or its shards) "
+            f"into the folder {directory}; pass the path of a folder (new or existing)"
+        )
+        raise StorageError(msg)
     directory.mkdir(parents=True, exist_ok=True)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in stored.items()}
     groups = split_shards(sizes, max_shard_size)
@@ -139,14 +148,16 @@ def save_model(
     directory: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "5GB",
+    arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
 ) -> Path:
     """Save the unwrapped model's weights to ``directory`` in the Hugging Face layout.
 
     ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``.
     Tied weights are stored once (under their first name). Only the main
-    process writes; every process returns once the files are complete (a
-    barrier), so all ranks may read them right after. Each file is replaced
+    process writes, but every process must call it (not under
+    ``if dist.is_main_process:``); every process returns once the files are
+    complete (a barrier), so all ranks may read them right after. Each file is replaced
     atomically; shards of an earlier save that this one does not use are deleted.
     Other files in ``directory`` (``config.json``...) are left alone.
 
@@ -155,6 +166,8 @@ def save_model(
         model: The model, wrapped by :func:`prepare` or not.
         directory: Where to write; created if missing.
         max_shard_size: Largest shard, in bytes or as text (``"5GB"``, ``"500MiB"``).
+        arrival_timeout: How long the ranks that called ``save_model`` wait for
+            the others to call it too, before raising.
 
     Returns:
         The directory.
@@ -163,10 +176,11 @@ def save_model(
         ArgumentValueError: A bad ``max_shard_size``.
         CheckpointError: A tensor dtype safetensors cannot hold, on the
             writing rank. An FSDP2 model's shards are gathered into whole
-            weights first (every rank must call ``save_model``).
-        StorageError: A failed write (an ``OSError``: a full disk, a
-            permission) on the writing rank; on the other ranks, any failure
-            of the writing rank.
+            weights first (every rank must call ``save_model``). A rank did
+            not call ``save_model`` within ``arrival_timeout``.
+        StorageError: ``directory`` or a parent is a file; a failed write (an
+            ``OSError``: a full disk, a permission) on the writing rank; on
+            the other ranks, any failure of the writing rank.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -178,6 +192,7 @@ def save_model(
     """
     target = Path(directory)
     limit = parse_size(max_shard_size)
+    arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
     # FSDP2: every rank takes part in gathering the whole weights onto rank 0.
     whole = full_state(unwrap_model(model), None)[0] if is_sharded(unwrap_model(model)) else None
 

@@ -9,12 +9,12 @@ process group. :func:`faccel.detect`, the thin edge that does, lives in
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import torch
 
-from faccel._launch import OPTION_VARIABLES, parse_launch
+from faccel._launch import OPTION_VARIABLES, parse_launch, read_int
 from faccel._typecheck import setup_checked
 from faccel.errors import LaunchError, PrecisionError
 
@@ -212,13 +212,19 @@ def _choose_device(
 def _env_int(env: Mapping[str, str], name: str, given: int | None, default: int) -> int:
     if given is not None:
         return given
-    if name not in env:
-        return default
-    try:
-        return int(env[name])
-    except ValueError:
-        msg = f"{name} must be an integer, got {name}={env[name]!r}"
-        raise LaunchError(msg) from None
+    return read_int(env, name, minimum=1) if name in env else default
+
+
+def _env_choice(
+    env: Mapping[str, str], name: str, given: str | None, default: str, choices: Iterable[str]
+) -> str:
+    if given is not None:
+        return given  # an argument: DistState's own check names it
+    value = env.get(name, default)
+    if value not in choices:
+        msg = f"{name} must be one of {sorted(choices)}, got {name}={value!r}; fix or unset the variable"
+        raise LaunchError(msg)
+    return value
 
 
 def _env_timeout(env: Mapping[str, str]) -> datetime.timedelta:
@@ -306,9 +312,9 @@ def state_from_env(
         node_rank=info.node_rank,
         device=chosen,
         backend=chosen_backend,
-        precision=precision if precision is not None else env.get(OPTION_VARIABLES["precision"], "no"),
+        precision=_env_choice(env, OPTION_VARIABLES["precision"], precision, "no", PRECISIONS),
         accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
-        strategy=strategy if strategy is not None else env.get(OPTION_VARIABLES["strategy"], "ddp"),
+        strategy=_env_choice(env, OPTION_VARIABLES["strategy"], strategy, "ddp", STRATEGIES),
         seed=seed,
         timeout=timeout if timeout is not None else _env_timeout(env),
         launcher=info.launcher,

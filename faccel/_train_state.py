@@ -25,7 +25,10 @@ def _non_negative(_: object, attribute: attrs.Attribute, value: object) -> None:
 def _extras_keys(_: object, attribute: attrs.Attribute, value: Mapping[Any, Any]) -> None:  # type: ignore[type-arg]
     bad = [key for key in value if type(key) is not str]
     if bad:
-        msg = f"TrainState.extras keys must be strings (they name the entries in the checkpoint), got {bad!r}"
+        msg = (
+            f"TrainState.{attribute.name} keys must be strings (they name the entries in the "
+            f"checkpoint), got {bad!r}"
+        )
         raise ArgumentError(msg)
 
 
@@ -56,7 +59,14 @@ class TrainState:
             arrays, tensors (nested in those containers too, so a pytree of
             tensors fits), or an object with ``state_dict()`` and
             ``load_state_dict()`` whose state is made of the same. Saved from
-            the main process (keep them equal on every rank).
+            the main process and restored on every rank: they must be equal
+            on every rank (``checkpoint`` compares them and refuses ones that
+            differ); per-rank values go to ``rank_extras``.
+        rank_extras: Values of this rank alone, of the same kinds as
+            ``extras`` (a prefetched batch, a per-rank counter): every rank
+            saves its own (inside its ``rng-NNNNN.json``, tensors inline, so
+            keep them small) and gets its own back. Restorable only with the
+            world size that wrote them.
 
     Raises:
         ArgumentValueError: ``step``, ``epoch`` or ``position`` is negative.
@@ -80,6 +90,7 @@ class TrainState:
     epoch: int = attrs.field(default=0, validator=_non_negative)
     position: int = attrs.field(default=0, validator=_non_negative)
     extras: Mapping[str, Any] = attrs.field(factory=dict, validator=_extras_keys)
+    rank_extras: Mapping[str, Any] = attrs.field(factory=dict, validator=_extras_keys)
 
     @classmethod
     def create(
@@ -93,6 +104,7 @@ class TrainState:
         epoch: int = 0,
         position: int = 0,
         extras: Mapping[str, Any] | None = None,
+        rank_extras: Mapping[str, Any] | None = None,
     ) -> TrainState:
         """A state at the start of training (or wherever ``step``, ``epoch``, ``position`` say).
 
@@ -113,4 +125,5 @@ class TrainState:
             epoch=epoch,
             position=position,
             extras=dict(extras or {}),
+            rank_extras=dict(rank_extras or {}),
         )

@@ -19,6 +19,7 @@ __all__ = [
     "PrecisionError",
     "PrepareError",
     "StorageError",
+    "UsageError",
 ]
 
 
@@ -112,6 +113,13 @@ class CheckpointError(FaccelError, ValueError):
     match the objects being restored. Nothing has been modified when this is
     raised. Fix: restore from another checkpoint, or build the objects with
     the same architecture as when the checkpoint was written.
+
+    Also the checkpoint mistakes: a step that already exists (advance
+    ``state.step``, or pass ``replace=True``), a path that is a file, extras
+    that differ between ranks (use ``rank_extras``), a call made on some
+    ranks only (every rank must call; ``arrival_timeout``), a meeting of the
+    ranks past the process group's timeout (``faccel.detect(timeout=...)``),
+    and a mid-epoch checkpoint restored at another world size.
     """
 
 
@@ -119,9 +127,11 @@ class FunctionalError(FaccelError, ValueError):
     """A functional-training call (pytrees, pure optimizers) got inconsistent input.
 
     Cause: gradients, parameters and optimizer state whose tree structures
-    differ, an optimizer hyperparameter out of range, or a class given to
-    ``register_pytree`` that is not an attrs class. Fix: build the state with
-    the same optimizer's ``init(params)`` and pass trees of the same shape.
+    differ, saved optimizer state that does not fit, or the ``"autograd"``
+    engine inside a ``torch.func`` transform. Fix: build the state with the
+    same optimizer's ``init(params)`` and pass trees of the same shape. (A bad
+    hyperparameter is an :class:`ArgumentValueError`, a bad type an
+    :class:`ArgumentError`.)
     """
 
 

@@ -231,3 +231,27 @@ tensor_trees = st.recursive(tree_tensors, _containers, max_leaves=8)
 mixed_trees = st.recursive(
     tree_tensors | st.integers(-3, 3) | st.text("xy", max_size=2) | st.none(), _containers, max_leaves=8
 )
+
+
+# --- hostile launcher environments (faccel._launch) ----------------------------------------------
+
+# What ends up in a variable by accident or malice: digits of other scripts, Python's int()
+# extras, huge values, empty strings, and plausible small numbers so that valid jobs occur too.
+_env_values = st.one_of(
+    st.integers(0, 9).map(str),
+    st.integers(0, 2**70).map(str),
+    st.sampled_from(
+        ["", " 1", "1 ", "+1", "-1", "0_1", "1_0", "\uff11", "\u0662", "2**70", "0x10", "1e3", "[", "node[1-"]
+    ),
+    st.text(max_size=6),
+)
+
+
+@st.composite
+def launcher_envs(draw: st.DrawFn) -> dict[str, str]:
+    """Any subset of the variables faccel reads, each with any of the values above."""
+    from faccel._launch import ENV_VARIABLES
+
+    names = sorted({name for group in ENV_VARIABLES.values() for name in group})
+    chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=8))
+    return {name: draw(_env_values, label=name) for name in chosen}

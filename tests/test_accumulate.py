@@ -106,3 +106,40 @@ def test_backward_without_the_micro_step_is_refused_under_accumulation() -> None
     w = torch.ones(1, requires_grad=True)
     with pytest.raises(faccel.errors.AccumulationError, match="micro_batches"):
         faccel.backward(faccel.DistState(accumulation_steps=2), w.sum())
+
+
+@given(st.integers(0, 60), st.integers(1, 5), st.integers(1, 4), st.integers(1, 5))
+@settings(max_examples=30, deadline=None)
+def test_steps_per_epoch_counts_the_syncing_micro_steps_of_the_prepared_loader(
+    n: int, batch: int, world: int, k: int
+) -> None:
+    import faccel
+
+    raw = DataLoader(TensorDataset(torch.arange(float(n))), batch_size=batch)
+    for rank in range(world):
+        dist = faccel.DistState.simulated(rank=rank, world_size=world, accumulation_steps=k)
+        loader = faccel.prepare(dist, raw)
+        syncs = sum(micro.sync for micro, _ in faccel.micro_batches(dist, loader))
+        assert faccel.steps_per_epoch(dist, loader) == syncs
+
+
+def test_steps_per_epoch_refuses_the_loader_before_prepare() -> None:
+    import faccel
+
+    raw = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    dist = faccel.DistState.simulated(rank=0, world_size=2)
+    with pytest.raises(faccel.errors.ArgumentError, match="counts the batches of every rank"):
+        faccel.steps_per_epoch(dist, raw)
+
+
+def test_steps_per_epoch_of_a_stream_without_length_is_refused() -> None:
+    import faccel
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(5))
+
+    dist = faccel.DistState.simulated(rank=0, world_size=2)
+    loader = faccel.prepare(dist, DataLoader(Stream(), batch_size=2))
+    with pytest.raises(faccel.errors.ArgumentError, match="length is unknown"):
+        faccel.steps_per_epoch(dist, loader)

@@ -38,6 +38,7 @@ PINNED: dict[str, list[str]] = {
         "gather_for_metrics",
         "gather_object",
         "get_logger",
+        "launch",
         "print",
         "grad_scaler",
         "main_process_first",
@@ -51,6 +52,7 @@ PINNED: dict[str, list[str]] = {
         "reduce",
         "set_seed",
         "shutdown",
+        "steps_per_epoch",
         "split_between_processes",
         "state_from_env",
         "to_device",
@@ -58,6 +60,10 @@ PINNED: dict[str, list[str]] = {
         "wait_for_everyone",
         # checkpoints: atomic, pickle-free TrainState checkpoints; weights in the HF layout
         "TrainState",
+        "Tracker",
+        "end_training",
+        "init_tracker",
+        "log",
         "checkpoint",
         "latest_checkpoint",
         "load_model",
@@ -163,3 +169,43 @@ def test_import_is_lazy() -> None:
     code = "import sys, faccel.func; print(sorted(m for m in sys.modules if m.startswith('faccel')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['faccel', 'faccel.func']"
+
+
+def _raises_sections(doc: str) -> list[str]:
+    """The exception names a Google-style docstring's ``Raises:`` section lists."""
+    names: list[str] = []
+    lines = doc.expandtabs().splitlines()
+    for index, line in enumerate(lines):
+        if line.strip() != "Raises:":
+            continue
+        indent = len(line) - len(line.lstrip())
+        for entry in lines[index + 1 :]:
+            if entry.strip() and len(entry) - len(entry.lstrip()) <= indent:
+                break  # the next section
+            head = entry.strip().split(":", 1)[0]
+            if head.isidentifier() and entry.strip().startswith(head + ":"):
+                names.append(head)
+    return names
+
+
+@pytest.mark.parametrize("namespace", sorted(PINNED))
+def test_every_raises_section_names_real_exception_classes(namespace: str) -> None:
+    import builtins
+
+    import faccel.errors
+
+    module = importlib.import_module(namespace)
+    seen = 0
+    for name in module.__all__:
+        obj = getattr(module, name)
+        members = (
+            [obj] if inspect.isfunction(obj) else [m for _, m in inspect.getmembers(obj, inspect.isfunction)]
+        )
+        for member in members if (inspect.isfunction(obj) or inspect.isclass(obj)) else []:
+            for raised in _raises_sections(inspect.getdoc(member) or ""):
+                seen += 1
+                found = getattr(faccel.errors, raised, None) or getattr(builtins, raised, None)
+                assert isinstance(found, type) and issubclass(found, BaseException), (
+                    f"{namespace}.{name}: Raises names {raised!r}, which is no exception class"
+                )
+    assert seen > 0

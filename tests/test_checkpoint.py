@@ -186,7 +186,9 @@ def test_keep_rotates_and_leaves_no_partial_folders(tmp_path: Path) -> None:
         faccel.checkpoint(dist, state, tmp_path, keep=0)
 
 
-def test_the_same_step_twice_replaces_the_checkpoint(tmp_path: Path) -> None:
+def test_the_same_step_twice_is_refused_unless_replace_is_asked(tmp_path: Path) -> None:
+    # Was test_the_same_step_twice_replaces_the_checkpoint: a forgotten step advance silently
+    # overwrote step 0 every time. Now it is refused, and replacing is an explicit choice.
     import faccel
 
     dist = faccel.detect({})
@@ -194,10 +196,17 @@ def test_the_same_step_twice_replaces_the_checkpoint(tmp_path: Path) -> None:
     state = faccel.TrainState.create(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=3
     )
-    faccel.checkpoint(dist, state, tmp_path)
+    first = faccel.checkpoint(dist, state, tmp_path)
+    before = {name: (first / name).read_bytes() for name in os.listdir(first)}
     with torch.no_grad():
         model.weight.fill_(7.0)
-    faccel.checkpoint(dist, attrs.evolve(state, position=1), tmp_path)
+    with pytest.raises(faccel.errors.CheckpointError, match="step 3 already exists") as caught:
+        faccel.checkpoint(dist, attrs.evolve(state, position=1), tmp_path)
+    assert "attrs.evolve(state, step=state.step + 1" in str(caught.value)
+    assert "replace=True" in str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000003"]  # untouched, nothing left over
+    assert {name: (first / name).read_bytes() for name in os.listdir(first)} == before
+    faccel.checkpoint(dist, attrs.evolve(state, position=1), tmp_path, replace=True)
     assert sorted(os.listdir(tmp_path)) == ["step-000000000003"]
     fresh = torch.nn.Linear(2, 2)
     restored = faccel.restore(
@@ -206,6 +215,37 @@ def test_the_same_step_twice_replaces_the_checkpoint(tmp_path: Path) -> None:
         tmp_path,
     )
     assert restored.position == 1 and torch.all(fresh.weight == 7.0)
+
+
+def test_a_loop_that_never_advances_the_step_stops_at_its_second_checkpoint(tmp_path: Path) -> None:
+    """The README's old fragment: epochs advance, the step never does."""
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    faccel.checkpoint(dist, attrs.evolve(state, epoch=1), tmp_path, keep=1)
+    with pytest.raises(faccel.errors.CheckpointError, match="advance the step"):
+        faccel.checkpoint(dist, attrs.evolve(state, epoch=2), tmp_path, keep=1)
+    assert faccel.restore(dist, state, tmp_path).epoch == 1
+
+
+def test_a_path_that_is_a_file_gets_a_named_error(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    file = tmp_path / "ckpt.pt"
+    file.write_bytes(b"not a folder")
+    for path in (file, file / "run1"):
+        with pytest.raises(faccel.errors.CheckpointError, match="is a file, not a folder") as caught:
+            faccel.checkpoint(dist, state, path)
+        assert str(file) in str(caught.value) and "Errno" not in str(caught.value)
+        with pytest.raises(faccel.errors.StorageError, match="is a file, not a folder") as stored:
+            faccel.save_model(dist, model, path)
+        assert str(file) in str(stored.value) and "Errno" not in str(stored.value)
+    assert file.read_bytes() == b"not a folder"
 
 
 def test_latest_checkpoint_counts_only_complete_ones(tmp_path: Path) -> None:
@@ -302,12 +342,14 @@ def test_file_system_errors_become_checkpoint_errors(tmp_path: Path) -> None:
     dist = faccel.detect({})
     model = torch.nn.Linear(2, 2)
     state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(faccel.errors.CheckpointError, match="preparing the checkpoint folder failed"):
-        faccel.checkpoint(dist, state, tmp_path / "file")
+    # A path that is a file has its own error now (test_a_path_that_is_a_file_gets_a_named_error);
+    # a name longer than the file system allows is the operating system's refusal here.
+    too_long = tmp_path / ("x" * 300)
+    with pytest.raises(faccel.errors.CheckpointError, match="preparing the checkpoint of step 0 failed"):
+        faccel.checkpoint(dist, state, too_long)
     # save_model is not a checkpoint: its failed write is a StorageError, an OSError by kind.
     with pytest.raises(faccel.errors.StorageError, match="save_model failed") as error:
-        faccel.save_model(dist, model, tmp_path / "file")
+        faccel.save_model(dist, model, too_long)
     assert isinstance(error.value, OSError) and isinstance(error.value.__cause__, OSError)
     assert not isinstance(error.value, faccel.errors.CheckpointError)
 
@@ -329,3 +371,37 @@ def test_a_state_without_a_torch_optimizer_round_trips_and_mismatches_are_named(
     )
     with pytest.raises(faccel.errors.CheckpointError, match="no optimizer was saved"):
         faccel.restore(dist, with_optimizer, tmp_path)
+
+
+def test_the_readme_loop_counts_steps_and_resumes_after_the_last_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's loop fragment (not run by test_docs: it needs a model) runs as written, twice."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    fragment = re.search(r"## The loop\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+
+    def run(epochs: int) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.randn(12, 2), torch.randn(12, 1))
+        namespace = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2),
+            "loader": torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+            "loss_function": torch.nn.functional.mse_loss,
+            "epochs": epochs,
+        }
+        exec(compile(fragment, "README.md#the-loop", "exec"), namespace)
+        return namespace
+
+    first = run(epochs=2)
+    assert (first["state"].step, first["state"].epoch) == (6, 2)  # 3 batches an epoch, counted
+    assert sorted(os.listdir("ckpt")) == ["step-000000000003", "step-000000000006"]
+    again = run(epochs=3)  # a new process: resumes after epoch 1, trains epoch 2 only
+    assert (again["state"].step, again["state"].epoch, again["state"].position) == (9, 3, 0)
+    assert sorted(os.listdir("ckpt")) == ["step-000000000006", "step-000000000009"]

@@ -221,3 +221,65 @@ def test_loaders_faccel_cannot_shard_are_refused_clearly() -> None:
     persistent = DataLoader(_Stream(4), batch_size=2, num_workers=1, persistent_workers=True)
     with pytest.raises(PrepareError, match="persistent_workers"):
         faccel.prepare(dist, persistent)
+
+
+def test_a_stream_without_length_says_its_padding_is_unknown_instead_of_zero() -> None:
+    import faccel
+    from faccel.errors import ArgumentError
+
+    # n=5, batch 2, 2 ranks: the ranks read 6 samples (sample 0 twice), so padding 0 would be false.
+    ranks = [faccel.DistState.simulated(rank=r, world_size=2) for r in range(2)]
+    loaders = [faccel.prepare(d, DataLoader(_Stream(5, sized=False), batch_size=2)) for d in ranks]
+    assert sum(len(batch) for loader in loaders for batch in loader) == 6
+    for loader in loaders:
+        with pytest.raises(ArgumentError, match=r"padding is unknown.*even_batches=False"):
+            loader.padding  # noqa: B018
+    # With a length the padding is known; without padding (even_batches=False, drop_last) it is 0.
+    sized = [faccel.prepare(d, DataLoader(_Stream(5), batch_size=2)) for d in ranks]
+    assert [loader.padding for loader in sized] == [1, 1]
+    for options in ({"even_batches": False}, {}):
+        drop = options == {}
+        uneven = [
+            faccel.prepare(d, DataLoader(_Stream(5, sized=False), batch_size=2, drop_last=drop), **options)
+            for d in ranks
+        ]
+        assert [loader.padding for loader in uneven] == [0, 0]
+        assert sum(len(batch) for loader in uneven for batch in loader) == (4 if drop else 5)
+
+
+def test_two_live_views_with_persistent_workers_are_refused_not_mixed() -> None:
+    import faccel
+    from faccel.errors import UsageError
+
+    dist = faccel.detect({})
+    data = TensorDataset(torch.arange(16))
+    plain = faccel.prepare(dist, DataLoader(data, batch_size=2, shuffle=True))
+    loader = faccel.prepare(
+        dist, DataLoader(data, batch_size=2, shuffle=True, num_workers=1, persistent_workers=True)
+    )
+    epochs = [[b.tolist() for (b,) in plain.at(epoch=e)] for e in range(2)]
+    # One view after the other (one left half-read) is exact.
+    first = iter(loader.at(epoch=0))
+    assert next(first)[0].tolist() == epochs[0][0]
+    assert [[b.tolist() for (b,) in loader.at(epoch=e)] for e in range(2)] == epochs
+    # Read together, the second iteration reset the DataLoader's one iterator: refused, not mixed.
+    with pytest.raises(UsageError, match="persistent_workers=True the DataLoader has one iterator"):
+        list(zip(loader.at(epoch=0), loader.at(epoch=1), strict=True))
+    with pytest.raises(UsageError, match="another iteration of this loader started"):
+        next(first)  # the half-read view too: its iterator was reset since
+    assert [[b.tolist() for (b,) in loader.at(epoch=e)] for e in range(2)] == epochs
+
+
+def test_set_seed_leaves_the_data_order_to_the_dist_seed() -> None:
+    import faccel
+
+    def order(dist: faccel.DistState) -> list[list[int]]:
+        loader = faccel.prepare(dist, DataLoader(TensorDataset(torch.arange(12)), batch_size=3, shuffle=True))
+        return [b.tolist() for (b,) in loader.at(epoch=0)]
+
+    dist = faccel.DistState.simulated()
+    faccel.set_seed(dist, 1)
+    first = order(dist)
+    faccel.set_seed(dist, 2)
+    assert order(dist) == first  # the global generators do not decide the order...
+    assert order(faccel.DistState.simulated(seed=1)) != first  # ...detect(seed=) does

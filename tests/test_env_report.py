@@ -124,9 +124,10 @@ def test_independent_problems_are_all_reported() -> None:
     report = env_report(
         {"WORLD_SIZE": "2", "RANK": "0", "FACCEL_PRECISION": "fp8"}, versions={}, hardware=Hardware()
     )
-    assert [p.split(":")[0] for p in report.problems] == ["LaunchError", "PrecisionError"]
+    # An option from the environment is refused as the launch's error, naming the variable.
+    assert [p.split(":")[0] for p in report.problems] == ["LaunchError", "LaunchError"]
     assert "MASTER_ADDR is not set" in report.problems[0]
-    assert "got 'fp8'" in report.problems[1]
+    assert "got FACCEL_PRECISION='fp8'" in report.problems[1]
 
 
 def test_a_missing_backend_and_a_second_launcher_are_explained() -> None:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.strategies import mpi_envs, not_integers, slurm_envs, torchrun_envs
+from tests.strategies import launcher_envs, mpi_envs, not_integers, slurm_envs, torchrun_envs
 
 
 @given(torchrun_envs())
@@ -121,11 +121,12 @@ def test_disagreeing_schedulers_are_refused(slurm: dict[str, str], mpi: dict[str
     from faccel import parse_launch
     from faccel.errors import LaunchError
 
-    agree = (slurm["SLURM_PROCID"], slurm["SLURM_NTASKS"]) == (
-        mpi["OMPI_COMM_WORLD_RANK"],
-        mpi["OMPI_COMM_WORLD_SIZE"],
-    )
     env = {**slurm, **mpi}
+    # Both claim to have started this process: where they place it must agree in full.
+    slurm_info = parse_launch(slurm)
+    mpi_info = parse_launch(mpi)
+    fields = ("rank", "world_size", "local_rank", "local_world_size")
+    agree = all(getattr(slurm_info, f) == getattr(mpi_info, f) for f in fields)
     if agree:
         assert parse_launch(env).rank == int(slurm["SLURM_PROCID"])
     else:
@@ -156,3 +157,66 @@ def test_local_rank_beyond_local_world_is_named() -> None:
     }
     with pytest.raises(LaunchError, match="LOCAL_RANK"):
         parse_launch(env)
+
+
+@given(launcher_envs())
+def test_any_environment_gives_a_valid_state_or_a_launch_error(env: dict[str, str]) -> None:
+    from faccel import state_from_env
+    from faccel.errors import LaunchError
+
+    try:
+        s = state_from_env(env)
+    except LaunchError:
+        return
+    assert 0 <= s.rank < s.world_size <= 2**31 - 1
+    assert 0 <= s.local_rank < s.local_world_size <= s.world_size
+    assert s.node_rank == s.rank // s.local_world_size
+    digits = {
+        k: v for k, v in env.items() if k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+    }
+    assert all(v.isascii() and v.isdigit() for v in digits.values())
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK='1'"),
+        ({"GROUP_RANK": "1"}, "GROUP_RANK='1'"),
+        ({"SLURM_LOCALID": "1"}, "SLURM_LOCALID='1'"),
+        ({"RANK": "0_1", "WORLD_SIZE": "2"}, "RANK='0_1'"),
+        ({"RANK": "0", "WORLD_SIZE": "1_0"}, "WORLD_SIZE='1_0'"),
+        ({"RANK": "+1", "WORLD_SIZE": "2"}, "RANK='+1'"),
+        ({"RANK": "0", "WORLD_SIZE": "\uff12"}, "WORLD_SIZE='\uff12'"),
+        ({"RANK": "\u0660", "WORLD_SIZE": "2"}, "RANK='\u0660'"),
+        ({"RANK": "0", "WORLD_SIZE": str(2**70)}, "WORLD_SIZE="),
+        (
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"},
+            "GROUP_RANK='0'",
+        ),
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "[", "SLURM_JOB_ID": "7"},
+            "SLURM_NODELIST='['",
+        ),
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": "0",
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            },
+            "disagree",
+        ),
+    ],
+)
+def test_partial_malformed_and_conflicting_environments_are_named(env: dict[str, str], named: str) -> None:
+    # Each was accepted before: silently one process, or a different number than written.
+    from faccel import state_from_env
+    from faccel.errors import LaunchError
+
+    with pytest.raises(LaunchError) as caught:
+        state_from_env(env)
+    assert named in str(caught.value)

@@ -70,8 +70,14 @@ def test_environment_options_and_their_errors() -> None:
     s = state_from_env(env)
     assert (s.precision, s.accumulation_steps) == ("bf16", 4)
     assert state_from_env(env, precision="no", accumulation_steps=1).precision == "no"
-    with pytest.raises(PrecisionError, match="'fp8'"):
+    # From the environment a bad value is the launch's error, naming the variable; as an
+    # argument it is the precision's own.
+    with pytest.raises(LaunchError, match="FACCEL_PRECISION='fp8'"):
         state_from_env({"FACCEL_PRECISION": "fp8"})
+    with pytest.raises(PrecisionError, match="'fp8'"):
+        state_from_env({}, precision="fp8")
+    with pytest.raises(LaunchError, match="FACCEL_STRATEGY='zero3'"):
+        state_from_env({"FACCEL_STRATEGY": "zero3"})
     with pytest.raises(LaunchError, match="FACCEL_ACCUMULATION_STEPS='four'"):
         state_from_env({"FACCEL_ACCUMULATION_STEPS": "four"})
     with pytest.raises(LaunchError, match="accumulation_steps"):

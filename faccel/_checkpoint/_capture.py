@@ -10,6 +10,8 @@ and loading ask them the same of the target objects.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +26,7 @@ from faccel._model import unwrap_model
 from faccel._state import DistState
 from faccel._train_state import TrainState
 
-__all__ = ["capture", "capture_rng", "class_name", "is_stateful"]
+__all__ = ["capture", "capture_rng", "class_name", "extras_digests", "is_stateful"]
 
 
 def class_name(obj: object) -> str:
@@ -69,11 +71,7 @@ def capture(
     extras_sink = TensorSink(file=EXTRAS)
     scheduler = state.scheduler
     scaler = state.scaler
-    extras: dict[str, Any] = {}
-    for name, value in state.extras.items():
-        stateful = is_stateful(value)
-        encoded = encode(value.state_dict() if stateful else value, sink=extras_sink, path=f"extras.{name}")
-        extras[name] = {"kind": "stateful" if stateful else "value", "value": encoded}
+    extras = _encode_extras(state.extras, extras_sink, "extras")
     content = {
         "format": STATE_FORMAT,
         "step": state.step,
@@ -105,8 +103,40 @@ def capture(
     return content, files
 
 
-def capture_rng(dist: DistState) -> dict[str, Any]:
-    """This process's random generators as tagged JSON (torch states inline, base64)."""
+def _encode_extras(extras: Mapping[str, Any], sink: TensorSink | None, label: str) -> dict[str, Any]:
+    encoded = {}
+    for name, value in extras.items():
+        stateful = is_stateful(value)
+        tree = encode(value.state_dict() if stateful else value, sink=sink, path=f"{label}.{name}")
+        encoded[name] = {"kind": "stateful" if stateful else "value", "value": tree}
+    return encoded
+
+
+def extras_digests(extras: Mapping[str, Any]) -> dict[str, int]:
+    """A 62-bit digest of each extra's saved form (its JSON and every tensor's bytes).
+
+    Equal extras on two ranks give equal digests; an extra with no pickle-free
+    form gets -1 (``capture`` names it).
+    """
+    digests = {}
+    for name in sorted(extras):
+        sink = TensorSink(file=EXTRAS)
+        try:
+            encoded = _encode_extras({name: extras[name]}, sink, "extras")
+        except Exception:  # refused by encode; capture raises the named error
+            digests[name] = -1
+            continue
+        h = hashlib.sha256(json.dumps(encoded, sort_keys=True).encode())
+        for key, tensor in sorted(sink.tensors.items()):
+            h.update(key.encode())
+            h.update(str((tensor.dtype, tuple(tensor.shape))).encode())
+            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digests[name] = int.from_bytes(h.digest()[:8], "little") >> 2
+    return digests
+
+
+def capture_rng(dist: DistState, rank_extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This process's random generators and rank extras as tagged JSON (tensors inline, base64)."""
     cuda = torch.cuda.get_rng_state_all() if dist.device.type == "cuda" else None
     return {
         "format": RNG_FORMAT,
@@ -115,4 +145,5 @@ def capture_rng(dist: DistState) -> dict[str, Any]:
         "numpy": encode(np.random.get_state(legacy=False)),
         "torch": encode(torch.get_rng_state()),
         "cuda": None if cuda is None else encode(cuda),
+        "extras": _encode_extras(rank_extras or {}, None, "rank_extras"),
     }

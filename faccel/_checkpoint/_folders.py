@@ -3,7 +3,10 @@
 A checkpoint counts once its ``step-NNNNNNNNNNNN`` folder holds a faccel
 manifest: the manifest is written last, and the folder appears by one rename.
 Folders of interrupted writes and deletions (``.tmp-``, ``.trash-``) never
-count, and the next checkpoint removes them.
+count, and the next checkpoint removes them. A ``.replaced-step-N`` folder (a
+checkpoint moved aside by ``replace=True`` for the moment its replacement is
+renamed in) counts as step N while ``step-N`` is absent: a crash between the
+two renames leaves it, and the next checkpoint renames it back.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import shutil
 from pathlib import Path
 
 from faccel._checkpoint._durable import fsync_dir
-from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, STEP_FOLDER, trash_name
+from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
 from faccel._typecheck import setup_checked
 
-__all__ = ["latest_checkpoint", "manifest_step", "remove_leftovers", "rotate"]
+__all__ = ["blocking_file", "latest_checkpoint", "manifest_step", "remove_leftovers", "rotate"]
 
 _MAX_MANIFEST = 1 << 20
 
@@ -41,12 +44,18 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         entries = list(os.scandir(root))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = []
+    found: dict[int, Path] = {}
+    replaced: dict[int, Path] = {}
     for entry in entries:
         match = STEP_FOLDER.fullmatch(entry.name)
-        if match and entry.is_dir() and manifest_step(Path(entry.path)) is not None:
-            found.append((int(match.group(1)), Path(entry.path)))
-    return sorted(found)
+        aside = REPLACED.fullmatch(entry.name)
+        if (match or aside) and entry.is_dir() and manifest_step(Path(entry.path)) is not None:
+            if match:
+                found[int(match.group(1))] = Path(entry.path)
+            elif aside:
+                replaced[int(aside.group(2))] = Path(entry.path)
+    # A checkpoint being replaced stands for its step until the replacement is in place.
+    return sorted({**replaced, **found}.items())
 
 
 @setup_checked
@@ -78,10 +87,39 @@ def latest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
 
 
 def remove_leftovers(root: Path) -> None:
-    """Delete folders of interrupted writes and deletions (invisible to restore anyway)."""
+    """Delete folders of interrupted writes and deletions (invisible to restore anyway).
+
+    A checkpoint left aside by an interrupted replace goes back to its name
+    when the replacement never arrived, and is deleted when it did.
+    """
+    renamed = False
+    for entry in os.scandir(root):
+        aside = REPLACED.fullmatch(entry.name)
+        if aside and entry.is_dir(follow_symlinks=False):
+            final = root / aside.group(1)
+            if not final.exists():
+                os.rename(entry.path, final)
+                renamed = True
+            elif manifest_step(final) is not None:
+                trash = root / trash_name(aside.group(1))
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(entry.path, trash)
+                renamed = True
+    if renamed:
+        fsync_dir(root)
     for entry in os.scandir(root):
         if LEFTOVER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def blocking_file(path: Path) -> Path | None:
+    """``path`` or the first of its parents that exists, when that one is not a folder."""
+    for candidate in (path, *path.parents):  # os.path: an unreadable name is for mkdir to report
+        if os.path.exists(candidate):
+            return None if os.path.isdir(candidate) else candidate
+        if os.path.islink(candidate):  # a dangling link: no folder can be made through it
+            return candidate
+    return None
 
 
 def rotate(root: Path, keep: int, step: int) -> None:

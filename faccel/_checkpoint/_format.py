@@ -12,6 +12,8 @@ Layout (the format is specified in docs/checkpoints.md)::
         rng-00000.json ...       each rank's Python, NumPy, torch (and CUDA) generators
     ROOT/.tmp-step-.../          a checkpoint being written: never read
     ROOT/.trash-step-.../        a checkpoint being deleted: never read
+    ROOT/.replaced-step-.../     a checkpoint being replaced (``replace=True``): read only
+                                 while its ``step-...`` folder is absent
 
 Nothing else in faccel spells these names; the modules that write and read
 a checkpoint import them from here.
@@ -30,6 +32,7 @@ __all__ = [
     "MODEL",
     "MODEL_METADATA",
     "OPTIMIZER",
+    "REPLACED",
     "RNG_FORMAT",
     "STATE",
     "STATE_FORMAT",
@@ -37,6 +40,7 @@ __all__ = [
     "VERSION",
     "checkpoint_name",
     "expected_files",
+    "replaced_name",
     "rng_name",
     "temporary_name",
     "trash_name",
@@ -61,6 +65,8 @@ EXTRAS = "extras.safetensors"
 STEP_FOLDER = re.compile(r"step-(\d{12,})")
 # Folders of interrupted writes and deletions.
 LEFTOVER = re.compile(r"\.(tmp|trash)-step-\d{12,}")
+# A checkpoint moved aside while its replacement is renamed in; the step folder it names.
+REPLACED = re.compile(r"\.replaced-(step-(\d{12,}))")
 
 
 def checkpoint_name(step: int) -> str:
@@ -91,6 +97,16 @@ def trash_name(folder: str) -> str:
         '.trash-step-000000001200'
     """
     return f".trash-{folder}"
+
+
+def replaced_name(folder: str) -> str:
+    """The name a checkpoint folder has while ``checkpoint(..., replace=True)`` replaces it.
+
+    Example:
+        >>> replaced_name("step-000000001200")
+        '.replaced-step-000000001200'
+    """
+    return f".replaced-{folder}"
 
 
 def rng_name(rank: int) -> str:

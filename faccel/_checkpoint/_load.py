@@ -55,14 +55,8 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
         state.scheduler.load_state_dict(dict(loadable.scheduler))
     if state.scaler is not None and loadable.scaler:
         state.scaler.load_state_dict(dict(loadable.scaler))
-    extras: dict[str, Any] = {}
-    for name, live in state.extras.items():
-        value = loadable.extras[name]
-        if is_stateful(live):
-            live.load_state_dict(_placed(value, live.state_dict()))
-            extras[name] = live
-        else:
-            extras[name] = _placed(value, live)
+    extras = _load_extras(state.extras, loadable.extras)
+    rank_extras = _load_extras(state.rank_extras, rng["extras"]) if rng is not None else {}
     if rng is not None:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -70,5 +64,23 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
         if rng["cuda"] is not None:
             torch.cuda.set_rng_state_all(rng["cuda"])
     return attrs.evolve(
-        state, step=loadable.step, epoch=loadable.epoch, position=loadable.position, extras=extras
+        state,
+        step=loadable.step,
+        epoch=loadable.epoch,
+        position=loadable.position,
+        extras=extras,
+        rank_extras=rank_extras,
     )
+
+
+def _load_extras(live_extras: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+    """Stateful extras loaded in place, the others replaced by the saved values."""
+    extras: dict[str, Any] = {}
+    for name, live in live_extras.items():
+        value = saved[name]
+        if is_stateful(live):
+            live.load_state_dict(_placed(value, live.state_dict()))
+            extras[name] = live
+        else:
+            extras[name] = _placed(value, live)
+    return extras

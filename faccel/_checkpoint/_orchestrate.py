@@ -4,14 +4,20 @@ The flow across ranks; the layout is in ``_format`` (and docs/checkpoints.md).
 The commit is one ``rename`` of a fully written and fsynced temporary folder,
 so a crash at any moment leaves the earlier checkpoints whole and the partial
 one invisible (restore only reads ``step-*`` folders). Under DDP every rank
-calls ``checkpoint``; rank 0 writes everything but the other ranks' RNG files,
-and the ranks meet three times (prepare, write, commit). All ranks must see
-one shared file system. ``restore`` checks everything (``_verify``) before
-anything is loaded (``_load``).
+calls ``checkpoint``; the ranks first check in (``arrive``: a call made on
+some ranks only fails within ``arrival_timeout``) and agree on the step, that
+it is new (or ``replace=True``) and that their extras are equal; rank 0 writes
+everything but the other ranks' RNG files, and the ranks meet three times
+(prepare, write, commit). All ranks must see one shared file system.
+``restore`` checks everything (``_verify``) before anything is loaded
+(``_load``), and refuses at another world size what cannot be carried over
+exactly (a position inside an epoch, rank extras).
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -22,9 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from faccel._checkpoint._capture import capture, capture_rng
+from faccel._checkpoint._capture import capture, capture_rng, extras_digests
 from faccel._checkpoint._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
-from faccel._checkpoint._folders import latest_checkpoint, manifest_step, remove_leftovers, rotate
+from faccel._checkpoint._folders import (
+    blocking_file,
+    latest_checkpoint,
+    manifest_step,
+    remove_leftovers,
+    rotate,
+)
 from faccel._checkpoint._format import (
     EXTRAS,
     FORMAT,
@@ -36,6 +48,7 @@ from faccel._checkpoint._format import (
     VERSION,
     checkpoint_name,
     expected_files,
+    replaced_name,
     rng_name,
     temporary_name,
     trash_name,
@@ -44,7 +57,7 @@ from faccel._checkpoint._load import load
 from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
 from faccel._checkpoint._sharded_state import full_state
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
-from faccel._consensus import agree_max, together
+from faccel._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._train_state import TrainState
@@ -108,16 +121,18 @@ def _commit(
     }
     write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
-    trash = None
+    aside = None
     if final.exists():
-        # The same step again: move the old one aside, then the new one in. Between the
-        # two renames only older checkpoints are visible (documented).
-        trash = root / trash_name(final.name)
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
+        # replace=True: move the old one aside, then the new one in. Between the two renames
+        # the folder aside counts as this step (_folders), so a crash leaves one of the two.
+        aside = root / replaced_name(final.name)
+        os.rename(final, aside)
     os.rename(temporary, final)
     fsync_dir(root)
-    if trash is not None:
+    if aside is not None:
+        trash = root / trash_name(final.name)
+        os.rename(aside, trash)  # invisible at once; then deleted at leisure
+        fsync_dir(root)
         shutil.rmtree(trash, ignore_errors=True)
     if keep is not None:
         rotate(root, keep, content["step"])
@@ -130,6 +145,8 @@ def checkpoint(
     path: str | os.PathLike[str],
     *,
     keep: int | None = None,
+    replace: bool = False,
+    arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
 ) -> Path:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
@@ -141,11 +158,17 @@ def checkpoint(
     visible: a crash at any moment leaves the earlier checkpoints whole, and
     the partial one invisible to :func:`restore`.
 
-    Under DDP call it on every rank: rank 0 writes the model, optimizer and
-    state, every rank writes its own random-generator file, and every rank
-    returns once the checkpoint is committed. The folder must be on a file
-    system that all ranks share. Training must not change the tensors while
-    this call runs (it reads them in place, without copies).
+    The step names the checkpoint, and you advance it
+    (``state = attrs.evolve(state, step=state.step + 1)`` after each optimizer
+    step): writing a step that already exists is refused, unless ``replace``.
+
+    Under DDP call it on every rank, not under ``if dist.is_main_process:``:
+    rank 0 writes the model, optimizer, state and extras (which must be equal
+    on every rank; per-rank values go to ``rank_extras``), every rank writes
+    its own random generators and rank extras, and every rank returns once the
+    checkpoint is committed. The folder must be on a file system that all
+    ranks share. Training must not change the tensors while this call runs
+    (it reads them in place, without copies).
 
     Args:
         dist: The run's :class:`DistState`.
@@ -154,15 +177,24 @@ def checkpoint(
         keep: Keep only this many checkpoints, the new one included, deleting
             the oldest (folders with a higher step than this one are never
             deleted). None keeps all.
+        replace: Replace an existing checkpoint of the same step (a crash
+            while replacing leaves the old one or the new one, whole).
+        arrival_timeout: How long the ranks that called ``checkpoint`` wait
+            for the others to call it too, before raising.
 
     Returns:
         The new checkpoint's folder.
 
     Raises:
         ArgumentValueError: ``keep`` < 1, or a simulated DistState of several ranks.
-        CheckpointError: A value with no pickle-free form in the state (the
-            message names it), or a failed write on any rank; earlier
-            checkpoints are untouched.
+        CheckpointError: A checkpoint of this step exists (and not
+            ``replace``); ``path`` or a parent is a file; the ranks pass
+            different steps or different extras; a rank did not call
+            ``checkpoint`` within ``arrival_timeout``; the ranks' meeting
+            outlived the process group's timeout (the message names the step
+            and ``faccel.detect(timeout=...)``); a value with no pickle-free
+            form in the state (the message names it), or a failed write on
+            any rank. Earlier checkpoints are untouched.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -183,15 +215,13 @@ def checkpoint(
             "or with a one-process DistState"
         )
         raise ArgumentValueError(msg)
+    arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
     final = root / checkpoint_name(step)
     temporary = root / temporary_name(step)
-    rng = capture_rng(dist)
-    low, high = agree_max(dist, [-step, step])
-    if -low != high:
-        msg = f"the ranks are checkpointing different steps ({-low} to {high}); pass the same TrainState.step"
-        raise CheckpointError(msg)
+    rng = capture_rng(dist, train_state.rank_extras)
+    _agree(dist, root, train_state, replace=replace)
 
     model = unwrap_model(train_state.model)
     # FSDP2: every rank takes part in gathering whole tensors onto rank 0, which then
@@ -207,7 +237,9 @@ def checkpoint(
         temporary.mkdir()
         return captured
 
-    captured = together(dist, prepare, what="preparing the checkpoint folder", raises=CheckpointError)
+    captured = together(
+        dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+    )
 
     def write() -> dict[str, FileRecord]:
         records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
@@ -215,14 +247,68 @@ def checkpoint(
             records |= _write_rank0(temporary, *captured)
         return records
 
-    records = together(dist, write, what="writing the checkpoint", raises=CheckpointError)
+    records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
 
     def commit() -> None:
         if captured is not None:
             _commit(dist, root, temporary, final, records, captured[0], keep)
 
-    together(dist, commit, what="committing the checkpoint", raises=CheckpointError)
+    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
     return final
+
+
+def _digest(value: Any) -> int:
+    """62 bits of the SHA-256 of ``value``'s JSON: room to negate it in an int64 ``all_reduce``."""
+    return int.from_bytes(hashlib.sha256(json.dumps(value).encode()).digest()[:8], "little") >> 2
+
+
+def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> None:
+    """Every rank learns, in one collective, whether any rank objects to writing this checkpoint."""
+    step = state.step
+    blocked = blocking_file(root)
+    final = root / checkpoint_name(step)
+    exists = not replace and (
+        os.path.exists(final) or manifest_step(root / replaced_name(final.name)) is not None
+    )
+    digests = extras_digests(state.extras)
+    values = [step, _digest(sorted(digests)), _digest(digests)]
+    low = agree_max(dist, [*(-v for v in values), *values, int(exists), int(blocked is not None)])
+    if -low[0] != low[3]:
+        msg = (
+            f"the ranks are checkpointing different steps ({-low[0]} to {low[3]}); "
+            "pass the same TrainState.step"
+        )
+        raise CheckpointError(msg)
+    if blocked is not None or low[7]:
+        where = blocked if blocked is not None else root
+        msg = (
+            f"{where} is a file, not a folder: checkpoint(..., path) writes a folder of "
+            f"step-NNNNNNNNNNNN checkpoints at {root}; pass the path of a folder (new or existing), "
+            "for example a 'checkpoints' folder beside that file"
+        )
+        raise CheckpointError(msg)
+    if low[6]:
+        msg = (
+            f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
+            "overwrites another unasked. The step names the checkpoint, and faccel does not count "
+            "it for you: advance the step after each optimizer step, with state = attrs.evolve("
+            "state, step=state.step + 1, position=state.position + 1). To write this step again on "
+            "purpose, pass "
+            "checkpoint(..., replace=True)"
+        )
+        raise CheckpointError(msg)
+    if -low[1] != low[4] or -low[2] != low[5]:
+        differ = sorted(digests)
+        if -low[1] == low[4]:  # the same names: find which of them differ
+            each = agree_max(dist, [*(-d for d in digests.values()), *digests.values()])
+            differ = [name for i, name in enumerate(digests) if -each[i] != each[len(digests) + i]]
+        msg = (
+            f"extras {differ} differ between ranks: checkpoint saves rank 0's extras and restore "
+            "gives them to every rank, so the other ranks would get rank 0's values back. Keep extras "
+            "equal on every rank (reduce a per-rank value first, e.g. with faccel.reduce), or put "
+            "per-rank values in TrainState.rank_extras, which saves and restores each rank's own"
+        )
+        raise CheckpointError(msg)
 
 
 def _resolve(path: Path) -> Path:
@@ -266,15 +352,44 @@ def _read_checkpoint(
     rng_content = _parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
-        rng = check_rng(dist, rng_content, where=rng_where) if rng_file else None
+        rng = check_rng(dist, state, rng_content, where=rng_where) if rng_file else None
     except RecursionError:
         msg = f"{directory}: a JSON file nests too deeply to be a faccel checkpoint"
         raise CheckpointError(msg) from None
+    if world != dist.world_size:
+        _check_world_change(directory, world, dist.world_size, loadable, state)
     return loadable, rng
 
 
+def _check_world_change(directory: Path, world: int, now: int, loadable: Loadable, state: TrainState) -> None:
+    """What cannot be carried over exactly to another world size is refused, not reinterpreted."""
+    if loadable.position != 0:
+        msg = (
+            f"{directory}: written by {world} processes at batch {loadable.position} of epoch "
+            f"{loadable.epoch}, restored by {now}: a position inside an epoch counts batches of "
+            f"{world} ranks, and {now} rank(s) read the epoch in other batches, so it cannot be "
+            f"carried over exactly. Resume with {world} processes, or from a checkpoint written "
+            "at an epoch boundary (state.position == 0: attrs.evolve(state, epoch=epoch + 1, "
+            "position=0) once an epoch ends); faccel.load_model reads the weights alone"
+        )
+        raise CheckpointError(msg)
+    if state.rank_extras:
+        msg = (
+            f"{directory}: written by {world} processes, restored by {now}: rank_extras "
+            f"{sorted(state.rank_extras)} belong to the ranks that wrote them; resume with {world} "
+            "processes, or restore without rank_extras"
+        )
+        raise CheckpointError(msg)
+
+
 @setup_checked
-def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[str]) -> TrainState:
+def restore(
+    dist: DistState,
+    train_state: TrainState,
+    path: str | os.PathLike[str],
+    *,
+    arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
+) -> TrainState:
     """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
 
     ``path`` is one checkpoint folder, or a root folder of them (then the
@@ -289,24 +404,31 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
     Resume the data where it stopped with
     ``loader.at(epoch=state.epoch, start=state.position)``: the batches an
     uninterrupted run would have read next, without reading the skipped ones.
+    Under DDP call it on every rank; each rank gets its own ``rank_extras``.
 
     Args:
         dist: The run's :class:`DistState`: the world size of the writer under
             DDP; any world size for one process or an FSDP2 model (resharding).
         train_state: The objects to load into, built as when saving; its
             extras name the entries to restore (any placeholder value; where
-            it holds a tensor, the saved one must match its shape and dtype).
+            it holds a tensor, the saved one must match its shape and dtype);
+            the same for ``rank_extras``.
         path: A checkpoint folder, or a root folder of checkpoints.
+        arrival_timeout: How long the ranks that called ``restore`` wait for
+            the others to call it too, before raising.
 
     Returns:
         A new TrainState: the same objects, with the saved step, epoch,
-        position and extras.
+        position, extras and this rank's rank extras.
 
     Raises:
         CheckpointError: No checkpoint at ``path``, or one that is corrupted,
-            truncated, foreign, of another version or world size, or does not
-            fit the objects; the message names the file and the problem, and
-            nothing has been modified.
+            truncated, foreign, of another version or world size (another
+            world size is refused mid-epoch, ``position`` > 0, and with
+            ``rank_extras``, under any strategy), or does not fit the
+            objects; a rank did not call ``restore`` within
+            ``arrival_timeout``. The message names the file and the problem,
+            and nothing has been modified.
 
     Example:
         >>> import tempfile, attrs, torch, faccel
@@ -321,6 +443,7 @@ def restore(dist: DistState, train_state: TrainState, path: str | os.PathLike[st
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
+    arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
     )

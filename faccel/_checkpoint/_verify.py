@@ -384,28 +384,35 @@ def _check_scaler(
 
 
 def _check_extras(
-    state: TrainState, section: Any, decoded: Callable[[Any], Any], problems: _Problems
+    state: TrainState,
+    section: Any,
+    decoded: Callable[[Any], Any],
+    problems: _Problems,
+    *,
+    label: str = "extras",
+    file: str = STATE,
 ) -> dict[str, Any]:
+    live_extras = state.rank_extras if label == "rank_extras" else state.extras
     if not isinstance(section, dict):
-        problems.add(STATE, "extras must be a JSON object")
+        problems.add(file, f"{label} must be a JSON object")
         return {}
-    saved_names, live_names = set(section), set(state.extras)
+    saved_names, live_names = set(section), set(live_extras)
     if saved_names != live_names:
         problems.add(
-            STATE,
-            f"extras {sorted(saved_names - live_names)} saved but not in the target, "
+            file,
+            f"{label} {sorted(saved_names - live_names)} saved but not in the target, "
             f"{sorted(live_names - saved_names)} in the target but not saved; "
-            "give the TrainState the same extras names (any placeholder value) as when saving",
+            f"give the TrainState the same {label} names (any placeholder value) as when saving",
         )
         return {}
     out: dict[str, Any] = {}
     for name in sorted(section):
-        entry, live = section[name], state.extras[name]
+        entry, live = section[name], live_extras[name]
         stateful = is_stateful(live)
         if not isinstance(entry, dict) or entry.get("kind") != ("stateful" if stateful else "value"):
             problems.add(
-                STATE,
-                f"extras[{name!r}] was saved as {entry.get('kind') if isinstance(entry, dict) else '?'}"
+                file,
+                f"{label}[{name!r}] was saved as {entry.get('kind') if isinstance(entry, dict) else '?'}"
                 f", the target is {'an object with state_dict' if stateful else 'a value'}",
             )
             continue
@@ -414,33 +421,37 @@ def _check_extras(
         if (
             stateful
             and isinstance(reference, Mapping)
-            and not _same_keys(value, reference, f"extras[{name!r}]", problems)
+            and not _same_keys(value, reference, f"{label}[{name!r}]", problems)
         ):
             continue
-        _match_tensors(value, reference, f"extras[{name!r}]", problems)
+        _match_tensors(
+            value, reference, f"{label}[{name!r}]", problems, file=EXTRAS if file == STATE else file
+        )
         out[name] = value
     return out
 
 
-def _match_tensors(saved: Any, live: Any, path: str, problems: _Problems) -> None:
+def _match_tensors(saved: Any, live: Any, path: str, problems: _Problems, *, file: str = EXTRAS) -> None:
     """Where the target holds a tensor, the saved value must be one of the same shape and dtype."""
     for place, target, value in paired_leaves(live, saved, root=path):
         if not isinstance(target, torch.Tensor) or value is MISSING:
             continue
         if not isinstance(value, torch.Tensor):
             problems.add(
-                STATE, f"{place} is a tensor in the target, a {type(value).__name__} in the checkpoint"
+                STATE if file == EXTRAS else file,
+                f"{place} is a tensor in the target, a {type(value).__name__} in the checkpoint",
             )
         elif value.shape != target.shape or value.dtype != target.dtype:
             problems.add(
-                EXTRAS,
+                file,
                 f"{place} is {value.dtype} {list(value.shape)} saved, "
                 f"{target.dtype} {list(target.shape)} in the target",
             )
 
 
-def check_rng(dist: DistState, content: Any, *, where: str) -> dict[str, Any]:
-    """Decode and check one rank's RNG file; returns the states to set."""
+def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -> dict[str, Any]:
+    """Decode and check one rank's RNG file; returns the states to set and, under
+    ``"extras"``, this rank's decoded rank extras."""
     problems = _Problems(where)
     file = where.rsplit("/", 1)[-1]
     if not isinstance(content, dict) or content.get("format") != RNG_FORMAT:
@@ -475,5 +486,14 @@ def check_rng(dist: DistState, content: Any, *, where: str) -> dict[str, Any]:
             f"CUDA states of {len(cuda) if isinstance(cuda, list) else '?'} devices saved, "
             f"this process sees {torch.cuda.device_count()}",
         )
+    # Checkpoints written before rank_extras existed have none.
+    states["extras"] = _check_extras(
+        state,
+        content.get("extras", {}),
+        lambda value: decode(value, tensors={}, where=where),
+        problems,
+        label="rank_extras",
+        file=file,
+    )
     problems.raise_if_any()
     return states

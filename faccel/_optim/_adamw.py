@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from faccel._optim._base import check, leaves_like, zeros_like
-from faccel._pytree import flatten, register_pytree, static_field, unflatten
+from faccel._tree import flatten, register_pytree, static_field, unflatten
 from faccel._typecheck import setup_checked
 from faccel.errors import FunctionalError
 
@@ -184,7 +184,7 @@ def adamw(
         The optimizer (a frozen record).
 
     Raises:
-        FunctionalError: A hyperparameter out of range.
+        ArgumentValueError: A hyperparameter out of range.
 
     Example:
         >>> import torch, faccel

@@ -15,8 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from faccel._pytree import flatten, same_structure, tree_map, unflatten
-from faccel.errors import FunctionalError
+from faccel._tree import flatten, same_structure, tree_map, unflatten
+from faccel.errors import ArgumentValueError, FunctionalError
 
 __all__ = ["Optimizer", "check", "leaves_like", "state_from_dict", "state_to_dict", "zeros_like"]
 
@@ -72,9 +72,9 @@ class Optimizer(Protocol):
 
 
 def check(condition: bool, message: str) -> None:
-    """Raise :class:`FunctionalError` with ``message`` unless ``condition`` holds."""
+    """Raise :class:`ArgumentValueError` with ``message`` unless ``condition`` holds (a bad setting)."""
     if not condition:
-        raise FunctionalError(message)
+        raise ArgumentValueError(message)
 
 
 def leaves_like(tree: Any, params: Any, spec: Any, what: str) -> list[Any]:

@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 
 from faccel._optim._base import Optimizer, check, leaves_like
-from faccel._pytree import flatten, keystr, register_pytree, tree_flatten_with_path, unflatten
+from faccel._tree import flatten, keystr, register_pytree, tree_flatten_with_path, unflatten
 from faccel._typecheck import setup_checked
-from faccel.errors import FunctionalError
+from faccel.errors import ArgumentError, FunctionalError
 
 __all__ = ["ParamGroups", "ParamGroupsState", "param_groups"]
 
@@ -162,7 +162,8 @@ def param_groups(labels: Callable[[Any], Any], optimizers: Mapping[str, Optimize
         The optimizer (a frozen, hashable record).
 
     Raises:
-        FunctionalError: No groups, or an optimizer that does not have ``init`` and ``update``.
+        ArgumentValueError: No groups.
+        ArgumentError: An optimizer that does not have ``init`` and ``update``.
 
     Example:
         >>> import torch, faccel
@@ -179,8 +180,7 @@ def param_groups(labels: Callable[[Any], Any], optimizers: Mapping[str, Optimize
     """
     check(len(optimizers) > 0, "param_groups() needs at least one group")
     for label, optimizer in optimizers.items():
-        check(
-            isinstance(optimizer, Optimizer),
-            f"group {label!r}: {type(optimizer).__name__} is not a pure optimizer (init and update)",
-        )
+        if not isinstance(optimizer, Optimizer):
+            msg = f"group {label!r}: {type(optimizer).__name__} is not a pure optimizer (init and update)"
+            raise ArgumentError(msg)
     return ParamGroups(labels=labels, optimizers=tuple(optimizers.items()))

@@ -21,9 +21,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from faccel import _lazy_getattr, _public_names
+from faccel import _namespace
 
 if TYPE_CHECKING:  # _PUBLIC["faccel.func"] again, for type checkers and IDEs (tests/test_api.py compares)
     from faccel._functional import FunctionalState as FunctionalState
@@ -39,17 +39,8 @@ if TYPE_CHECKING:  # _PUBLIC["faccel.func"] again, for type checkers and IDEs (t
     from faccel._optim._groups import param_groups as param_groups
     from faccel._optim._sgd import SGDState as SGDState
     from faccel._optim._sgd import sgd as sgd
-    from faccel._pytree import register_pytree as register_pytree
-    from faccel._pytree import static_field as static_field
-    from faccel._pytree import tree_map as tree_map
+    from faccel._tree import register_pytree as register_pytree
+    from faccel._tree import static_field as static_field
+    from faccel._tree import tree_map as tree_map
 
-__all__ = _public_names(__name__)
-_resolve = _lazy_getattr(__name__, globals())
-
-
-def __getattr__(name: str) -> Any:
-    return _resolve(name)
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__all__, __getattr__, __dir__ = _namespace(__name__, globals())

@@ -283,15 +283,23 @@ def save_model_then_read(directory: str, max_shard_size: int) -> dict:
     return {"rank": dist.rank, "files": listed, "equal": equal}
 
 
-def checkpoint_layout(root: str) -> dict:
-    """Checkpoint under DDP; report which files exist and this rank's torch RNG digest."""
+def checkpoint_layout(root: str, until: int = 3, epoch_end: bool = False) -> dict:
+    """Checkpoint under DDP; report which files exist and this rank's torch RNG digest.
+
+    ``epoch_end``: the loop has finished the epoch and says so (next epoch, batch 0).
+    """
+    import attrs
+
     import faccel
 
     dist = faccel.detect()
     spec = example_spec()
     state, loader = fresh(dist, spec, seed=0)
     seed_generators(dist.rank, 100)
-    state = train(dist, state, loader, until=3)
+    state = train(dist, state, loader, until=until)
+    if epoch_end:
+        assert state.position == len(loader)
+        state = attrs.evolve(state, epoch=state.epoch + 1, position=0)
     folder = faccel.checkpoint(dist, state, root)
     listed = sorted(os.listdir(folder))  # visible to every rank once checkpoint returns
     expected_rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
@@ -413,23 +421,29 @@ def crash_state(step: int) -> Any:
     return at_step(state, step)
 
 
-def at_step(state: Any, step: int) -> Any:
-    """``state`` with every tensor filled with ``step`` (in place), its values and generator at ``step``."""
+def at_step(state: Any, step: int, mark: int | None = None) -> Any:
+    """``state`` at ``step``, with every tensor filled with ``mark`` (in place; ``step`` by
+    default), and its epoch, position, extras and generator at ``mark``: two versions of one
+    step (``replace=True``) differ by their mark."""
     import attrs
 
+    mark = step if mark is None else mark
     with torch.no_grad():
         for tensor in state.model.parameters():
-            tensor.fill_(step)
+            tensor.fill_(mark)
         for entry in state.optimizer.state.values():
-            entry["momentum_buffer"].fill_(step)
-        state.extras["tensor"].fill_(step)
-    torch.manual_seed(step)
-    extras = {"step": step, "tensor": state.extras["tensor"]}
-    return attrs.evolve(state, step=step, epoch=step, position=step, extras=extras)
+            entry["momentum_buffer"].fill_(mark)
+        state.extras["tensor"].fill_(mark)
+    torch.manual_seed(mark)
+    extras = {"step": mark, "tensor": state.extras["tensor"]}
+    return attrs.evolve(state, step=step, epoch=mark, position=mark, extras=extras)
 
 
-def crash_check(root: str) -> int:
-    """Restore the latest checkpoint under ``root`` into fresh objects; return its step if whole."""
+def crash_check(root: str, step: int | None = None) -> int:
+    """Restore the latest checkpoint under ``root`` into fresh objects; return its mark if whole.
+
+    The checkpoint must be at ``step`` when given, else at its mark.
+    """
     import faccel
 
     target = crash_state(0)
@@ -437,7 +451,9 @@ def crash_check(root: str) -> int:
         model=target.model, optimizer=target.optimizer, extras={"step": None, "tensor": torch.zeros(16)}
     )
     restored = faccel.restore(faccel.detect({}), target, root)
-    step = restored.step
+    mark = restored.epoch
+    assert restored.step == (mark if step is None else step), (restored.step, mark)
+    step = mark
     assert [restored.epoch, restored.position, restored.extras["step"]] == [step, step, step]
     tensors = [
         *faccel.unwrap_model(restored.model).state_dict().values(),
@@ -469,8 +485,15 @@ def _wait(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def crash_trials(root: str, trials: int, max_delay: float, seed: int) -> dict:
+REPLACED_STEP = 5
+
+
+def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: bool = False) -> dict:
     """Fork writers that checkpoint step after step; SIGKILL each at a random moment; restore.
+
+    ``replace``: the writers rewrite one step (``REPLACED_STEP``) again and again with
+    ``replace=True, keep=1``, each version with the next mark: the restored checkpoint must
+    be a whole version, the last committed one or the next.
 
     Runs in a one-thread helper process (the harness's), which forks the
     writers: a fork inherits the built state and the warmed-up code, so a
@@ -486,7 +509,8 @@ def crash_trials(root: str, trials: int, max_delay: float, seed: int) -> dict:
 
     dist = faccel.detect({})
     state = crash_state(0)
-    faccel.checkpoint(dist, state, root)
+    fixed = REPLACED_STEP if replace else None
+    faccel.checkpoint(dist, at_step(state, fixed or 0, mark=0), root)
     faccel.checkpoint(dist, state, os.path.join(root, ".warmup"))  # one-time costs, before any kill
     shared = mmap.mmap(-1, 8)  # anonymous and shared with forked children: the last committed step
     chooser = random.Random(seed)
@@ -495,26 +519,33 @@ def crash_trials(root: str, trials: int, max_delay: float, seed: int) -> dict:
         struct.pack_into("<q", shared, 0, latest)
 
         def write(first: int = latest + 1) -> None:
-            for step in itertools.count(first):
-                faccel.checkpoint(dist, at_step(state, step), root, keep=2)
-                struct.pack_into("<q", shared, 0, step)
+            for mark in itertools.count(first):
+                if fixed is None:
+                    faccel.checkpoint(dist, at_step(state, mark), root, keep=2)
+                else:
+                    faccel.checkpoint(dist, at_step(state, fixed, mark), root, keep=1, replace=True)
+                struct.pack_into("<q", shared, 0, mark)
 
         pid = _fork(write)
         time.sleep(chooser.uniform(0, max_delay))
         os.kill(pid, signal.SIGKILL)
         assert _wait(pid) == -signal.SIGKILL
         committed = struct.unpack_from("<q", shared, 0)[0]
-        latest = crash_check(root)
+        latest = crash_check(root, fixed)
         outcomes.append([committed, latest])
     return {"outcomes": outcomes}
 
 
-def kill_at_every_operation(root: str) -> dict:
+def kill_at_every_operation(root: str, replace: bool = False) -> dict:
     """Checkpoint step 3 over steps 1 and 2 (keep=2), SIGKILLed at its 1st, 2nd, ... file operation.
 
     Operations: ``os.open``, ``os.write``, ``os.fsync``, ``os.mkdir``,
     ``os.rename``, ``os.replace`` and ``shutil.rmtree``. Returns the number
     of operations and the step restored after each kill.
+
+    ``replace``: instead, step 2 alone (mark 2) is replaced by step 2 mark 102 with
+    ``keep=1, replace=True``; after each kill the mark restored is reported, and the
+    write is retried (what a restarted job does) and must give mark 102.
     """
     import shutil
     import signal
@@ -529,8 +560,14 @@ def kill_at_every_operation(root: str) -> dict:
         for name in os.listdir(root):
             if name != ".warmup":
                 shutil.rmtree(os.path.join(root, name))
-        for step in (1, 2):
+        for step in (2,) if replace else (1, 2):
             faccel.checkpoint(dist, at_step(state, step), root)
+
+    def write() -> None:
+        if replace:
+            faccel.checkpoint(dist, at_step(state, 2, mark=102), root, keep=1, replace=True)
+        else:
+            faccel.checkpoint(dist, at_step(state, 3), root, keep=2)
 
     def write_and_die_at(kill_at: int) -> None:
         count = 0
@@ -548,7 +585,7 @@ def kill_at_every_operation(root: str) -> dict:
         patched = [(os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "open"), (os, "write")]
         for module, name in [*patched, (shutil, "rmtree")]:
             setattr(module, name, counted(getattr(module, name)))
-        faccel.checkpoint(dist, at_step(state, 3), root, keep=2)
+        write()
         if kill_at == 0:  # the dry run reports how many operations there were
             with open(os.path.join(root, "..", "count"), "w") as handle:
                 handle.write(str(count))
@@ -557,12 +594,16 @@ def kill_at_every_operation(root: str) -> dict:
     assert _wait(_fork(lambda: write_and_die_at(0))) == 0
     with open(os.path.join(root, "..", "count")) as handle:
         total = int(handle.read())
-    restored = []
+    restored, retried = [], []
     for kill_at in range(1, total + 1):
         reset()
         assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
-        restored.append(crash_check(root))
-    return {"operations": total, "restored": restored}
+        restored.append(crash_check(root, 2 if replace else None))
+        if replace:
+            write()
+            retried.append(crash_check(root, 2))
+            assert sorted(n for n in os.listdir(root) if n != ".warmup") == ["step-000000000002"]
+    return {"operations": total, "restored": restored, "retried": retried}
 
 
 def restore_at_another_world_size(root: str) -> dict:
@@ -578,3 +619,133 @@ def restore_at_another_world_size(root: str) -> dict:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
         return {"rank": dist.rank, "error": str(error), "unchanged": unchanged}
     return {"rank": dist.rank, "error": None, "unchanged": None}
+
+
+# --- mistakes under DDP (issue 11): per-rank extras, calls on some ranks only, slow writes ---
+
+
+def rank_extras(root: str) -> dict:
+    """Rank r keeps ``[r, r, r]``: as a shared extra checkpointing refuses it; as a rank extra
+    each rank gets its own back."""
+    import attrs
+
+    import faccel
+
+    dist = faccel.detect()
+    state, _ = fresh(dist, example_spec(), seed=0)
+    mine = {"batch": torch.full((3,), dist.rank), "seen": dist.rank * 10}
+    try:
+        faccel.checkpoint(dist, attrs.evolve(state, extras={"seen": [dist.rank] * 3}), root)
+        refused = ""
+    except faccel.errors.CheckpointError as error:
+        refused = str(error)
+    listed = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    faccel.checkpoint(dist, attrs.evolve(state, rank_extras=mine, extras={"shared": [7, 7]}), root)
+    target, _ = fresh(dist, example_spec(), seed=1)
+    placeholders = {"batch": torch.zeros(3, dtype=torch.int64), "seen": None}
+    target = attrs.evolve(target, rank_extras=placeholders, extras={"shared": None})
+    restored = faccel.restore(dist, target, root)
+    return {
+        "refused": refused,
+        "listed_after_refusal": listed,
+        "batch": restored.rank_extras["batch"].tolist(),
+        "seen": restored.rank_extras["seen"],
+        "shared": restored.extras["shared"],
+    }
+
+
+def called_on_rank0_only(root: str, arrival: float) -> dict:
+    """``if dist.is_main_process: checkpoint(...)`` then rank 1 trains on into a collective.
+
+    Rank 0 reports its error and how long it took; rank 1 what its next
+    collective saw once rank 0 gave up (and its process ended).
+    """
+    import datetime
+    import time
+
+    import torch.distributed as tdist
+
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=20))
+    state, _ = fresh(dist, example_spec(), seed=0)
+    begin = time.monotonic()
+    try:
+        if dist.is_main_process:
+            faccel.checkpoint(dist, state, root, arrival_timeout=datetime.timedelta(seconds=arrival))
+        else:
+            tdist.all_reduce(torch.ones(1))  # DDP's next gradient all_reduce
+        error = ""
+    except Exception as caught:  # the point is what each rank sees
+        error = f"{type(caught).__name__}: {caught}"
+    return {"rank": dist.rank, "error": error, "seconds": time.monotonic() - begin}
+
+
+def each_collective_alone(root: str, arrival: float) -> dict:
+    """Rank 0 calls checkpoint, restore and save_model alone; then both ranks meet in a barrier
+    (the group still works: the check-in went through the store); then rank 1 calls
+    checkpoint, late: the arrival rank 0 gave up on."""
+    import datetime
+    import time
+
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=20))
+    state, _ = fresh(dist, example_spec(), seed=0)
+    wait = datetime.timedelta(seconds=arrival)
+    calls = {
+        "checkpoint": lambda: faccel.checkpoint(dist, state, root, arrival_timeout=wait),
+        "restore": lambda: faccel.restore(dist, state, root, arrival_timeout=wait),
+        "save_model": lambda: faccel.save_model(dist, state.model, root, arrival_timeout=wait),
+    }
+    seen: dict[str, Any] = {}
+    if dist.rank == 0:
+        for name, call in calls.items():
+            begin = time.monotonic()
+            try:
+                call()
+                seen[name] = ["", 0.0]
+            except faccel.errors.CheckpointError as error:
+                seen[name] = [str(error), time.monotonic() - begin]
+    faccel.wait_for_everyone(dist)
+    if dist.rank == 1:
+        begin = time.monotonic()
+        try:
+            calls["checkpoint"]()
+            seen["late"] = ["", 0.0]
+        except faccel.errors.CheckpointError as error:
+            seen["late"] = [str(error), time.monotonic() - begin]
+    faccel.wait_for_everyone(dist)
+    return {
+        "rank": dist.rank,
+        "seen": seen,
+        "listed": sorted(os.listdir(root)) if os.path.isdir(root) else [],
+    }
+
+
+def slow_checkpoint(root: str, group_timeout: float, delay: float) -> dict:
+    """Rank 0's writing takes longer than the process group's timeout."""
+    import datetime
+    import time
+
+    import attrs
+
+    import faccel
+    from faccel._checkpoint import _orchestrate
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=group_timeout))
+    state, _ = fresh(dist, example_spec(), seed=0)
+    write = _orchestrate._write_rank0
+
+    def slow(*args: Any) -> Any:
+        time.sleep(delay)  # a slow network file system
+        return write(*args)
+
+    _orchestrate._write_rank0 = slow
+    try:
+        faccel.checkpoint(dist, attrs.evolve(state, step=3), root)
+        error = ""
+    except Exception as caught:  # the point is which error each rank sees
+        error = f"{type(caught).__name__}: {caught}"
+    listed = [name for name in os.listdir(root) if name.startswith("step-")]
+    return {"rank": dist.rank, "error": error, "listed": listed}

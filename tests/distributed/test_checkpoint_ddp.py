@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from tests.strategies import checkpoint_specs
 
 
 def _assert_resumes_exactly(results: list[dict]) -> None:
-    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["rank"] for r in results] == list(range(len(results)))
     # (The ranks' digests differ: batch norm's running statistics are each rank's own.)
     for result in results:
         for stop, case in result["resumed"].items():
@@ -30,6 +31,17 @@ def test_two_ranks_resume_mid_epoch_bitwise() -> None:
         results = harness.run(cw.resume_cases, world_size=2, spec=spec, stops=[0, 2, 3, 5, 9], root=root)
     _assert_resumes_exactly(results)
     assert results[0]["resumed"]["5"]["restored"] == [5, 1, 2]  # mid-epoch of epoch 1
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_three_and_four_ranks_resume_bitwise(world_size: int) -> None:
+    # Over more than two ranks an all-reduce's sum of an element depends on where the element lies in
+    # its bucket; a fresh DDP's first step used to reduce in another layout than a running one's.
+    spec = cw.example_spec(samples=48)  # 3 ranks: 2 batches an epoch; 4 ranks: 3 (batch 4, drop_last)
+    with tempfile.TemporaryDirectory() as root:
+        results = harness.run(cw.resume_cases, world_size=world_size, spec=spec, stops=[3, 5], root=root)
+    _assert_resumes_exactly(results)
+    assert results[0]["resumed"]["5"]["restored"][1] == 1  # stop 5 is in epoch 1 at both sizes
 
 
 @given(spec=checkpoint_specs(), data=st.data())
@@ -80,21 +92,41 @@ def test_a_rank_that_fails_validation_stops_every_rank_before_loading(tmp_path: 
     assert all(r["unchanged"] for r in results)
 
 
-def test_a_two_rank_checkpoint_restores_into_one_process(tmp_path: Path) -> None:
+def test_a_two_rank_checkpoint_at_an_epoch_boundary_restores_into_one_process(tmp_path: Path) -> None:
+    # Was test_a_two_rank_checkpoint_restores_into_one_process, from a checkpoint at batch 1
+    # of epoch 1: that position counts batches of 2 ranks and is now refused in 1 process
+    # (test_a_mid_epoch_checkpoint_of_two_ranks_is_refused_in_one_process). An epoch boundary
+    # carries over exactly: the same restore, from a checkpoint at batch 0.
     import faccel
 
-    harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path))
+    harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path), until=2, epoch_end=True)
     spec = cw.example_spec()
     dist = faccel.detect({})
     target, _ = cw.fresh(dist, spec, seed=1)
     before = [p.detach().clone() for p in target.model.parameters()]
     restored = faccel.restore(dist, target, tmp_path)
-    assert restored.step == 3
+    assert (restored.step, restored.epoch, restored.position) == (2, 1, 0)
     # the saved weights (rank 0's, equal on both ranks under DDP), not the fresh ones
     assert not all(torch.equal(a, b) for a, b in zip(before, target.model.parameters(), strict=True))
     saved = load_file(faccel.latest_checkpoint(tmp_path) / "model.safetensors")
     live = faccel.unwrap_model(target.model).state_dict()
     assert saved and all(torch.equal(saved[name], live[name]) for name in saved)
+
+
+def test_a_mid_epoch_checkpoint_of_two_ranks_is_refused_in_one_process(tmp_path: Path) -> None:
+    """It used to restore, replay samples and crash later in the scheduler."""
+    import faccel
+
+    harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path))  # step 3: batch 1 of epoch 1
+    dist = faccel.detect({})
+    target, _ = cw.fresh(dist, cw.example_spec(), seed=1)
+    before = cw.digest(target)
+    with pytest.raises(faccel.errors.CheckpointError) as caught:
+        faccel.restore(dist, target, tmp_path)
+    message = str(caught.value)
+    assert "written by 2 processes" in message and "restored by 1" in message
+    assert "batch 1 of epoch 1" in message and "epoch boundary" in message
+    assert cw.digest(target) == before
 
 
 def test_ddp_restore_at_another_world_size_is_refused_on_every_rank(tmp_path: Path) -> None:
@@ -103,3 +135,47 @@ def test_ddp_restore_at_another_world_size_is_refused_on_every_rank(tmp_path: Pa
     for r in results:
         assert r["error"] and "written by 2 processes, restored by 3" in r["error"]
         assert r["unchanged"]
+
+
+def test_extras_that_differ_between_ranks_are_refused_and_rank_extras_come_back_per_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 saved [1, 1, 1] and got rank 0's [0, 0, 0] back: now refused; rank_extras keep each."""
+    results = harness.run(cw.rank_extras, world_size=2, root=str(tmp_path / "ckpt"))
+    for rank, r in enumerate(results):
+        assert "extras ['seen'] differ between ranks" in r["refused"], r["refused"]
+        assert "rank_extras" in r["refused"]
+        assert r["listed_after_refusal"] == []  # refused before any folder was made
+        assert r["batch"] == [rank] * 3 and r["seen"] == rank * 10
+        assert r["shared"] == [7, 7]
+
+
+def test_checkpoint_on_the_main_process_only_is_an_error_within_the_arrival_timeout(tmp_path: Path) -> None:
+    results = harness.run(cw.called_on_rank0_only, world_size=2, root=str(tmp_path), arrival=2.0)
+    zero, one = results
+    assert zero["error"].startswith("CheckpointError") and "every rank must call" in zero["error"]
+    assert "rank(s) [1]" in zero["error"] and "arrival_timeout" in zero["error"]
+    assert 2.0 <= zero["seconds"] < 10
+    # Rank 1's next collective does not wait out torch's timeout: rank 0's process ended.
+    assert one["error"] and one["seconds"] < 20, one
+    assert not list(tmp_path.iterdir())
+
+
+def test_each_checkpoint_collective_alone_is_an_error_and_a_late_rank_is_told(tmp_path: Path) -> None:
+    zero, one = harness.run(cw.each_collective_alone, world_size=2, root=str(tmp_path), arrival=1.0)
+    for name in ("checkpoint", "restore", "save_model"):
+        message, seconds = zero["seen"][name]
+        assert f"{name}() was called on rank(s) [0] only" in message and "every rank must call" in message
+        assert 1.0 <= seconds < 6, (name, seconds)
+    message, seconds = one["seen"]["late"]
+    assert "gave up waiting" in message and seconds < 2, one["seen"]
+    assert zero["listed"] == one["listed"] == []
+
+
+def test_a_checkpoint_slower_than_the_collective_timeout_is_a_named_error(tmp_path: Path) -> None:
+    results = harness.run(cw.slow_checkpoint, world_size=2, root=str(tmp_path), group_timeout=1.0, delay=2.5)
+    waiting = results[1]["error"]
+    assert waiting.startswith("CheckpointError"), waiting
+    assert "step 3" in waiting and "faccel.detect(timeout=" in waiting and "0:00:01" in waiting
+    assert results[0]["error"].startswith("CheckpointError"), results[0]["error"]
+    assert all(r["listed"] == [] for r in results)  # nothing committed

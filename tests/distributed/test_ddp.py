@@ -83,3 +83,14 @@ def test_a_module_prepared_twice_gets_its_first_wrapper_not_a_second_ddp() -> No
     for result in harness.run(workers.prepare_twice, world_size=2):
         assert result["same_wrapper"] and result["copy_wrapped_apart"]
         assert "prepared under another DistState" in result["refused"]
+
+
+def test_a_schedule_sized_after_prepare_ends_annealed_on_two_processes() -> None:
+    # Sized from len() of the DataLoader before prepare (14 batches an epoch, both ranks' together),
+    # a OneCycleLR ended half-annealed; the documented way sizes it from the prepared loader.
+    results = harness.run(workers.schedule_sized_after_prepare, world_size=2, epochs=3, accumulation_steps=2)
+    floor = 0.05 / 25 / 1e4  # OneCycleLR's last LR: max_lr / div_factor / final_div_factor
+    for r in results:
+        assert (r["raw_len"], r["len"], r["total"], r["steps"]) == (14, 7, 12, 12)  # 7 batches: 4 steps
+        assert abs(r["last_lr"] - floor) < 1e-12  # the last optimizer step ran at the annealed LR
+        assert "needs the loader that faccel.prepare returned, got DataLoader" in r["refused"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed import harness, workers
@@ -14,9 +15,15 @@ def test_fsdp_resumes_bitwise_and_reshards_into_one_plain_process(tmp_path: Path
 
     import faccel
 
-    root, model_dir = tmp_path / "ckpt", tmp_path / "model"
+    root, model_dir, boundary = tmp_path / "ckpt", tmp_path / "model", tmp_path / "boundary"
     results = harness.run(
-        workers.fsdp_checkpoint, world_size=2, root=str(root), stop=7, total=12, model_dir=str(model_dir)
+        workers.fsdp_checkpoint,
+        world_size=2,
+        root=str(root),
+        stop=7,
+        total=12,
+        model_dir=str(model_dir),
+        boundary_root=str(boundary),
     )
     for r in results:
         assert r["param_types"] == ["DTensor"]
@@ -30,8 +37,14 @@ def test_fsdp_resumes_bitwise_and_reshards_into_one_plain_process(tmp_path: Path
     optimizer = torch.optim.AdamW(plain.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     state = faccel.TrainState.create(model=plain, optimizer=optimizer, scheduler=scheduler)
-    restored = faccel.restore(faccel.detect({}), state, root)
-    assert (restored.step, restored.epoch, restored.position) == (7, 1, 2)
+    # Changed with issue 11: the mid-epoch checkpoint (batch 2 of epoch 1, in batches of 2 ranks)
+    # is refused in one process, untouched; the same tensors at an epoch boundary restore.
+    before = [p.detach().clone() for p in plain.parameters()]
+    with pytest.raises(faccel.errors.CheckpointError, match="written by 2 processes at batch 2 of epoch 1"):
+        faccel.restore(faccel.detect({}), state, root)
+    assert all(torch.equal(a, b) for a, b in zip(before, plain.parameters(), strict=True))
+    restored = faccel.restore(faccel.detect({}), state, boundary)
+    assert (restored.step, restored.epoch, restored.position) == (7, 2, 0)
     assert [p.detach().flatten().tolist() for p in plain.parameters()] == results[0]["at_stop"]
     # 0-d optimizer step tensors come back as the step count (DCP's consolidation lost them)
     steps = {s["step"].item() for s in optimizer.state.values()}

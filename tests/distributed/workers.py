@@ -308,14 +308,25 @@ def _fsdp_run(dist: Any, root: str | None, stop: int | None, total: int, resume:
     return state
 
 
-def fsdp_checkpoint(root: str, stop: int, total: int, model_dir: str) -> dict[str, Any]:
-    """Uninterrupted vs stop-checkpoint-restore-continue under FSDP2; plus save_model."""
+def fsdp_checkpoint(
+    root: str, stop: int, total: int, model_dir: str, boundary_root: str | None = None
+) -> dict[str, Any]:
+    """Uninterrupted vs stop-checkpoint-restore-continue under FSDP2; plus save_model.
+
+    ``boundary_root``: the stopped state is also checkpointed there as at an epoch
+    boundary (the next epoch, batch 0), which another world size may restore.
+    """
+    import attrs
+
     import faccel
 
     dist = faccel.detect(strategy="fsdp")
     reference = _fsdp_run(dist, None, None, total, resume=False)
     stopped = _fsdp_run(dist, root, stop, total, resume=False)
     at_stop = full_params(stopped.model)
+    if boundary_root is not None:
+        boundary = attrs.evolve(stopped, epoch=stopped.epoch + 1, position=0)
+        faccel.checkpoint(dist, boundary, boundary_root)
     faccel.save_model(dist, stopped.model, model_dir)
     resumed = _fsdp_run(dist, root, None, total, resume=True)
     return {
@@ -350,5 +361,43 @@ def prepare_twice() -> dict[str, Any]:
     return {
         "same_wrapper": again is first,
         "copy_wrapped_apart": copied is not first and faccel.unwrap_model(copied) is not model,
+        "refused": refused,
+    }
+
+
+def schedule_sized_after_prepare(epochs: int = 3, accumulation_steps: int = 2) -> dict[str, Any]:
+    """The documented way to size a OneCycleLR: after prepare, from faccel.steps_per_epoch."""
+    import faccel
+
+    dist = faccel.detect(accumulation_steps=accumulation_steps)
+    x, y = seed_task(n=56)
+    model = seed_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+    model, optimizer, loader = faccel.prepare(dist, model, optimizer, raw)
+    try:
+        faccel.steps_per_epoch(dist, raw)
+        refused = ""
+    except faccel.errors.ArgumentError as error:
+        refused = str(error)
+    total = epochs * faccel.steps_per_epoch(dist, loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+    steps = 0
+    for epoch in range(epochs):
+        for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=epoch)):
+            with faccel.accumulate(dist, model, micro):
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                faccel.backward(dist, loss, micro=micro)
+            if micro.sync:
+                last_used = optimizer.param_groups[0]["lr"]
+                faccel.optimizer_step(dist, optimizer, scheduler=scheduler)
+                optimizer.zero_grad()
+                steps += 1
+    return {
+        "raw_len": len(raw),
+        "len": len(loader),
+        "total": total,
+        "steps": steps,
+        "last_lr": last_used,
         "refused": refused,
     }

@@ -19,7 +19,7 @@ import attrs
 import torch
 import torch.utils._pytree as _pytree
 
-from faccel.errors import FunctionalError
+from faccel.errors import ArgumentError
 
 __all__ = [
     "TreeSpec",
@@ -155,7 +155,7 @@ def register_pytree(cls: type[T]) -> type[T]:
         ``cls`` itself.
 
     Raises:
-        FunctionalError: ``cls`` is not an attrs class.
+        ArgumentError: ``cls`` is not an attrs class.
 
     Example:
         >>> import attrs, torch, faccel
@@ -176,7 +176,7 @@ def register_pytree(cls: type[T]) -> type[T]:
             f"register_pytree() needs an attrs class, got {cls!r}; "
             "decorate the class with @attrs.frozen(kw_only=True) below @register_pytree"
         )
-        raise FunctionalError(msg)
+        raise ArgumentError(msg)
     if cls in _pytree.SUPPORTED_NODES:
         return registered
     fields = attrs.fields(cls)

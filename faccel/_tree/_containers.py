@@ -3,16 +3,17 @@
 User data arrives as nests of tuples, lists, dicts, named tuples, other
 mappings (a tokenizer's ``BatchEncoding``) and attrs records: batches to move,
 model outputs to cast, trees to gather or broadcast, metrics, checkpoint
-extras. Each kind of container is described once, in :data:`_KINDS`'s table:
-how to list its children with the path fragment that names each one, how to
-build one of the same kind from new children, and how to print its shape.
+extras. Each kind of container is described once, by a ``_Kind`` record
+(chosen by :func:`_kind`): how to list its children with the path fragment that
+names each one, how to build one of the same kind from new children, how to
+print its shape and how to write it in JSON's types.
 Every walk below (flatten with paths, rebuild, map over tensors, walk two
 trees together) goes through that table, so a container kind is supported
 everywhere or nowhere.
 
 Anything that is not a container is a leaf. ``torch.func`` trees (parameters,
 gradients, optimizer states) go through PyTorch's pytree registry instead, in
-:mod:`faccel._pytree`, because the transforms themselves use it.
+the sibling module ``_pytree``, because the transforms themselves use it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""CUDA paths on one GPU: device placement, mixed precision, exact resume, saved models, functional.
+
+Marked ``cuda`` and skipped without a GPU; ``scripts/check_cuda.sh`` runs them (and, on a machine
+with several GPUs, a torchrun job over NCCL) in one step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _task(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def test_detect_picks_the_gpu_and_nccl() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    assert dist.device == torch.device("cuda", 0)
+    launched = faccel.state_from_env(
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"},
+        cuda_count=torch.cuda.device_count(),
+    )
+    assert launched.backend == "nccl" and launched.device == torch.device("cuda", 0)
+
+
+def test_prepare_moves_the_model_and_pinned_batches_to_the_gpu() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    x, y = _task()
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, pin_memory=True)
+    model, loader = faccel.prepare(dist, _model(), loader)
+    assert loader.non_blocking
+    for inputs, targets in loader.at(epoch=0):
+        assert inputs.device.type == targets.device.type == "cuda"
+    assert next(model.parameters()).device.type == "cuda"
+    nested = faccel.to_device({"a": [x[:2], ("id", y[:2])]}, dist.device)
+    assert nested["a"][0].is_cuda and nested["a"][1][1].is_cuda and nested["a"][1][0] == "id"
+
+
+def _train(dist: object, steps: int) -> list[float]:
+    """Losses of ``steps`` applied optimizer steps (fp16 steps the scaler skips are not counted)."""
+    import faccel
+
+    x, y = _task()
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    scaler = faccel.grad_scaler(dist)
+    losses: list[float] = []
+    while len(losses) < steps:
+        optimizer.zero_grad()
+        batch = slice(len(losses) % 4 * 16, len(losses) % 4 * 16 + 16)
+        loss = torch.nn.functional.mse_loss(model(x[batch].cuda()), y[batch].cuda())
+        faccel.backward(dist, loss, scaler=scaler)
+        if faccel.optimizer_step(dist, optimizer, scaler=scaler):
+            losses.append(loss.item())
+        else:
+            assert len(losses) == 0, "the scaler skips only while it finds its scale"
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_close_to_fp32(precision: str) -> None:
+    import faccel
+
+    full = _train(faccel.detect({}), steps=20)
+    mixed = _train(faccel.detect({}, precision=precision), steps=20)
+    assert mixed[-1] < mixed[0] * 0.5
+    assert mixed[-1] == pytest.approx(full[-1], rel=0.1, abs=0.05)
+
+
+def test_a_resumed_run_matches_one_that_never_stopped_bitwise(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    x, y = _task()
+
+    def run(stop: int | None, resume: bool) -> list[torch.Tensor]:
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+        model, optimizer, loader = faccel.prepare(dist, model, optimizer, loader)
+        state = faccel.TrainState.create(model=model, optimizer=optimizer)
+        if resume:
+            state = faccel.restore(dist, state, tmp_path)
+        step = state.step
+        for epoch in range(state.epoch, 3):
+            start = state.position if epoch == state.epoch else 0
+            for position, (inputs, targets) in enumerate(loader.at(epoch=epoch, start=start), start=start):
+                optimizer.zero_grad()
+                noise = torch.randn_like(inputs) * 0.01  # the CUDA generator is part of the state
+                faccel.backward(dist, torch.nn.functional.mse_loss(model(inputs + noise), targets))
+                optimizer.step()
+                step += 1
+                if step == stop:
+                    saved = faccel.TrainState.create(
+                        model=model, optimizer=optimizer, step=step, epoch=epoch, position=position + 1
+                    )
+                    faccel.checkpoint(dist, saved, tmp_path)
+                    return []
+        return [p.detach().cpu() for p in model.parameters()]
+
+    straight = run(stop=None, resume=False)
+    run(stop=6, resume=False)
+    resumed = run(stop=None, resume=True)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_save_model_and_load_model_round_trip_gpu_weights(tmp_path: Path) -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    model = faccel.prepare(dist, _model())
+    faccel.save_model(dist, model, tmp_path / "model")
+    fresh = _model().cuda()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    faccel.load_model(dist, fresh, tmp_path / "model")
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert b.is_cuda and torch.equal(a, b)
+
+
+def test_functional_adamw_matches_torch_on_the_gpu() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    x, y = _task()
+    model = _model().cuda()
+    reference = _model().cuda()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, foreach=False)
+    params, buffers = faccel.func.model_params(dist, model)
+    opt = faccel.func.adamw(lr=0.01)
+    state = opt.init(params)
+    grad_fn = faccel.func.loss_and_grad(dist, model, torch.nn.functional.mse_loss)
+    for _ in range(5):
+        _, grads = grad_fn(params, buffers, x.cuda(), y.cuda())
+        params, state = opt.update(grads, state, params)
+        torch_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x.cuda()), y.cuda()).backward()
+        torch_opt.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-6, atol=1e-7)

@@ -1,0 +1,58 @@
+"""faccel.launch: real processes from a running interpreter, rank 0's result, the first failure at once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+
+def test_functions_defined_here_run_on_real_ranks_and_rank_0s_result_comes_back() -> None:
+    import faccel
+
+    offset = 10  # a closure: forked children have it, as a notebook cell's function
+
+    def work(scale: float) -> tuple[int, float]:
+        dist = faccel.detect()
+        total = faccel.reduce(dist, torch.tensor([float(dist.rank + offset)]), op="sum")
+        return dist.world_size, scale * total.item()
+
+    assert faccel.launch(work, nprocs=3, args=(2.0,)) == (3, 2.0 * (10 + 11 + 12))
+
+
+def test_a_failing_rank_stops_the_others_at_once_with_its_traceback() -> None:
+    import faccel
+
+    def work() -> None:
+        dist = faccel.detect()
+        if dist.rank == 1:
+            raise ValueError("bad batch on rank 1")
+        time.sleep(60)  # the others would wait long: the launcher must not
+
+    started = time.monotonic()
+    with pytest.raises(
+        faccel.errors.DistributedError, match=r"rank 1 failed(.|\n)*ValueError: bad batch on rank 1"
+    ):
+        faccel.launch(work, nprocs=2)
+    assert time.monotonic() - started < 30
+
+
+def test_a_rank_that_dies_and_a_timeout_are_named() -> None:
+    import os
+
+    import faccel
+
+    def dies() -> None:
+        if faccel.detect(start=False).rank == 1:
+            os._exit(3)
+        time.sleep(60)
+
+    with pytest.raises(
+        faccel.errors.DistributedError, match=r"rank 1 died without an answer \(exit code 3\)"
+    ):
+        faccel.launch(dies, nprocs=2)
+    with pytest.raises(faccel.errors.DistributedError, match=r"ranks \[0\] still running after 0.5 s"):
+        faccel.launch(time.sleep, nprocs=1, args=(30,), timeout=0.5)
+    with pytest.raises(faccel.errors.ArgumentValueError, match="nprocs must be >= 1"):
+        faccel.launch(print, nprocs=0)
