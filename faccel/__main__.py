@@ -1,4 +1,8 @@
-"""The command line: ``python -m faccel env [--json]``."""
+"""The command line: ``python -m faccel env [--json]``.
+
+Exit status: 0 when the report found no problem, 1 when it found one (each
+is printed with its fix), 2 for a usage error.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,22 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command in ``argv`` (``sys.argv[1:]`` by default); return the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m faccel", description=__doc__)
+    """Run the command in ``argv`` (``sys.argv[1:]`` by default); return the exit status.
+
+    The status is 1 when ``env`` reports a problem (what would make ``detect()``
+    fail or the run misbehave), else 0.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m faccel",
+        description="faccel's command line. Exit status: 0 when no problem was found, "
+        "1 when the report lists a problem, 2 for a usage error.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser(
         "env",
         help="versions, devices, what detect() sees here and why, and problems found",
         description="Report what faccel sees in this environment; paste it into bug reports. "
-        "Never starts a process group.",
+        "Never starts a process group. Exits with status 1 when the report lists a problem.",
     )
     env.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
@@ -30,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(render_text(report))
-    return 0
+    return 1 if report.problems else 0
 
 
 if __name__ == "__main__":

@@ -18,18 +18,18 @@ peers to talk to, and every collective refuses it.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from faccel._process_group import comm_device, require_peers
+from faccel._process_group import peers_answer as _peers_answer
 from faccel._state import DistState
 from faccel._tree import flatten_with_paths, rebuild
-from faccel.errors import ArgumentError, ArgumentValueError, DistributedError, FaccelError
+from faccel.errors import ArgumentError, ArgumentValueError, DistributedError
 
 __all__ = [
     "broadcast",
@@ -62,22 +62,6 @@ def _describe(call: str, tree: Any) -> tuple[dict[str, Any], list[Any], list[str
     shapes = [list(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     dtypes = [str(leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     return {"call": call, "spec": spec, "shapes": shapes, "dtypes": dtypes}, leaves, paths
-
-
-@contextlib.contextmanager
-def _peers_answer(dist: DistState, name: str) -> Iterator[None]:
-    """Re-raise torch.distributed's report of a crashed or silent peer as a DistributedError."""
-    try:
-        yield
-    except RuntimeError as error:  # gloo and NCCL report a lost or timed-out peer this way
-        if isinstance(error, FaccelError):
-            raise
-        msg = (
-            f"{name}() failed on rank {dist.rank} of {dist.world_size}: {error}\n"
-            "Another rank probably crashed or did not reach this collective within the timeout "
-            f"({dist.timeout}, set with faccel.detect(timeout=...)); its log holds the first error"
-        )
-        raise DistributedError(msg) from error
 
 
 def _all_gather_bytes(payload: bytes, size: int, device: torch.device, world: int) -> list[bytes]:

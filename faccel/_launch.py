@@ -104,6 +104,7 @@ OPTION_VARIABLES: Mapping[str, str] = MappingProxyType(
         "precision": "FACCEL_PRECISION",
         "accumulation_steps": "FACCEL_ACCUMULATION_STEPS",
         "strategy": "FACCEL_STRATEGY",
+        "timeout": "FACCEL_TIMEOUT",
     }
 )
 

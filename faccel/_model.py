@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._state import DistState
 from faccel._tree import map_tensors
-from faccel.errors import PrepareError
+from faccel.errors import DistributedError, PrepareError
 
 __all__ = ["Autocast", "default_shard_policy", "is_sharded", "prepare_module", "unwrap_model"]
 
@@ -164,7 +164,44 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) ->
         if module is not model and should_shard(module):
             fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    _check_in_before_eval_forwards(dist, model)
     return model
+
+
+def _check_in_before_eval_forwards(dist: DistState, model: nn.Module) -> None:
+    """Before each forward without gradients, wait (bounded) until every rank runs one too.
+
+    A sharded model gathers its parameters from every rank in every forward; a
+    forward on some ranks only (evaluation under ``if dist.is_main_process``)
+    pairs its all-gathers with whatever the other ranks do next, which hangs or
+    aborts the process inside gloo. Evaluation is where that mistake is made,
+    so only forwards without gradients check in first: a ``monitored_barrier``
+    on a gloo group of its own, which raises a named error after ``dist.timeout``
+    instead. Training forwards pay nothing.
+    """
+    import torch.distributed as tdist
+
+    group = tdist.new_group(backend="gloo", timeout=dist.timeout)
+
+    @torch.compiler.disable
+    def check_in(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            return
+        try:
+            tdist.monitored_barrier(group=group, timeout=dist.timeout)
+        except RuntimeError as error:
+            msg = (
+                f"a forward of the sharded (FSDP2) {type(module).__name__.removeprefix('FSDP')} without "
+                f"gradients on rank {dist.rank} of {dist.world_size} waited {dist.timeout} for the "
+                "other ranks to run one too, and they did not: a sharded model gathers its "
+                "parameters from every rank in every forward, so every rank must run every "
+                "forward, evaluation included. Evaluate on every rank (each on its part of the "
+                "data, combined with faccel.reduce or faccel.gather_for_metrics) and print on the "
+                f"main process only. torch said: {error}"
+            )
+            raise DistributedError(msg) from error
+
+    model.register_forward_pre_hook(check_in, prepend=True)
 
 
 # How each strategy wraps a model that has been moved to its device.

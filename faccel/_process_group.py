@@ -10,6 +10,7 @@ through, and is this state allowed to talk at all) and :func:`comm_device`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -18,14 +19,15 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as tdist
 
-from faccel._state import DEFAULT_TIMEOUT, DistState, state_from_env
+from faccel._state import DistState, state_from_env
 from faccel._typecheck import setup_checked
-from faccel.errors import DistributedError
+from faccel.errors import DistributedError, FaccelError
 
 __all__ = [
     "comm_device",
     "detect",
     "main_process_first",
+    "peers_answer",
     "require_group",
     "require_peers",
     "shutdown",
@@ -48,15 +50,17 @@ def detect(
     accumulation_steps: int | None = None,
     strategy: str | None = None,
     seed: int = 0,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta | None = None,
     start: bool = True,
 ) -> DistState:
     """Read the launcher, the hardware and the options into a :class:`DistState`.
 
     With more than one process (and ``start=True``) the default process group
     is started once, with the backend recorded in the state; calling ``detect``
-    again reuses it. Stop it with :func:`faccel.shutdown`. The environment
-    variables it reads are listed in ``faccel._launch.ENV_VARIABLES``.
+    again reuses it. Stop it with :func:`faccel.shutdown`; a group ``detect``
+    started is also stopped when the interpreter exits, so a script that ends
+    without ``shutdown`` exits cleanly. The environment variables it reads are
+    listed in ``faccel._launch.ENV_VARIABLES``.
 
     Args:
         env: The environment to read; ``os.environ`` when None.
@@ -68,14 +72,18 @@ def detect(
         strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``) or ``'fsdp'`` to
             shard models with FSDP2 across the processes.
         seed: Seed of the data order, the same on every rank.
-        timeout: How long a collective waits for the other ranks before failing.
+        timeout: How long a collective waits for the other ranks before failing
+            with a :class:`~faccel.errors.DistributedError` naming it; default
+            ``$FACCEL_TIMEOUT`` seconds, else 5 minutes. Raise it when one rank
+            legitimately works alone longer (a download in ``main_process_first``).
         start: Start the process group when the world has more than one process.
 
     Returns:
         The frozen record describing this process.
 
     Raises:
-        LaunchError: Malformed environment (names the variable and its value),
+        LaunchError: Malformed environment (names the variable and its value,
+            ``FACCEL_TIMEOUT=abc`` say),
             an unknown strategy, or a device or backend that cannot serve this process.
         PrecisionError: Unknown precision.
         ArgumentError: An argument of the wrong type (``seed="0"``).
@@ -152,8 +160,16 @@ def start_process_group(dist: DistState) -> None:
             f"{dist.world_size} at {dist.master_addr}:{dist.master_port}: {error}"
         )
         raise DistributedError(msg) from error
+    # Stopped at exit too: a script that ends without shutdown() must not leave the
+    # backend's threads to die with the interpreter. Harmless after shutdown().
+    atexit.register(_stop_at_exit)
     if dist.device.type == "cuda":
         torch.cuda.set_device(dist.device)
+
+
+def _stop_at_exit() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 @setup_checked
@@ -169,6 +185,7 @@ def shutdown(dist: DistState) -> None:
     """
     if dist.distributed and tdist.is_initialized():
         tdist.destroy_process_group()
+        atexit.unregister(_stop_at_exit)
 
 
 def require_group(dist: DistState, name: str) -> None:
@@ -241,20 +258,69 @@ def comm_device(dist: DistState) -> torch.device:
     return torch.device("cpu") if dist.backend in _CPU_BACKENDS else dist.device
 
 
+@contextlib.contextmanager
+def peers_answer(dist: DistState, name: str) -> Iterator[None]:
+    """Re-raise torch.distributed's report of a silent or crashed peer as a named DistributedError.
+
+    Wraps one collective, ``name()``: gloo reports a timeout or a lost peer as
+    a bare ``RuntimeError`` (``Timed out waiting 300000ms for recv operation``);
+    the error raised instead names the collective, this rank and the timeout,
+    and keeps torch's error as its cause. faccel's own errors pass through.
+
+    Raises:
+        DistributedError: The block raised a ``RuntimeError`` that is not a faccel error.
+
+    Example:
+        >>> import faccel
+        >>> with peers_answer(faccel.DistState(world_size=2, rank=1), "gather"):
+        ...     raise RuntimeError("Timed out waiting 300000ms for recv operation to complete")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: gather() on rank 1 of 2 timed out after 0:05:00: ...
+    """
+    try:
+        yield
+    except RuntimeError as error:  # gloo and NCCL report a lost or timed-out peer this way
+        if isinstance(error, FaccelError):
+            raise
+        where = f"{name}() on rank {dist.rank} of {dist.world_size}"
+        if "timed out" in str(error).lower():
+            msg = (
+                f"{where} timed out after {dist.timeout}: another rank did not reach {name}() "
+                "in time (it is hung, still working alone, or calling another collective). Every "
+                f"rank must call {name}() in the same order; if one rank legitimately works "
+                "alone for longer, raise the timeout with faccel.detect(timeout=...) or "
+                f"FACCEL_TIMEOUT=<seconds>. torch said: {error}"
+            )
+        else:
+            msg = (
+                f"{where} failed: {error}\nAnother rank probably crashed or did not reach this "
+                f"collective within the timeout ({dist.timeout}, set with faccel.detect(timeout=...) "
+                "or FACCEL_TIMEOUT); its log holds the first error"
+            )
+        raise DistributedError(msg) from error
+
+
+def _barrier(dist: DistState, name: str) -> None:
+    require_group(dist, name)
+    with peers_answer(dist, name):
+        tdist.barrier()
+
+
 def wait_for_everyone(dist: DistState) -> None:
     """Block until every process reaches this call. A no-op in one process.
 
     Raises:
-        DistributedError: Peer processes exist but no process group is running.
+        DistributedError: Peer processes exist but no process group is running,
+            or another rank did not arrive within ``dist.timeout`` (the message
+            names ``wait_for_everyone``, this rank and the timeout).
 
     Example:
         >>> import faccel
         >>> wait_for_everyone(faccel.detect({}))
     """
-    if not dist.distributed:
-        return
-    require_group(dist, "wait_for_everyone")
-    tdist.barrier()
+    if dist.distributed:
+        _barrier(dist, "wait_for_everyone")
 
 
 @contextlib.contextmanager
@@ -265,7 +331,9 @@ def main_process_first(dist: DistState) -> Iterator[None]:
     others then read. Every process must enter the block.
 
     Raises:
-        DistributedError: As :func:`wait_for_everyone`.
+        DistributedError: As :func:`wait_for_everyone`, naming ``main_process_first``:
+            the main process's block took longer than ``dist.timeout`` (raise it
+            for a long download), or a rank did not enter the block.
 
     Example:
         >>> import faccel
@@ -273,8 +341,8 @@ def main_process_first(dist: DistState) -> Iterator[None]:
         ...     print("built the cache")
         built the cache
     """
-    if not dist.is_main_process:
-        wait_for_everyone(dist)
+    if dist.distributed and not dist.is_main_process:
+        _barrier(dist, "main_process_first")
     yield
-    if dist.is_main_process:
-        wait_for_everyone(dist)
+    if dist.distributed and dist.is_main_process:
+        _barrier(dist, "main_process_first")

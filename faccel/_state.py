@@ -35,8 +35,10 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
     "mpi": frozenset({"cpu", "cuda"}),
     "xccl": frozenset({"xpu"}),
 }
-# How long a collective waits for the other ranks unless told otherwise.
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a collective waits for the other ranks unless told otherwise: long enough for
+# ordinary skew between ranks, short enough that a hung rank ends the job within
+# minutes, not torch's 30 (docs/distributed.md, "When a rank hangs").
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
 STRATEGIES = frozenset({"ddp", "fsdp"})
 
@@ -225,6 +227,23 @@ def _env_choice(
     return value
 
 
+def _env_timeout(env: Mapping[str, str]) -> datetime.timedelta:
+    name = OPTION_VARIABLES["timeout"]
+    if name not in env:
+        return DEFAULT_TIMEOUT
+    try:
+        timeout = datetime.timedelta(seconds=float(env[name]))
+    except (ValueError, OverflowError):  # not a number, nan, or beyond timedelta's range
+        timeout = datetime.timedelta(0)
+    if timeout <= datetime.timedelta(0):
+        msg = (
+            f"{name} must be a positive number of seconds, got {name}={env[name]!r}; "
+            f"unset it for the default ({DEFAULT_TIMEOUT.total_seconds():.0f} s)"
+        )
+        raise LaunchError(msg)
+    return timeout
+
+
 @setup_checked
 def state_from_env(
     env: Mapping[str, str],
@@ -237,13 +256,14 @@ def state_from_env(
     accumulation_steps: int | None = None,
     strategy: str | None = None,
     seed: int = 0,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta | None = None,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
     Options override the environment: ``precision`` over ``FACCEL_PRECISION``,
     ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``, ``strategy``
-    over ``FACCEL_STRATEGY`` (``faccel._launch.OPTION_VARIABLES``). Looks up
+    over ``FACCEL_STRATEGY``, ``timeout`` over ``FACCEL_TIMEOUT`` (seconds)
+    (``faccel._launch.OPTION_VARIABLES``). Looks up
     no variable outside ``faccel._launch.ENV_VARIABLES``.
 
     Args:
@@ -256,10 +276,12 @@ def state_from_env(
         accumulation_steps: Micro-batches per optimizer step.
         strategy: ``'ddp'`` or ``'fsdp'``.
         seed: Seed of the data order.
-        timeout: How long collectives wait for the other ranks.
+        timeout: How long collectives wait for the other ranks; default
+            ``$FACCEL_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT` (5 minutes).
 
     Raises:
-        LaunchError: The environment is malformed, the strategy is unknown, or
+        LaunchError: The environment is malformed (``FACCEL_TIMEOUT`` not a
+            positive number of seconds, say), the strategy is unknown, or
             the device or backend cannot serve this process.
         PrecisionError: Unknown precision.
         ArgumentError: An argument of the wrong type.
@@ -294,7 +316,7 @@ def state_from_env(
         accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
         strategy=_env_choice(env, OPTION_VARIABLES["strategy"], strategy, "ddp", STRATEGIES),
         seed=seed,
-        timeout=timeout,
+        timeout=timeout if timeout is not None else _env_timeout(env),
         launcher=info.launcher,
         master_addr=info.master_addr,
         master_port=info.master_port,

@@ -160,7 +160,8 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_text_shows_versions_devices_and_the_problem() -> None:
     done = _cli(WORLD_SIZE="2", RANK="0")
-    assert done.returncode == 0, done.stderr
+    # A report with a problem exits 1 (it exited 0 before: a script could not tell).
+    assert done.returncode == 1, done.stderr
     out = done.stdout
     assert out.startswith("faccel environment report")
     import torch
@@ -181,8 +182,25 @@ def test_cli_json_is_the_report_of_this_machine() -> None:
     assert data["versions"]["faccel"] == "0.1.0"
     assert data["hardware"]["backends"]["gloo"] is True
     assert data["state"]["precision"] == "bf16"
+    assert data["state"]["timeout_seconds"] == 300.0  # the default: a hung rank ends the job in 5 minutes
     assert data["variables"]["faccel"] == {"FACCEL_PRECISION": "bf16"}
     assert data["problems"] == []
+
+
+def test_cli_exits_1_when_the_report_lists_a_problem_in_either_rendering() -> None:
+    for args in ((), ("--json",)):
+        done = _cli(*args, FACCEL_TIMEOUT="soon")
+        assert done.returncode == 1, done.stderr
+        assert "FACCEL_TIMEOUT must be a positive number of seconds, got FACCEL_TIMEOUT='soon'" in done.stdout
+
+
+def test_cli_help_is_plain_text() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "faccel", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0
+    assert "``" not in done.stdout
+    assert "1 when the report lists a problem" in " ".join(done.stdout.split())
 
 
 def test_cli_without_a_command_explains_usage() -> None:
@@ -314,6 +332,7 @@ def test_the_table_is_the_one_the_docs_and_the_report_show() -> None:
         "FACCEL_PRECISION": "1",
         "FACCEL_ACCUMULATION_STEPS": "1",
         "FACCEL_STRATEGY": "1",
+        "FACCEL_TIMEOUT": "1",
     }
 
 

@@ -84,6 +84,24 @@ def test_environment_options_and_their_errors() -> None:
         state_from_env({}, accumulation_steps=0)
 
 
+def test_the_timeout_ends_a_hung_job_within_minutes_and_is_configurable() -> None:
+    from faccel import detect, state_from_env
+    from faccel.errors import LaunchError
+
+    # torch's default is 30 minutes; faccel's must end a job with a hung rank within 10.
+    assert detect({}).timeout == datetime.timedelta(minutes=5)
+    assert state_from_env({"FACCEL_TIMEOUT": "12.5"}).timeout == datetime.timedelta(seconds=12.5)
+    assert detect({"FACCEL_TIMEOUT": "60"}, start=False).timeout == datetime.timedelta(minutes=1)
+    given = datetime.timedelta(hours=1)
+    assert state_from_env({"FACCEL_TIMEOUT": "60"}, timeout=given).timeout == given  # the option wins
+    for bad in ("soon", "0", "-5", "nan", "inf", "1e300", ""):
+        with pytest.raises(
+            LaunchError,
+            match=f"FACCEL_TIMEOUT must be a positive number of seconds, got FACCEL_TIMEOUT={bad!r}",
+        ):
+            state_from_env({"FACCEL_TIMEOUT": bad})
+
+
 def test_two_states_live_side_by_side() -> None:
     from faccel import detect
 
@@ -95,7 +113,7 @@ def test_two_states_live_side_by_side() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         full.precision = "fp16"  # type: ignore[misc]
     changed = attrs.evolve(full, timeout=datetime.timedelta(seconds=5))
-    assert changed.timeout.total_seconds() == 5 and full.timeout.total_seconds() == 1800
+    assert changed.timeout.total_seconds() == 5 and full.timeout.total_seconds() == 300
 
 
 @given(st.integers(1, 1024), st.data())

@@ -1,0 +1,103 @@
+"""Functions the two-process tests of hung and missing peers run on every rank.
+
+Each returns what the user would see (the error's type and message, and how long
+it took), so a test can assert the named error instead of a hang or an abort.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+
+from tests.distributed.workers import Blocks, seed_task
+
+
+def _outcome(call: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as error:  # the test asserts which error, and its message
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    return {"error": None, "message": "", "seconds": time.monotonic() - start}
+
+
+def hung_rank(collective: str, timeout_s: float, sleep_s: float) -> dict[str, Any]:
+    """One rank sleeps past the timeout while the other waits in ``collective``.
+
+    Rank 1 sleeps instead of joining, except for ``main_process_first``, where
+    rank 0 sleeps inside the block (a download slower than the timeout) while
+    rank 1 waits to enter it.
+    """
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=timeout_s))
+    calls = {
+        "gather": lambda: faccel.gather(dist, torch.ones(2)),
+        "reduce": lambda: faccel.reduce(dist, torch.ones(2)),
+        "broadcast": lambda: faccel.broadcast(dist, torch.ones(2)),
+        "wait_for_everyone": lambda: faccel.wait_for_everyone(dist),
+    }
+    faccel.wait_for_everyone(dist)  # both ranks are up before the clock starts
+    if collective == "main_process_first":
+
+        def in_the_block() -> None:
+            with faccel.main_process_first(dist):
+                if dist.is_main_process:
+                    time.sleep(sleep_s)
+
+        return _outcome(in_the_block)  # rank 0's own exit barrier then finds rank 1 gone
+    if dist.rank == 1:
+        time.sleep(sleep_s)  # the hung rank: never reaches the collective in time
+        return {"error": None, "message": "slept", "seconds": sleep_s}
+    return _outcome(calls[collective])
+
+
+def fsdp_eval_on_main_only(timeout_s: float) -> dict[str, Any]:
+    """nanoGPT's ``if master_process: estimate_loss()`` under FSDP2, as the user writes it."""
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp", timeout=datetime.timedelta(seconds=timeout_s))
+    x, y = seed_task(n=16)
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    shard = slice(dist.rank * 8, dist.rank * 8 + 8)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        faccel.backward(dist, torch.nn.functional.mse_loss(model(x[shard]), y[shard]))
+        optimizer.step()
+
+    def estimate_loss() -> None:
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+        model.train()
+
+    train_step()
+    if dist.is_main_process:
+        return _outcome(estimate_loss)
+    return _outcome(lambda: [train_step() for _ in range(3)])
+
+
+def fsdp_eval_on_every_rank() -> dict[str, Any]:
+    """The right way: every rank evaluates (its own batch), and the losses are reduced."""
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp")
+    x, y = seed_task(n=16)
+    torch.manual_seed(0)
+    model = faccel.prepare(dist, Blocks())
+    shard = slice(dist.rank * 8, dist.rank * 8 + 8)
+    losses = []
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+            losses.append(faccel.reduce(dist, loss).item())
+    return {"losses": losses}

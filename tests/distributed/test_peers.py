@@ -1,0 +1,81 @@
+"""Hung and missing peers end in a named error within the timeout, and a job ends cleanly.
+
+Two real gloo processes; each rank's outcome (error type, message, seconds waited)
+comes back from tests/distributed/peer_workers.py, so no test can hang past the
+harness's own short timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import harness, peer_workers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# (collective, the rank that waits for the hung one)
+@pytest.mark.parametrize(
+    ("collective", "waiter"),
+    [("reduce", 0), ("broadcast", 0), ("wait_for_everyone", 0), ("main_process_first", 1)],
+)
+def test_a_hung_rank_ends_in_an_error_naming_the_collective(collective: str, waiter: int) -> None:
+    # Before: wait_for_everyone and main_process_first raised gloo's bare RuntimeError
+    # ("Timed out waiting 2000ms for recv operation"), after torch's 30 minutes by default.
+    timeout_s, sleep_s = 2.0, 5.0
+    outcome = harness.run(
+        peer_workers.hung_rank, timeout=30, collective=collective, timeout_s=timeout_s, sleep_s=sleep_s
+    )[waiter]
+    assert outcome["error"] == "DistributedError", outcome
+    assert outcome["message"].startswith(
+        f"{collective}() on rank {waiter} of 2 timed out after 0:00:02: another rank did not reach "
+        f"{collective}() in time"
+    )
+    assert "faccel.detect(timeout=...) or FACCEL_TIMEOUT=<seconds>" in outcome["message"]
+    assert timeout_s - 0.5 < outcome["seconds"] < sleep_s  # the timeout ended it, not the sleeper
+
+
+def test_an_evaluation_of_a_sharded_model_on_the_main_process_only_is_named() -> None:
+    # Before: rank 0's lone forward paired its all-gathers with rank 1's training step:
+    # a bare gloo RuntimeError after the timeout, or gloo's "EnforceNotMet ... preamble.length"
+    # and SIGABRT when the shapes differed (nanoGPT's estimate_loss under `if master_process`).
+    main, other = harness.run(peer_workers.fsdp_eval_on_main_only, timeout=30, timeout_s=2.0)
+    assert main["error"] == "DistributedError", main
+    assert main["message"].startswith(
+        "a forward of the sharded (FSDP2) Blocks without gradients on rank 0 of 2 waited 0:00:02 "
+        "for the other ranks to run one too, and they did not"
+    )
+    assert "every rank must run every forward, evaluation included" in main["message"]
+    assert "Rank 1 failed to pass monitoredBarrier" in main["message"]  # names the missing rank
+    assert 1.5 < main["seconds"] < 10
+    assert other["error"] is not None  # its training forward waits for rank 0 in vain, then fails
+
+
+def test_an_evaluation_of_a_sharded_model_on_every_rank_works() -> None:
+    main, other = harness.run(peer_workers.fsdp_eval_on_every_rank, timeout=60)
+    assert main["losses"] == other["losses"] and len(main["losses"]) == 3
+
+
+def test_a_torchrun_script_without_shutdown_stops_its_group_at_exit() -> None:
+    script = ROOT / "tests" / "distributed" / "scripts" / "no_shutdown.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*command, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if "at exit" in line) == [
+        "rank 0: process group running at exit: False",
+        "rank 1: process group running at exit: False",
+    ]
+    assert "terminate called" not in output
