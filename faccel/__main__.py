@@ -1,7 +1,7 @@
-"""The command line: ``python -m faccel env [--json]``.
+"""The command line: ``python -m faccel env [--json]``, ``convert SOURCE TARGET``, ``plot RUN``.
 
-Exit status: 0 when the report found no problem, 1 when it found one (each
-is printed with its fix), 2 for a usage error.
+Exit status: 0 on success, 1 when ``env``'s report found a problem (each is
+printed with its fix) or a command failed with a faccel error, 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -10,30 +10,10 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command in ``argv`` (``sys.argv[1:]`` by default); return the exit status.
-
-    The status is 1 when ``env`` reports a problem (what would make ``detect()``
-    fail or the run misbehave), else 0.
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m faccel",
-        description="faccel's command line. Exit status: 0 when no problem was found, "
-        "1 when the report lists a problem, 2 for a usage error.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    env = commands.add_parser(
-        "env",
-        help="versions, devices, what detect() sees here and why, and problems found",
-        description="Report what faccel sees in this environment; paste it into bug reports. "
-        "Never starts a process group. Exits with status 1 when the report lists a problem.",
-    )
-    env.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
-
+def _env(args: argparse.Namespace) -> int:
     from faccel._env_report import collect_hardware, collect_versions, env_report, render_text, report_dict
 
     report = env_report(os.environ, versions=collect_versions(), hardware=collect_hardware())
@@ -43,6 +23,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(render_text(report))
     return 1 if report.problems else 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from faccel._save_model import convert_weights
+
+    out = convert_weights(args.source, args.target, max_shard_size=args.max_shard_size)
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from faccel._tracking import plot
+
+    print(f"wrote {plot(args.run, args.out)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command in ``argv`` (``sys.argv[1:]`` by default); return the exit status.
+
+    The status is 1 when ``env`` reports a problem (what would make ``detect()``
+    fail or the run misbehave) or a command fails with a faccel error, else 0.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m faccel",
+        description="faccel's command line. Exit status: 0 on success, 1 when the report lists "
+        "a problem (env) or a command fails, 2 for a usage error.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    env = commands.add_parser(
+        "env",
+        help="versions, devices, what detect() sees here and why, and problems found",
+        description="Report what faccel sees in this environment; paste it into bug reports. "
+        "Never starts a process group. Exits with status 1 when the report lists a problem.",
+    )
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+    convert = commands.add_parser(
+        "convert",
+        help="rewrite pytorch_model.bin weights (or their shards) as safetensors",
+        description="Read SOURCE's weights as load_model does (.bin files through torch's restricted "
+        "loader, which runs nothing) and write them to TARGET in the safetensors layout, with "
+        "config.json and generation_config.json copied.",
+    )
+    convert.add_argument("source", help="folder with pytorch_model.bin or its index")
+    convert.add_argument("target", help="folder to write model.safetensors (or shards) into")
+    convert.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's logged metrics (faccel.init_tracker's jsonl) to a PNG",
+        description="Draw every metric of RUN/metrics.jsonl against its step into one PNG "
+        "(needs matplotlib).",
+    )
+    plot.add_argument("run", help="the run's folder (or its metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="the PNG to write (default RUN/metrics.png)")
+    args = parser.parse_args(argv)
+
+    from faccel.errors import FaccelError
+
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "env": _env,
+        "convert": _convert,
+        "plot": _plot,
+    }
+    try:
+        return handlers[args.command](args)
+    except FaccelError as error:
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
