@@ -304,7 +304,7 @@ def log(
         stacked = torch.tensor([values[n] for n in names], dtype=torch.float64, device=dist.device)
         combined = reduce_tree(dist, stacked, op=reduce).tolist()
         values = dict(zip(names, combined, strict=True))
-        source = f"{reduce} over {dist.world_size} ranks"
+        source = f"{reduce} over {dist.world_size} rank{'s' if dist.world_size > 1 else ''}"
     if tracker._writer is not None:
         tracker._writer.write(step, time.monotonic() - tracker._started, source, values)
 
