@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._checkpoint import restore as restore
     from faccel._clip import clip_grad_norm as clip_grad_norm
     from faccel._clip import clip_grad_value as clip_grad_value
+    from faccel._collectives import any_rank as any_rank
     from faccel._collectives import broadcast as broadcast
     from faccel._collectives import gather as gather
     from faccel._collectives import gather_object as gather_object
@@ -80,7 +81,14 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._backward": ("backward",),
         "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
         "faccel._clip": ("clip_grad_norm", "clip_grad_value"),
-        "faccel._collectives": ("broadcast", "gather", "gather_object", "pad_across_processes", "reduce"),
+        "faccel._collectives": (
+            "any_rank",
+            "broadcast",
+            "gather",
+            "gather_object",
+            "pad_across_processes",
+            "reduce",
+        ),
         "faccel._data": ("PreparedLoader", "to_device"),
         "faccel._launch": ("LaunchInfo", "parse_launch"),
         "faccel._logging": ("RankLogger", "get_logger", "print"),

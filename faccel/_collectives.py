@@ -32,6 +32,7 @@ from faccel._tree import flatten_with_paths, rebuild
 from faccel.errors import ArgumentError, ArgumentValueError, DistributedError
 
 __all__ = [
+    "any_rank",
     "broadcast",
     "gather",
     "gather_object",
@@ -357,6 +358,34 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
         for i, piece in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
             reduced[i] = piece.view(leaves[i].shape).to(leaves[i].device)
     return rebuild(tree, iter(reduced))
+
+
+def any_rank(dist: DistState, flag: bool | torch.Tensor) -> bool:
+    """Whether ``flag`` is true on any rank, answered alike on every rank (a collective).
+
+    Accelerate's ``set_trigger`` / ``check_trigger`` as one value: a rank that
+    sees a NaN loss (or a time limit, or a signal) says so, and every rank
+    learns it at the same step, so all leave the loop together instead of
+    some waiting in the next collective. Every rank must call it.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        flag: This rank's condition: a bool, or a one-element tensor.
+
+    Returns:
+        True when any rank's ``flag`` is true.
+
+    Raises:
+        DistributedError: As :func:`reduce`.
+
+    Example:
+        >>> import torch, faccel
+        >>> loss = torch.tensor(float("nan"))
+        >>> faccel.any_rank(faccel.detect({}), torch.isnan(loss))
+        True
+    """
+    value = torch.tensor([1.0 if bool(flag) else 0.0], device=dist.device)
+    return bool(reduce(dist, value, op="max").item() > 0)
 
 
 def _check_op(op: str, leaves: list[torch.Tensor], paths: list[str]) -> None:

@@ -26,6 +26,7 @@ PINNED: dict[str, list[str]] = {
         "RankLogger",
         "Sharding",
         "accumulate",
+        "any_rank",
         "autocast",
         "backward",
         "broadcast",

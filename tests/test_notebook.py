@@ -56,3 +56,22 @@ def test_a_rank_that_dies_and_a_timeout_are_named() -> None:
         faccel.launch(time.sleep, nprocs=1, args=(30,), timeout=0.5)
     with pytest.raises(faccel.errors.ArgumentValueError, match="nprocs must be >= 1"):
         faccel.launch(print, nprocs=0)
+
+
+def test_any_rank_tells_every_rank_at_the_same_step() -> None:
+    # Accelerate's set_trigger/check_trigger, run through faccel.launch like a notebook would.
+    import faccel
+
+    def loop() -> list[int]:
+        dist = faccel.detect()
+        stopped_at = []
+        for step in range(5):
+            loss = torch.tensor(float("nan") if (dist.rank == 1 and step == 3) else 1.0)
+            if faccel.any_rank(dist, torch.isnan(loss)):
+                stopped_at.append(step)
+                break
+        # every rank reports where it stopped; rank 0 returns them all
+        return [int(x) for x in faccel.gather(dist, torch.tensor(stopped_at or [-1])).tolist()]
+
+    assert faccel.launch(loop, nprocs=3) == [3, 3, 3]
+    assert faccel.any_rank(faccel.detect({}), False) is False
