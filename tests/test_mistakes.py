@@ -8,6 +8,7 @@ each case with its message and fix.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,12 @@ def test_print_writes_on_the_main_process_only(capsys: pytest.CaptureFixture[str
     faccel_print(DistState.simulated(rank=1, world_size=2), "hidden")
     faccel_print(DistState.simulated(rank=1, world_size=2), "shown", main_process_only=False)
     assert capsys.readouterr().out == "loss=0.5\nshown\n"
+
+
+def test_the_mistakes_page_names_tests_that_exist() -> None:
+    text = (ROOT / "docs" / "mistakes.md").read_text()
+    named = set(re.findall(r"`(tests/[\w/]+\.py)`", text))
+    assert len(named) >= 8
+    assert all((ROOT / path).is_file() for path in named), sorted(
+        p for p in named if not (ROOT / p).is_file()
+    )
