@@ -191,7 +191,7 @@ def test_torch_compile_with_inductor_on_the_gpu(tmp_path: Path) -> None:
     import faccel
 
     dist = faccel.detect({})
-    x, y = _task()
+    x, _ = _task()
     eager = faccel.prepare(dist, _model())
     compiled = torch.compile(faccel.prepare(dist, _model()))
     started = time.perf_counter()
