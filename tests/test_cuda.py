@@ -66,16 +66,16 @@ def _train(dist: object, steps: int) -> list[float]:
     model, optimizer = faccel.prepare(dist, model, optimizer)
     scaler = faccel.grad_scaler(dist)
     losses: list[float] = []
-    while len(losses) < steps:
+    for _ in range(5 * steps):  # fp16: a step whose gradients overflow is skipped, and the scale shrinks
         optimizer.zero_grad()
         batch = slice(len(losses) % 4 * 16, len(losses) % 4 * 16 + 16)
         loss = torch.nn.functional.mse_loss(model(x[batch].cuda()), y[batch].cuda())
         faccel.backward(dist, loss, scaler=scaler)
         if faccel.optimizer_step(dist, optimizer, scaler=scaler):
             losses.append(loss.item())
-        else:
-            assert len(losses) == 0, "the scaler skips only while it finds its scale"
-    return losses
+        if len(losses) == steps:
+            return losses
+    raise AssertionError(f"only {len(losses)} of {5 * steps} steps were applied")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -185,6 +185,8 @@ def test_trackers_any_rank_and_legacy_weights_on_the_gpu(tmp_path: Path) -> None
         assert b.is_cuda and torch.equal(a, b.cpu())
 
 
+# Importing inductor warns of torch.jit's deprecation inside torch itself (torch 2.11): not ours.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_torch_compile_with_inductor_on_the_gpu(tmp_path: Path) -> None:
     import time
 
