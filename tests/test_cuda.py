@@ -185,8 +185,10 @@ def test_trackers_any_rank_and_legacy_weights_on_the_gpu(tmp_path: Path) -> None
         assert b.is_cuda and torch.equal(a, b.cpu())
 
 
-# Importing inductor warns of torch.jit's deprecation inside torch itself (torch 2.11): not ours.
+# Inductor warns of torch.jit's deprecation inside torch itself (torch 2.11), and advises TF32
+# for float32 matrix products: torch's own messages, not faccel's.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
 def test_torch_compile_with_inductor_on_the_gpu(tmp_path: Path) -> None:
     import time
 
