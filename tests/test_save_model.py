@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from tests.distributed.checkpoint_workers import Net, assert_same, build, example_spec
 from tests.strategies import checkpoint_specs
 
-SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+# Changed with issue 12: the shards of each save carry a tag of their own (8 hex digits).
+SHARD = re.compile(r"model-[0-9a-f]{8}-(\d{5})-of-(\d{5})\.safetensors")
 
 
 def _tensors_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -54,6 +55,7 @@ def test_sharded_layout_is_what_hugging_face_writes_and_reloads_equal(
             numbers = [SHARD.fullmatch(f).groups() for f in shards]  # type: ignore[union-attr]
             assert [int(k) for k, _ in numbers] == list(range(1, len(shards) + 1))
             assert {int(n) for _, n in numbers} == {len(shards)} and len(shards) > 1
+            assert len({f.split("-")[1] for f in shards}) == 1  # one save, one tag
             weight_map = index["weight_map"]
             nbytes = sum(t.numel() * t.element_size() for t in stored.values())
             assert index["metadata"]["total_size"] == nbytes
@@ -200,8 +202,8 @@ def test_a_resave_with_fewer_shards_removes_the_stale_ones(tmp_path: Path) -> No
             lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"w": "../x"}}'),
             "weight_map",
         ),
-        (lambda d: (d / "model-00002-of-00003.safetensors").unlink(), "missing"),
-        (lambda d: _truncate(d / "model-00003-of-00003.safetensors"), "truncated"),
+        (lambda d: _shard(d, 2).unlink(), "missing"),
+        (lambda d: _truncate(_shard(d, 3)), "truncated"),
         (lambda d: _remap(d), "disagree"),
     ],
 )
@@ -220,6 +222,11 @@ def test_broken_sharded_folders_raise_and_load_nothing(tmp_path: Path, edit: Any
     assert_same(dict(target.state_dict()), before)
 
 
+def _shard(folder: Path, k: int) -> Path:
+    (path,) = folder.glob(f"model-*-{k:05d}-of-00003.safetensors")
+    return path
+
+
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:-4])
@@ -228,7 +235,7 @@ def _truncate(path: Path) -> None:
 def _remap(folder: Path) -> None:
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    index["weight_map"]["0.weight"] = "model-00003-of-00003.safetensors"  # shard 1 holds it
+    index["weight_map"]["0.weight"] = _shard(folder, 3).name  # shard 1 holds it
     index_path.write_text(json.dumps(index))
 
 
