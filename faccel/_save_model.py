@@ -169,9 +169,7 @@ def _remove_leftovers(directory: Path) -> None:
         for name in os.listdir(directory)
         if _TEMPORARY.fullmatch(name)
         or (
-            committed is not None
-            and (_SHARD.fullmatch(name) or name == INDEX_NAME)
-            and name not in committed
+            committed is not None and (_SHARD.fullmatch(name) or name == INDEX_NAME) and name not in committed
         )
     ]
     for name in stale:

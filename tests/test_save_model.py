@@ -245,3 +245,85 @@ def test_bad_shard_sizes_are_refused(tmp_path: Path, bad: Any) -> None:
 
     with pytest.raises(faccel.errors.ArgumentValueError, match="max_shard_size"):
         faccel.save_model(faccel.detect({}), torch.nn.Linear(1, 1), tmp_path, max_shard_size=bad)
+
+
+def _versioned(version: float) -> torch.nn.Module:
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.fill_(version)
+    return model
+
+
+def _assert_loads_version(folder: Path, version: float) -> None:
+    import faccel
+
+    target = _versioned(-1)
+    faccel.load_model(faccel.detect({}), target, folder)
+    assert all(bool((t == version).all()) for t in target.state_dict().values())
+
+
+@pytest.mark.parametrize("fail_after", [0, 2, 5, 8], ids=["shard-1", "shard-2", "shard-3", "index"])
+@pytest.mark.parametrize("shard_size", [5000, 10**9], ids=["over-4-shards", "over-1-file"])
+def test_a_full_disk_fails_the_save_leaves_the_earlier_one_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_after: int, shard_size: int
+) -> None:
+    """ENOSPC at the n-th write of a 4-shard save: a StorageError, the folder as the earlier save left it."""
+    import errno
+
+    import faccel
+    from faccel._checkpoint import _durable
+
+    dist = faccel.detect({})
+    faccel.save_model(dist, _versioned(1), tmp_path, max_shard_size=shard_size)
+    before = sorted(os.listdir(tmp_path))
+    writes = 0
+    original = _durable._write_all
+
+    def full(fd: int, view: memoryview) -> None:
+        nonlocal writes
+        writes += 1
+        if writes > fail_after:
+            os.write(fd, view[: len(view) // 2])  # part of it, as a filling disk does
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(fd, view)
+
+    monkeypatch.setattr(_durable, "_write_all", full)
+    with pytest.raises(faccel.errors.StorageError, match="save_model failed"):
+        faccel.save_model(dist, _versioned(2), tmp_path, max_shard_size=5000)
+    assert sorted(os.listdir(tmp_path)) == before  # no .tmp-*, no shard of the failed save
+    _assert_loads_version(tmp_path, 1)
+    monkeypatch.undo()
+    faccel.save_model(dist, _versioned(2), tmp_path, max_shard_size=5000)
+    _assert_loads_version(tmp_path, 2)
+
+
+def test_a_really_full_disk_fails_the_save_and_leaves_the_earlier_one(tmp_path: Path) -> None:
+    """A 64 KiB tmpfs holds one 4-shard save, not two: the second fails (ENOSPC), the first stays whole.
+
+    Root only (the mount); elsewhere the monkeypatched ENOSPC test above stands in.
+    """
+    import subprocess
+
+    import faccel
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
+    try:
+        dist = faccel.detect({})
+        faccel.save_model(dist, _versioned(1), disk, max_shard_size=5000)
+        before = sorted(os.listdir(disk))
+        with pytest.raises(faccel.errors.StorageError, match="No space left on device"):
+            faccel.save_model(dist, _versioned(2), disk, max_shard_size=5000)
+        assert sorted(os.listdir(disk)) == before
+        _assert_loads_version(disk, 1)
+        faccel.save_model(dist, _versioned(3), disk, max_shard_size=10**9)  # one file fits beside them
+        assert sorted(os.listdir(disk)) == ["model.safetensors"]
+        _assert_loads_version(disk, 3)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
