@@ -1,20 +1,32 @@
 """``save_model`` and ``load_model``: a model's weights in the Hugging Face safetensors layout.
 
 One file, ``model.safetensors``, when the weights fit ``max_shard_size``;
-otherwise shards ``model-00001-of-0000N.safetensors`` and an index
+otherwise shards ``model-TAG-00001-of-0000N.safetensors`` and an index
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
 "weight_map": {name: shard}}``), every file with the metadata
 ``{"format": "pt"}``. That is what ``transformers`` and ``huggingface_hub``
-write and read. Tied weights (two names, one tensor) are stored once, under
-the first name, and a model with the same ties gets them back tied.
+write and read (they read the shards the index names, whatever their names).
+Tied weights (two names, one tensor) are stored once, under the first name,
+and a model with the same ties gets them back tied.
+
+A save commits as a whole, in one step: the shards of a sharded save carry
+``TAG``, new for each save, so they never replace the shards of the save a
+loader reads; the index, renamed in at once, switches to them. The single file
+takes precedence over an index (as in ``transformers``): a one-file save
+commits by its rename, a sharded save over a single file by deleting that file
+after the index is in. Whatever the commit leaves behind (the other layout's
+files, shards no index names, temporary files of a crashed or failed save) is
+deleted after it, and at the start of the next save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from faccel._checkpoint._durable import atomic_write, fsync_dir, read_verified
+from faccel._checkpoint._durable import atomic_write, fsync_dir, read_verified, write_durably
 from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA
 from faccel._checkpoint._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
@@ -49,8 +61,10 @@ __all__ = [
 WEIGHTS_NAME = MODEL
 INDEX_NAME = "model.safetensors.index.json"
 _METADATA = MODEL_METADATA
-# The files a save writes (and a later save with another shard count replaces).
-_OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+# The shards a save writes (tagged) or another tool wrote (untagged): those no committed index names go.
+_SHARD = re.compile(r"model(-[0-9a-f]{8})?-\d{5}-of-\d{5}\.safetensors")
+# Temporary files of save_model's writes (atomic_write's ".tmp-" siblings), left by a crash or a failure.
+_TEMPORARY = re.compile(r"\.tmp-(model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -101,19 +115,89 @@ def split_shards(sizes: Mapping[str, int], max_shard_size: int) -> list[list[str
     return shards
 
 
-def shard_names(count: int) -> list[str]:
-    """File names of ``count`` shards, as Hugging Face names them.
+def shard_names(count: int, tag: str | None = None) -> list[str]:
+    """File names of ``count`` shards, as Hugging Face names them, with ``tag`` when given.
+
+    :func:`save_model` tags the shards of each sharded save (8 hex digits, new
+    for each save) so that they never replace the shards the committed index
+    names; any name listed in the index's ``weight_map`` is valid for
+    ``transformers`` and ``huggingface_hub``.
 
     Example:
         >>> shard_names(1), shard_names(2)
         (['model.safetensors'], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
+        >>> shard_names(2, tag="0a1b2c3d")[0]
+        'model-0a1b2c3d-00001-of-00002.safetensors'
     """
     if count == 1:
         return [WEIGHTS_NAME]
-    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    prefix = "model" if tag is None else f"model-{tag}"
+    return [f"{prefix}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
 
 
-def _write_model(directory: Path, stored: Mapping[str, torch.Tensor], max_shard_size: int) -> None:
+def _committed(directory: Path) -> set[str] | None:
+    """The weight files a loader reads in ``directory`` (load_model's precedence), or None if unknown.
+
+    ``model.safetensors`` alone when it is there; else the index and the shards
+    it names; none when neither is there. None (nothing may be deleted) when
+    the index cannot be read as an index.
+    """
+    if (directory / WEIGHTS_NAME).is_file():
+        return {WEIGHTS_NAME}
+    index_path = directory / INDEX_NAME
+    if not index_path.is_file():
+        return set()
+    try:
+        weight_map = json.loads(index_path.read_bytes()).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return None
+    return {INDEX_NAME, *weight_map.values()}
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Delete what no loader reads: temporary files of our writes, and weight files the commit left.
+
+    The other layout's files (an index beside ``model.safetensors``) and shards
+    (``model-...-0000k-of-0000n.safetensors``) that the committed index does not
+    name. Other files in ``directory`` are left alone.
+    """
+    committed = _committed(directory)
+    stale = [
+        name
+        for name in os.listdir(directory)
+        if _TEMPORARY.fullmatch(name)
+        or (
+            committed is not None and (_SHARD.fullmatch(name) or name == INDEX_NAME) and name not in committed
+        )
+    ]
+    for name in stale:
+        (directory / name).unlink(missing_ok=True)
+    if stale:
+        fsync_dir(directory)
+
+
+def _new_tag(directory: Path) -> str:
+    """8 hex digits that no shard in ``directory`` carries."""
+    present = set(os.listdir(directory))
+    while True:
+        tag = secrets.token_hex(4)
+        if not any(name.startswith(f"model-{tag}-") for name in present):
+            return tag
+
+
+def _write_model(
+    directory: Path,
+    stored: Mapping[str, torch.Tensor],
+    max_shard_size: int,
+    extras: Mapping[str, bytes] | None = None,
+) -> None:
+    """Write the weights, committed as a whole (see the module's docstring), then ``extras`` (name -> bytes).
+
+    A failed write (an ``OSError``) deletes what it wrote before raising; the
+    weights a loader reads are then those of the earlier save.
+    """
     blocked = blocking_file(directory)
     if blocked is not None:
         msg = (
@@ -122,25 +206,38 @@ def _write_model(directory: Path, stored: Mapping[str, torch.Tensor], max_shard_
         )
         raise StorageError(msg)
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(directory)  # of a save that crashed
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in stored.items()}
     groups = split_shards(sizes, max_shard_size)
-    names = shard_names(len(groups))
-    for name, group in zip(names, groups, strict=True):
-        atomic_write(directory / name, plan({key: stored[key] for key in group}, metadata=_METADATA))
-    written = set(names)
-    if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(sizes.values())},
-            "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
-        }
-        atomic_write(directory / INDEX_NAME, [json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"])
-        written.add(INDEX_NAME)
-    # Files of an earlier save with another shard count would confuse a loader.
-    stale = [f for f in os.listdir(directory) if _OURS.fullmatch(f) and f not in written]
-    for name in stale:
-        (directory / name).unlink(missing_ok=True)
-    if stale:
-        fsync_dir(directory)
+    try:
+        if len(groups) == 1:
+            # One rename commits: model.safetensors takes precedence over any index.
+            atomic_write(directory / WEIGHTS_NAME, plan(stored, metadata=_METADATA))
+        else:
+            names = shard_names(len(groups), tag=_new_tag(directory))
+            for name, group in zip(names, groups, strict=True):
+                temporary = directory / f".tmp-{name}"
+                write_durably(temporary, plan({key: stored[key] for key in group}, metadata=_METADATA))
+                os.replace(temporary, directory / name)  # a new name: no loader reads it yet
+            fsync_dir(directory)
+            index = {
+                "metadata": {"total_size": sum(sizes.values())},
+                "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
+            }
+            # The commit: the index switches to the new shards in one rename; over a single
+            # file (which a loader reads first), deleting that file commits.
+            content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+            atomic_write(directory / INDEX_NAME, [content])
+            if (directory / WEIGHTS_NAME).is_file():
+                (directory / WEIGHTS_NAME).unlink()
+                fsync_dir(directory)
+        for name, content in (extras or {}).items():
+            atomic_write(directory / name, [content])
+    except OSError:
+        with contextlib.suppress(OSError):  # the write's error is the one to report
+            _remove_leftovers(directory)
+        raise
+    _remove_leftovers(directory)  # the earlier save's files
 
 
 @setup_checked
@@ -154,13 +251,16 @@ def save_model(
 ) -> Path:
     """Save the unwrapped model's weights to ``directory`` in the Hugging Face layout.
 
-    ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
-    ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``.
-    Tied weights are stored once (under their first name). Only the main
-    process writes, but every process must call it (not under
-    ``if dist.is_main_process:``); every process returns once the files are
-    complete (a barrier), so all ranks may read them right after. Each file is replaced
-    atomically; shards of an earlier save that this one does not use are deleted.
+    ``model.safetensors``, or shards ``model-TAG-0000k-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``
+    (``TAG``: 8 hex digits, new for each save). Tied weights are stored once
+    (under their first name). Only the main process writes, but every process
+    must call it (not under ``if dist.is_main_process:``); every process returns
+    once the files are complete (a barrier), so all ranks may read them right
+    after. The save commits as a whole: a crash at any moment leaves the earlier
+    save or this one for :func:`load_model` (and ``from_pretrained``), never a
+    mix; the earlier save's files, and those of a crashed or failed save, are
+    deleted after the commit (and a failed write deletes its own).
     A transformers model's ``config.json`` (and ``generation_config.json``
     where it has one) is written beside the weights, so ``from_pretrained``
     loads the folder as it is; other files in ``directory`` are left alone.
@@ -203,9 +303,8 @@ def save_model(
     def write() -> None:
         if dist.is_main_process:
             stored, _ = model_tensors(model, whole)
-            _write_model(target, stored, limit)
-            for name, content in _configs(unwrap_model(model)).items():
-                atomic_write(target / name, [content.encode()])
+            configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
+            _write_model(target, stored, limit, configs)
 
     together(dist, write, what="save_model", raises=StorageError)
     return target
@@ -400,8 +499,10 @@ def convert_weights(
     }
     aliases = alias_groups(tensors)
     stored = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in aliases}
-    _write_model(out, stored, parse_size(max_shard_size))
-    for name in ("config.json", "generation_config.json"):
-        if (folder / name).is_file():
-            atomic_write(out / name, [(folder / name).read_bytes()])
+    configs = {
+        name: (folder / name).read_bytes()
+        for name in ("config.json", "generation_config.json")
+        if (folder / name).is_file()
+    }
+    _write_model(out, stored, parse_size(max_shard_size), configs)
     return out
