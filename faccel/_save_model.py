@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from faccel._checkpoint._durable import atomic_write, fsync_dir, read_json
+from faccel._checkpoint._durable import MAX_JSON, atomic_write, fsync_dir, read_json, read_verified
 from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA
 from faccel._checkpoint._safetensors import TensorInfo, plan, read_header, read_tensors
@@ -421,6 +421,9 @@ def convert_weights(
     stored = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in aliases}
     _write_model(out, stored, parse_size(max_shard_size))
     for name in ("config.json", "generation_config.json"):
-        if (folder / name).is_file():
-            atomic_write(out / name, [(folder / name).read_bytes()])
+        if os.path.lexists(folder / name):  # read as the weights are: a regular file, no link out
+            content, _ = read_verified(
+                folder / name, None, where=str(folder / name), limit=MAX_JSON, within=within
+            )
+            atomic_write(out / name, [content.numpy()])
     return out
