@@ -27,17 +27,24 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from faccel._checkpoint._durable import atomic_write, fsync_dir, read_verified, write_durably
+from faccel._checkpoint._durable import (
+    MAX_JSON,
+    atomic_write,
+    fsync_dir,
+    read_json,
+    read_verified,
+    write_durably,
+)
 from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA
-from faccel._checkpoint._safetensors import Header, TensorInfo, parse_header, plan, read_header, tensor_views
+from faccel._checkpoint._safetensors import TensorInfo, plan, read_header, read_tensors
 from faccel._checkpoint._sharded_state import full_state
 from faccel._checkpoint._weights import alias_groups, compare_tensors, model_tensors
 from faccel._consensus import DEFAULT_ARRIVAL, arrive, together
@@ -310,16 +317,16 @@ def save_model(
     return target
 
 
-def _from_index(index_path: Path, read: Callable[[Path], Mapping[str, Any]]) -> dict[str, tuple[str, Any]]:
+_Reader = Callable[[Path, Sequence[Path]], Mapping[str, Any]]
+
+
+def _from_index(index_path: Path, read: _Reader, within: Sequence[Path]) -> dict[str, tuple[str, Any]]:
     """``name -> (shard, entry)`` for every tensor of a sharded layout, checked against its index.
 
     ``read`` gives a shard's entries: safetensors headers, or the tensors of ``.bin`` shards.
+    Every shard is read and checked before this returns (nothing is loaded into a model yet).
     """
-    try:
-        index = json.loads(index_path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        msg = f"{index_path}: not JSON ({error})"
-        raise CheckpointError(msg) from None
+    index = read_json(index_path, where=str(index_path), within=within)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
@@ -330,7 +337,7 @@ def _from_index(index_path: Path, read: Callable[[Path], Mapping[str, Any]]) -> 
     layout: dict[str, tuple[str, Any]] = {}
     problems: list[str] = []
     for shard in sorted(set(weight_map.values())):
-        for name, entry in read(index_path.parent / shard).items():
+        for name, entry in read(index_path.parent / shard, within).items():
             if weight_map.get(name) != shard:
                 problems.append(f"{shard} holds {name!r}, which the index maps to {weight_map.get(name)!r}")
             else:
@@ -346,13 +353,13 @@ def _from_index(index_path: Path, read: Callable[[Path], Mapping[str, Any]]) -> 
     return layout
 
 
-def _header(path: Path) -> dict[str, TensorInfo]:
-    return dict(read_header(path, where=str(path)).tensors)
+def _header(path: Path, within: Sequence[Path]) -> dict[str, TensorInfo]:
+    return dict(read_header(path, where=str(path), within=within).tensors)
 
 
 # The layouts load_model reads, in order of preference: (single file, index, reader of a file).
 # safetensors is read by byte ranges; the legacy .bin through torch's restricted loader.
-_LAYOUTS: tuple[tuple[str, str, Callable[[Path], Mapping[str, Any]]], ...] = (
+_LAYOUTS: tuple[tuple[str, str, _Reader], ...] = (
     (WEIGHTS_NAME, INDEX_NAME, _header),
     (BIN_NAME, BIN_INDEX_NAME, load_bin),
 )
@@ -377,13 +384,25 @@ def _configs(module: nn.Module) -> dict[str, str]:
     return files
 
 
-def _layout(directory: Path) -> dict[str, tuple[str, Any]]:
-    """Every stored tensor: ``name -> (file, TensorInfo or tensor)``, from a single file or an index."""
+def _roots(directory: Path) -> tuple[Path, ...]:
+    """The folders load_model follows symbolic links into: ``directory`` itself (its real path)
+    and, for a Hugging Face cache snapshot (``.../snapshots/<revision>``, whose files are links
+    to ``../../blobs/<hash>``), that cache's ``blobs`` folder."""
+    real = Path(os.path.realpath(directory))
+    blobs = real.parent.parent / "blobs"
+    return (real, blobs) if real.parent.name == "snapshots" and blobs.is_dir() else (real,)
+
+
+def _layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ...]]:
+    """Every stored tensor: ``name -> (file, TensorInfo or tensor)``, from a single file or an index;
+    and the folders its files may link into (see :func:`_roots`)."""
+    within = _roots(directory)
     for single, index, read in _LAYOUTS:
-        if (directory / single).is_file():
-            return {name: (single, entry) for name, entry in read(directory / single).items()}
-        if (directory / index).is_file():
-            return _from_index(directory / index, read)
+        # lexists: a FIFO, a folder or a link in a file's place is refused by the reader, not skipped.
+        if os.path.lexists(directory / single):
+            return {name: (single, entry) for name, entry in read(directory / single, within).items()}, within
+        if os.path.lexists(directory / index):
+            return _from_index(directory / index, read, within), within
     msg = (
         f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
         f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
@@ -406,11 +425,15 @@ def load_model(
     """Load weights saved by :func:`save_model` (or Hugging Face) into ``model``, in place.
 
     Reads either layout: ``model.safetensors``, or the index and its shards.
-    Everything is checked before any weight is copied: missing and unexpected
-    names (when ``strict``), shape and dtype mismatches (always) are all
-    listed in one :class:`CheckpointError`, and the model is left untouched.
-    A name the file lacks is not missing when the model ties it to a name the
-    file has. Every rank reads the files (they must be visible to all ranks).
+    Everything is checked before any weight is copied: every file's header
+    (every shard's, when sharded), missing and unexpected names (when
+    ``strict``), shape and dtype mismatches (always) are all listed in one
+    :class:`CheckpointError`, and the model is left untouched. Only the
+    tensors the model takes are read. Files are read only when they are
+    regular files; a symbolic link is followed only into ``directory`` itself
+    (or, in a Hugging Face cache snapshot, into the cache's ``blobs``). A name
+    the file lacks is not missing when the model ties it to a name the file
+    has. Every rank reads the files (they must be visible to all ranks).
 
     Args:
         dist: The run's :class:`DistState`.
@@ -423,7 +446,8 @@ def load_model(
 
     Raises:
         CheckpointError: No weights in ``directory``, an inconsistent index,
-            a malformed file, or a mismatch with the model.
+            a malformed file (or one that is not a regular file, or a link
+            out of ``directory``), or a mismatch with the model.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -437,7 +461,7 @@ def load_model(
         faccel.errors.CheckpointError: ...'weight' has shape [2, 3] in the file, [2, 4] in the model
     """
     folder = Path(directory)
-    layout = _layout(folder)
+    layout, within = _layout(folder)
     inner = unwrap_model(model)
     target = inner.state_dict()
     specs = {name: _spec(entry) for name, (_, entry) in layout.items()}
@@ -455,16 +479,15 @@ def load_model(
             if isinstance(layout[names[0]][1], torch.Tensor):  # .bin: the entries are the tensors
                 tensors = {name: layout[name][1] for name in names}
             else:  # safetensors: the entries say where to read
-                read = _read_tensors(folder / file)
-                tensors = {name: read[name] for name in names}
+                tensors = _read_tensors(folder / file, {name: layout[name][1] for name in names}, within)
             inner.load_state_dict(tensors, strict=False)
     return tuple(missing), tuple(unexpected)
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    buffer, record = read_verified(path, None, where=str(path))
-    header: Header = parse_header(buffer.numpy().data, record.size, where=str(path))
-    return tensor_views(buffer, header)
+def _read_tensors(
+    path: Path, infos: Mapping[str, TensorInfo], within: Sequence[Path]
+) -> dict[str, torch.Tensor]:
+    return read_tensors(path, infos, where=str(path), within=within)
 
 
 def convert_weights(
@@ -490,19 +513,25 @@ def convert_weights(
         ['model.safetensors']
     """
     folder, out = Path(source), Path(target)
-    layout = _layout(folder)
-    files = {file for file, entry in layout.values() if not isinstance(entry, torch.Tensor)}
-    read = {file: _read_tensors(folder / file) for file in files}  # safetensors: each file once
+    layout, within = _layout(folder)
+    by_file: dict[str, dict[str, TensorInfo]] = {}
+    for name, (file, entry) in layout.items():
+        if not isinstance(entry, torch.Tensor):
+            by_file.setdefault(file, {})[name] = entry
+    read = {file: _read_tensors(folder / file, infos, within) for file, infos in by_file.items()}
     tensors = {
         name: entry if isinstance(entry, torch.Tensor) else read[file][name]
         for name, (file, entry) in layout.items()
     }
     aliases = alias_groups(tensors)
     stored = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in aliases}
+    # Read as the weights are: regular files, no link out of the folder; written with the commit.
     configs = {
-        name: (folder / name).read_bytes()
+        name: read_verified(folder / name, None, where=str(folder / name), limit=MAX_JSON, within=within)[0]
+        .numpy()
+        .tobytes()
         for name in ("config.json", "generation_config.json")
-        if (folder / name).is_file()
+        if os.path.lexists(folder / name)
     }
     _write_model(out, stored, parse_size(max_shard_size), configs)
     return out

@@ -11,26 +11,23 @@ two renames leaves it, and the next checkpoint renames it back.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
-from faccel._checkpoint._durable import fsync_dir
+from faccel._checkpoint._durable import MAX_MANIFEST, fsync_dir, read_json
 from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
 from faccel._typecheck import setup_checked
+from faccel.errors import CheckpointError
 
 __all__ = ["blocking_file", "latest_checkpoint", "manifest_step", "remove_leftovers", "rotate"]
-
-_MAX_MANIFEST = 1 << 20
 
 
 def manifest_step(directory: Path) -> int | None:
     """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
     try:
-        with open(directory / MANIFEST, "rb") as handle:
-            manifest = json.loads(handle.read(_MAX_MANIFEST))
-    except (OSError, ValueError, RecursionError):
+        manifest = read_json(directory / MANIFEST, where=str(directory / MANIFEST), limit=MAX_MANIFEST)
+    except (CheckpointError, OSError):
         return None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return None

@@ -29,7 +29,16 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
-from faccel._checkpoint._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
+from faccel._checkpoint._durable import (
+    MAX_JSON,
+    MAX_MANIFEST,
+    FileRecord,
+    fsync_dir,
+    in_parallel,
+    parse_json,
+    read_verified,
+    write_durably,
+)
 from faccel._checkpoint._folders import (
     blocking_file,
     latest_checkpoint,
@@ -72,11 +81,7 @@ def _json_bytes(value: Any) -> bytes:
 
 
 def _parse_json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        msg = f"{where}: not valid JSON ({str(error)[:120]})"
-        raise CheckpointError(msg) from None
+    return parse_json(data, where)
 
 
 def _write_rank0(
@@ -324,7 +329,7 @@ def _resolve(path: Path) -> Path:
 
 def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
     where = f"{directory}/{MANIFEST}"
-    buffer, _ = read_verified(directory / MANIFEST, None, where=where)
+    buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
     manifest = _parse_json(buffer.numpy().tobytes(), where)
     return check_manifest(manifest, dist, model, where=where)
 
@@ -337,7 +342,10 @@ def _read_checkpoint(
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
     def read(name: str) -> Callable[[], torch.Tensor]:
-        return lambda: read_verified(directory / name, records[name], where=f"{directory}/{name}")[0]
+        limit = MAX_JSON if name.endswith(".json") else None
+        return lambda: read_verified(
+            directory / name, records[name], where=f"{directory}/{name}", limit=limit
+        )[0]
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
     names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])

@@ -77,6 +77,9 @@ def check_manifest(
     if not isinstance(files, dict):
         files = {}
     listed = set(files)
+    if world > len(listed):  # bounds world_size by what the manifest lists, before naming the files
+        msg = f"{where}: world_size {world}, but it lists {len(listed)} files (one generator file per rank)"
+        raise CheckpointError(msg)
     expected = set(expected_files(world))
     if listed != expected:
         msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
