@@ -39,7 +39,8 @@ def _model(seed: int) -> nn.Module:
 def _trained(state: Any) -> Any:
     """One step of every optimizer in ``state``, so that each has state to save."""
     model = state.model
-    optimizers = [state.optimizer, *(v for v in state.extras.values() if isinstance(v, torch.optim.Optimizer))]
+    extra = [value for value in state.extras.values() if isinstance(value, torch.optim.Optimizer)]
+    optimizers = [state.optimizer, *extra]
     for optimizer in optimizers:
         optimizer.zero_grad()
         model(torch.ones(2, 3)).sum().backward()
@@ -103,7 +104,7 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any], str]] = {
         lambda: _extra_optimizer_state(1, 3),
         "extras['second']",
     ),
-    "optimizer step 'abc'": (lambda: _step_abc(_trained(_adam_state(0))), lambda: _adam_state(1), "step"),
+    "optimizer step 'abc'": (lambda: _step_abc(_trained(_adam_state(0))), lambda: _adam_state(1), "'step'"),
 }
 
 
@@ -121,7 +122,7 @@ def test_a_target_that_cannot_load_is_refused_untouched(tmp_path: Path, case: st
     before = cw.observe(target)
     with pytest.raises(faccel.errors.CheckpointError) as error:
         faccel.restore(dist, target, tmp_path)
-    message = str(error.value)
+    message = str(error.value).replace(str(tmp_path), "<folder>")
     assert "state.json" in message, message
     assert field in message, message
     cw.assert_same(cw.observe(target), before)
