@@ -434,7 +434,24 @@ def _check_scheduler(
         )
         return None
     saved = decoded(section.get("state_dict"))
-    return saved if _same_keys(saved, target.state_dict(), "scheduler", problems) else None
+    live = target.state_dict()
+    if not _same_keys(saved, live, "scheduler", problems):
+        return None
+    # A scheduler's state has the shape its construction gave it: a SequentialLR of three
+    # schedulers would take the states of two and keep its third as it was.
+    for first, second in ((saved, live), (live, saved)):
+        missing = next(
+            (place for place, _, other in paired_leaves(first, second, "scheduler") if other is MISSING), None
+        )
+        if missing is not None:
+            problems.add(
+                STATE,
+                f"the saved scheduler state and the target's differ in shape at {missing} (a "
+                "scheduler built otherwise: another number of "
+                "schedulers, milestones or param groups); create the scheduler as when saving",
+            )
+            return None
+    return saved
 
 
 def _check_scaler(
