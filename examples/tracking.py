@@ -34,24 +34,24 @@ def main(run_dir: str, epochs: int = 3) -> None:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
 
     config = {"lr": 0.1, "epochs": epochs, "batch_size": 32, "world_size": dist.world_size}
-    with faccel.init_tracker(dist, run_dir, config=config) as tracker:  # writes on the main process
-        step = 0
-        for epoch in range(epochs):
-            for inputs_batch, targets_batch in loader.at(epoch=epoch):
-                started = time.perf_counter()
-                optimizer.zero_grad()
-                loss = nn.functional.mse_loss(model(inputs_batch), targets_batch)
-                faccel.backward(dist, loss)
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                seconds = time.perf_counter() - started
-                # The loss averaged over the ranks (every rank calls log: a collective) ...
-                faccel.log(dist, tracker, step, {"loss": loss.detach()}, reduce="mean")
-                # ... and the main process's own learning rate and throughput.
-                samples = len(inputs_batch) / seconds
-                faccel.log(dist, tracker, step, {"lr": scheduler.get_last_lr()[0], "samples/s": samples})
-    faccel.shutdown(dist)
+    tracker = faccel.init_tracker(dist, run_dir, config=config)  # writes on the main process
+    step = 0
+    for epoch in range(epochs):
+        for inputs_batch, targets_batch in loader.at(epoch=epoch):
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(inputs_batch), targets_batch)
+            faccel.backward(dist, loss)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            seconds = time.perf_counter() - started
+            # The loss averaged over the ranks (every rank calls log: a collective) ...
+            faccel.log(dist, tracker, step, {"loss": loss.detach()}, reduce="mean")
+            # ... and the main process's own learning rate and throughput.
+            samples = len(inputs_batch) / seconds
+            faccel.log(dist, tracker, step, {"lr": scheduler.get_last_lr()[0], "samples/s": samples})
+    faccel.shutdown(dist, trackers=[tracker])  # closes the tracker, then the process group
     if dist.is_main_process:
         import subprocess
 

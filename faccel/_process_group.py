@@ -14,7 +14,8 @@ import atexit
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -173,16 +174,24 @@ def _stop_at_exit() -> None:
 
 
 @setup_checked
-def shutdown(dist: DistState) -> None:
-    """Stop the default process group, if one runs. Safe to call more than once.
+def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
+    """Close ``trackers``, then stop the default process group, if one runs. Safe to call more than once.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        trackers: Trackers from :func:`faccel.init_tracker` to close first
+            (as :func:`faccel.end_training` does).
 
     Raises:
         ArgumentError: ``dist`` is not a :class:`DistState`.
 
     Example:
-        >>> import faccel
-        >>> faccel.shutdown(faccel.detect({}))   # nothing to stop in one process
+        >>> import tempfile, faccel
+        >>> dist = faccel.detect({})
+        >>> faccel.shutdown(dist, trackers=[faccel.init_tracker(dist, tempfile.mkdtemp())])
     """
+    for tracker in trackers:
+        tracker.__exit__(None, None, None)
     if dist.distributed and tdist.is_initialized():
         tdist.destroy_process_group()
         atexit.unregister(_stop_at_exit)
