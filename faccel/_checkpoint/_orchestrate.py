@@ -16,11 +16,14 @@ exactly (a position inside an epoch, rank extras).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,9 +32,20 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
-from faccel._checkpoint._durable import FileRecord, fsync_dir, in_parallel, read_verified, write_durably
+from faccel._checkpoint._durable import (
+    FileRecord,
+    check_written,
+    fsync_dir,
+    in_parallel,
+    read_verified,
+    write_durably,
+)
 from faccel._checkpoint._folders import (
+    RootLock,
     blocking_file,
+    check_lock,
+    complete_checkpoints,
+    hold_lock,
     latest_checkpoint,
     manifest_step,
     remove_leftovers,
@@ -62,7 +76,7 @@ from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, CheckpointError
+from faccel.errors import ArgumentValueError, CheckpointError, CheckpointWarning
 
 __all__ = ["checkpoint", "latest_checkpoint", "restore"]
 
@@ -101,6 +115,7 @@ def _commit(
     records: dict[str, FileRecord],
     content: dict[str, Any],
     keep: int | None,
+    lock: RootLock,
 ) -> None:
     for rank in range(dist.world_size):
         name = rng_name(rank)
@@ -119,8 +134,15 @@ def _commit(
             for name in expected_files(dist.world_size)
         },
     }
-    write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
+    written = {**{name: records[name] for name in expected_files(dist.world_size)}}
+    written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
+    what = f"the checkpoint of step {content['step']}"
+    check_written(temporary, written, what=what)  # a folder emptied under us is never committed
+    lost = check_lock(lock)
+    if lost is not None:
+        msg = f"{what}: not committed: {lost} while it was written; one writer per checkpoint root"
+        raise CheckpointError(msg)
     aside = None
     if final.exists():
         # replace=True: move the old one aside, then the new one in. Between the two renames
@@ -129,6 +151,12 @@ def _commit(
         os.rename(final, aside)
     os.rename(temporary, final)
     fsync_dir(root)
+    try:
+        check_written(final, written, what=what)
+    except CheckpointError:
+        with contextlib.suppress(OSError):  # ours and broken: out of sight (restore would pass it over)
+            os.rename(final, root / trash_name(final.name))
+        raise
     if aside is not None:
         trash = root / trash_name(final.name)
         os.rename(aside, trash)  # invisible at once; then deleted at leisure
@@ -228,32 +256,41 @@ def checkpoint(
     # writes them exactly as an unsharded model's (so any world size can restore them).
     whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
 
-    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]] | None:
-        if not dist.is_main_process:
-            return None
-        captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
-        root.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(root)
-        temporary.mkdir()
-        return captured
+    # The writing rank holds the root's lock from before its leftovers are removed until the commit
+    # (or failure) is over; the OS releases it if the process dies.
+    with contextlib.ExitStack() as held:
 
-    captured = together(
-        dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
-    )
+        def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
+            if not dist.is_main_process:
+                return None
+            captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
+            root.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(hold_lock(root))
+            remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
+            if not replace and manifest_step(final) is not None:  # written since _agree, by another run
+                raise CheckpointError(_exists_message(final, step))
+            temporary.mkdir()
+            return (*captured, lock)
 
-    def write() -> dict[str, FileRecord]:
-        records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
-        if captured is not None:
-            records |= _write_rank0(temporary, *captured)
-        return records
+        prepared = together(
+            dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+        )
 
-    records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
+        def write() -> dict[str, FileRecord]:
+            records = {
+                rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])
+            }
+            if prepared is not None:
+                records |= _write_rank0(temporary, prepared[0], prepared[1])
+            return records
 
-    def commit() -> None:
-        if captured is not None:
-            _commit(dist, root, temporary, final, records, captured[0], keep)
+        records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
 
-    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+        def commit() -> None:
+            if prepared is not None:
+                _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
+
+        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
     return final
 
 
@@ -288,15 +325,7 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
         )
         raise CheckpointError(msg)
     if low[6]:
-        msg = (
-            f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
-            "overwrites another unasked. The step names the checkpoint, and faccel does not count "
-            "it for you: advance the step after each optimizer step, with state = attrs.evolve("
-            "state, step=state.step + 1, position=state.position + 1). To write this step again on "
-            "purpose, pass "
-            "checkpoint(..., replace=True)"
-        )
-        raise CheckpointError(msg)
+        raise CheckpointError(_exists_message(final, step))
     if -low[1] != low[4] or -low[2] != low[5]:
         differ = sorted(digests)
         if -low[1] == low[4]:  # the same names: find which of them differ
@@ -311,6 +340,17 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
         raise CheckpointError(msg)
 
 
+def _exists_message(final: Path, step: int) -> str:
+    return (
+        f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
+        "overwrites another unasked. The step names the checkpoint, and faccel does not count "
+        "it for you: advance the step after each optimizer step, with state = attrs.evolve("
+        "state, step=state.step + 1, position=state.position + 1). To write this step again on "
+        "purpose, pass "
+        "checkpoint(..., replace=True)"
+    )
+
+
 def _resolve(path: Path) -> Path:
     directory = latest_checkpoint(path)
     if directory is None:
@@ -322,10 +362,20 @@ def _resolve(path: Path) -> Path:
     return directory
 
 
+class _BrokenError(CheckpointError):
+    """A checkpoint's files fail their check (missing, truncated, altered): ``restore(root)`` passes it over.
+
+    Not a mismatch with the objects given, which no older checkpoint would cure.
+    """
+
+
 def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
     where = f"{directory}/{MANIFEST}"
-    buffer, _ = read_verified(directory / MANIFEST, None, where=where)
-    manifest = _parse_json(buffer.numpy().tobytes(), where)
+    try:
+        buffer, _ = read_verified(directory / MANIFEST, None, where=where)
+        manifest = _parse_json(buffer.numpy().tobytes(), where)
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
     return check_manifest(manifest, dist, model, where=where)
 
 
@@ -341,7 +391,10 @@ def _read_checkpoint(
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
     names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])
-    buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
+    try:
+        buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name in (MODEL, OPTIMIZER, EXTRAS):
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
@@ -455,10 +508,50 @@ def restore(
             "all ranks must see one shared file system"
         )
         raise CheckpointError(msg)
-    loadable, rng = together(
-        dist,
-        lambda: _read_checkpoint(dist, train_state, directory),
-        what="checking the checkpoint",
-        raises=CheckpointError,
-    )
-    return load(train_state, loadable, rng)
+    # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
+    single = manifest_step(Path(path)) is not None
+    older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
+    passed: list[tuple[Path, str]] = []
+    for candidate in [directory, *older]:
+        if candidate is not directory:
+            step = manifest_step(candidate) or 0
+            low, high = agree_max(dist, [-step, step])
+            if -low != high:
+                msg = (
+                    f"{path}: the ranks found different checkpoints to fall back to (steps {-low} to "
+                    f"{high}); all ranks must see one shared file system"
+                )
+                raise CheckpointError(msg)
+        found = together(
+            dist,
+            functools.partial(_read_unless_broken, dist, train_state, candidate, single=single),
+            what="checking the checkpoint",
+            raises=CheckpointError,
+        )
+        (broken_anywhere,) = agree_max(dist, [int(isinstance(found, str))])
+        if not broken_anywhere and not isinstance(found, str):
+            if passed:
+                skipped = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
+                warnings.warn(
+                    f"{path}: restored {candidate.name}, the newest complete checkpoint, and passed over "
+                    f"the later broken one(s): {skipped}",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+            return load(train_state, *found)
+        passed.append((candidate, found if isinstance(found, str) else "broken on another rank"))
+    listed = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
+    msg = f"{path}: every checkpoint there is broken: {listed}"
+    raise CheckpointError(msg)
+
+
+def _read_unless_broken(
+    dist: DistState, state: TrainState, directory: Path, *, single: bool
+) -> tuple[Loadable, dict[str, Any] | None] | str:
+    """The checkpoint read and checked, or (from a root) why its files are broken."""
+    try:
+        return _read_checkpoint(dist, state, directory)
+    except _BrokenError as error:
+        if single:
+            raise CheckpointError(str(error)) from None
+        return str(error)
