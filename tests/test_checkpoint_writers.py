@@ -40,6 +40,8 @@ from faccel.errors import CheckpointError, CheckpointWarning
 
 CONCURRENT_RUNS = 1
 CHECKPOINTS_PER_WRITER = 10
+# (the script's runs)
+SCRIPT_CHECKPOINTS_PER_WRITER = 20
 DELETE_TRIALS = 40
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -133,19 +135,30 @@ def concurrent_run(root: Path, checkpoints: int) -> dict[str, int]:
     committed = [o for o in outcomes if "folder" in o]
     refused = [o for o in outcomes if "error" in o]
     broken = [o["folder"] for o in committed if not _complete(Path(o["folder"]))]
-    assert not broken, f"checkpoint() returned success for incomplete checkpoints: {broken}"
-    for o in refused:  # the second writer is refused, naming the first one's pid
-        assert "another process is writing a checkpoint" in o["error"] and "pid" in o["error"], o
+    # the second writer is refused, naming the first one's pid
+    unclear = [
+        o
+        for o in refused
+        if not ("another process is writing a checkpoint" in o["error"] and "pid" in o["error"])
+    ]
     step, how = _restore(root)
-    assert step == max(o["step"] for o in committed) and how == "latest", (step, how)
-    return {"committed": len(committed), "refused": len(refused), "broken": len(broken)}
+    wrong = step != max((o["step"] for o in committed), default=None) or how != "latest"
+    return {
+        "committed": len(committed),
+        "refused": len(refused),
+        "broken": len(broken),
+        "other_errors": len(unclear),
+        "restore_not_latest": int(wrong),
+    }
 
 
 def test_two_jobs_checkpointing_into_one_root_never_commit_an_incomplete_checkpoint(tmp_path: Path) -> None:
-    totals = {"committed": 0, "refused": 0}
+    totals: dict[str, int] = {}
     for run in range(CONCURRENT_RUNS):
-        counts = concurrent_run(tmp_path / f"run{run}", CHECKPOINTS_PER_WRITER)
-        totals = {key: totals[key] + counts[key] for key in totals}
+        for key, value in concurrent_run(tmp_path / f"run{run}", CHECKPOINTS_PER_WRITER).items():
+            totals[key] = totals.get(key, 0) + value
+    # never success for an incomplete checkpoint; every refusal names the other writer; restore: the latest
+    assert totals["broken"] == totals["other_errors"] == totals["restore_not_latest"] == 0, totals
     assert totals["committed"] >= CHECKPOINTS_PER_WRITER  # at least one writer's worth went through
     assert totals["refused"] > 0, "the writers never overlapped: the attack did not happen"
 
@@ -237,9 +250,12 @@ def test_restore_of_a_root_falls_back_past_a_broken_latest_with_a_warning(tmp_pa
     with open(tmp_path / "step-000000000002" / "optimizer.safetensors", "r+b") as handle:
         handle.seek(-1, os.SEEK_END)
         handle.write(b"\x00")
-    with pytest.warns(CheckpointWarning, match=r"restored step-000000000001.*step-000000000003.*step-000000000002"):
+    with pytest.warns(
+        CheckpointWarning, match=r"restored step-000000000001.*step-000000000003.*step-000000000002"
+    ) as caught:
         assert faccel.restore(dist, _state(0), tmp_path).step == 1
-    with pytest.raises(CheckpointError, match="model.safetensors: the file is missing"):
+    assert caught[0].filename == __file__  # the warning points at the caller's restore
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the file is missing"):
         faccel.restore(dist, _state(0), tmp_path / "step-000000000003")  # a folder named: no fallback
     (tmp_path / "step-000000000001" / "state.json").unlink()
     with pytest.raises(CheckpointError, match="every checkpoint there is broken"):
@@ -259,7 +275,7 @@ def test_a_folder_emptied_before_the_commit_is_not_committed(tmp_path: Path, mon
         real(directory, records, what=what)
 
     monkeypatch.setattr(_orchestrate, "check_written", emptied)
-    with pytest.raises(CheckpointError, match="model.safetensors is gone"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is gone"):
         faccel.checkpoint(faccel.detect({}), _state(5), tmp_path)
     assert calls == [".tmp-step-000000000005"] and not (tmp_path / "step-000000000005").exists()
 
@@ -283,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         began = time.monotonic()
         totals: dict[str, int] = {}
         for run in range(args.concurrent):
-            for key, value in concurrent_run(Path(base) / f"run{run}", CHECKPOINTS_PER_WRITER).items():
+            for key, value in concurrent_run(Path(base) / f"run{run}", SCRIPT_CHECKPOINTS_PER_WRITER).items():
                 totals[key] = totals.get(key, 0) + value
         print(f"{args.concurrent} runs of two writers: {totals} ({time.monotonic() - began:.0f} s)")
         began = time.monotonic()
