@@ -222,7 +222,13 @@ def checkpoint(
             outlived the process group's timeout (the message names the step
             and ``faccel.detect(timeout=...)``); a value with no pickle-free
             form in the state (the message names it), or a failed write on
-            any rank. Earlier checkpoints are untouched.
+            any rank; another process is writing into ``path`` (one writer
+            per root: the writing rank holds an OS lock, ``fcntl.flock`` on
+            ``path/.lock``, and a second writer is refused at once, the message
+            naming the holder's host and pid); the folder being written
+            changed under the writer (``path`` deleted during the write: the
+            files are checked against the manifest before and after the commit
+            rename). Earlier checkpoints are untouched.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -446,7 +452,9 @@ def restore(
     """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
 
     ``path`` is one checkpoint folder, or a root folder of them (then the
-    latest complete one, see :func:`latest_checkpoint`). Everything is checked
+    latest complete one, see :func:`latest_checkpoint`; when its files fail
+    their check, the newest one before it that passes, with a
+    :class:`~faccel.errors.CheckpointWarning` naming both). Everything is checked
     before any object is touched: the manifest's format and version, every
     file's presence, size and SHA-256, and the saved keys, shapes, dtypes and
     classes against the model, optimizer, scheduler, scaler and extras given.
@@ -479,8 +487,8 @@ def restore(
             truncated, foreign, of another version or world size (another
             world size is refused mid-epoch, ``position`` > 0, and with
             ``rank_extras``, under any strategy), or does not fit the
-            objects; a rank did not call ``restore`` within
-            ``arrival_timeout``. The message names the file and the problem,
+            objects; every checkpoint of a root is broken; a rank did not
+            call ``restore`` within ``arrival_timeout``. The message names the file and the problem,
             and nothing has been modified.
 
     Example:
