@@ -21,8 +21,8 @@ def set_seed(dist: DistState, seed: int, *, per_rank: bool = False) -> int:
     ``numpy.random.rand()`` and ``torch.randn()`` draw from (``torch.manual_seed``
     also seeds every CUDA, MPS and XPU device).
 
-    It does **not** change the data order (a plain ``DataLoader`` shuffles from the
-    global torch generator; a prepared one does not): a prepared loader's shuffle
+    It does **not** change the data order (a plain ``DataLoader`` shuffles from
+    torch's global generator; a prepared one does not): a prepared loader's shuffle
     follows ``dist.seed`` and the epoch (see :class:`faccel.Sharding`); for
     another order, ``faccel.detect(seed=...)``.
 

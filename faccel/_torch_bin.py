@@ -11,10 +11,13 @@ allows, and what they hold must be a flat mapping of names to tensors.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from faccel._checkpoint._durable import open_regular
 from faccel.errors import CheckpointError
 
 __all__ = ["BIN_INDEX_NAME", "BIN_NAME", "load_bin"]
@@ -23,12 +26,16 @@ BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 
 
-def load_bin(path: Path) -> dict[str, torch.Tensor]:
+def load_bin(path: Path, within: Sequence[Path] = ()) -> dict[str, torch.Tensor]:
     """The tensors of one ``.bin`` file, read by the restricted loader (memory-mapped where it can).
+
+    The file must be a regular file, and a symbolic link is followed only into
+    the folders ``within`` (real paths; none: links are refused).
 
     Raises:
         CheckpointError: The file holds anything but a flat mapping of names
-            to tensors (nothing in it is run), or is damaged or missing.
+            to tensors (nothing in it is run), or is damaged or missing, not a
+            regular file, or a link out of ``within``.
 
     Example:
         >>> import pathlib, tempfile, torch
@@ -37,17 +44,19 @@ def load_bin(path: Path) -> dict[str, torch.Tensor]:
         >>> load_bin(path)["w"].tolist()
         [1.0, 1.0]
     """
-    if not path.is_file():
+    if not os.path.lexists(path):
         msg = f"{path}: not found; pass the folder that holds every weights file"
         raise CheckpointError(msg)
+    os.close(open_regular(path, where=str(path), within=within))  # a regular file, no link out
+    real = Path(os.path.realpath(path)) if within else path
     try:
         try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            loaded = torch.load(real, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as error:
             if "mmap" not in str(error):
                 raise
             # Files from torch < 1.6 (the legacy, non-zip format) cannot be memory-mapped.
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(real, map_location="cpu", weights_only=True)
     except Exception as error:  # the restricted unpickler's refusal, or a damaged file
         msg = (
             f"{path}: holds something other than tensors, or is damaged; faccel reads .bin weights "

@@ -255,3 +255,36 @@ def launcher_envs(draw: st.DrawFn) -> dict[str, str]:
     names = sorted({name for group in ENV_VARIABLES.values() for name in group})
     chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=8))
     return {name: draw(_env_values, label=name) for name in chosen}
+
+
+# --- restore: saved objects and the target objects a checkpoint is restored into ---
+
+RESTORE_FIELDS = ("width", "optimizer", "split", "scheduler", "scaler", "extras")
+_EXTRA_KINDS = ("tensor3", "tensor4", "count", "adam1", "adam3", "sgd")
+
+
+def _restore_field(field: str) -> st.SearchStrategy[Any]:
+    return {
+        "width": st.sampled_from([4, 5]),
+        "optimizer": st.sampled_from(["sgd", "adam", "adamw"]),
+        "split": st.integers(min_value=0, max_value=3),  # 0: one param group, else two split there
+        "scheduler": st.sampled_from([None, "step", "sequential2", "sequential3", "plateau"]),
+        "scaler": st.booleans(),
+        "extras": st.dictionaries(st.sampled_from("abc"), st.sampled_from(_EXTRA_KINDS), max_size=3),
+    }[field]
+
+
+@st.composite
+def restore_specs(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(saved, target)`` specs of a TrainState's objects: the target differs in 0 to 2 fields.
+
+    A spec names a model width, an optimizer kind and its param-group split, a
+    scheduler kind (SequentialLR of 2 or 3), a grad scaler or none, and extras
+    (tensors of two shapes, a count, optimizers over differently split groups);
+    the saved one may hold a crafted optimizer state (``step_abc``).
+    """
+    saved = {field: draw(_restore_field(field)) for field in RESTORE_FIELDS}
+    saved["step_abc"] = draw(st.booleans()) and draw(st.booleans())
+    changed = draw(st.lists(st.sampled_from(RESTORE_FIELDS), max_size=2, unique=True))
+    target = {**saved, "step_abc": False, **{field: draw(_restore_field(field)) for field in changed}}
+    return saved, target

@@ -66,16 +66,16 @@ def _train(dist: object, steps: int) -> list[float]:
     model, optimizer = faccel.prepare(dist, model, optimizer)
     scaler = faccel.grad_scaler(dist)
     losses: list[float] = []
-    while len(losses) < steps:
+    for _ in range(5 * steps):  # fp16: a step whose gradients overflow is skipped, and the scale shrinks
         optimizer.zero_grad()
         batch = slice(len(losses) % 4 * 16, len(losses) % 4 * 16 + 16)
         loss = torch.nn.functional.mse_loss(model(x[batch].cuda()), y[batch].cuda())
         faccel.backward(dist, loss, scaler=scaler)
         if faccel.optimizer_step(dist, optimizer, scaler=scaler):
             losses.append(loss.item())
-        else:
-            assert len(losses) == 0, "the scaler skips only while it finds its scale"
-    return losses
+        if len(losses) == steps:
+            return losses
+    raise AssertionError(f"only {len(losses)} of {5 * steps} steps were applied")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -160,3 +160,47 @@ def test_functional_adamw_matches_torch_on_the_gpu() -> None:
         torch_opt.step()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_trackers_any_rank_and_legacy_weights_on_the_gpu(tmp_path: Path) -> None:
+    import json
+
+    import faccel
+
+    dist = faccel.detect({})
+    loss = torch.tensor(0.25, device=dist.device)
+    with faccel.init_tracker(dist, tmp_path / "run") as tracker:
+        faccel.log(dist, tracker, 1, {"loss": loss}, reduce="mean")
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert (record["loss"], record["source"]) == (0.25, "mean over 1 rank")
+    assert faccel.any_rank(dist, torch.isnan(loss)) is False
+    source = _model()
+    torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
+    target = faccel.prepare(dist, _model())
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    faccel.load_model(dist, target, tmp_path)
+    for a, b in zip(source.parameters(), target.parameters(), strict=True):
+        assert b.is_cuda and torch.equal(a, b.cpu())
+
+
+# Inductor warns of torch.jit's deprecation inside torch itself (torch 2.11), and advises TF32
+# for float32 matrix products: torch's own messages, not faccel's.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
+def test_torch_compile_with_inductor_on_the_gpu(tmp_path: Path) -> None:
+    import time
+
+    import faccel
+
+    dist = faccel.detect({})
+    x, _ = _task()
+    eager = faccel.prepare(dist, _model())
+    compiled = torch.compile(faccel.prepare(dist, _model()))
+    started = time.perf_counter()
+    out = compiled(x.cuda())
+    print(f"inductor on the GPU: first forward {time.perf_counter() - started:.1f} s")
+    torch.testing.assert_close(out, eager(x.cuda()), rtol=1e-4, atol=1e-5)
+    faccel.save_model(dist, compiled, tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").exists()

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from tests.distributed.checkpoint_workers import Net, assert_same, build, example_spec
 from tests.strategies import checkpoint_specs
 
-SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+# Changed with issue 12: the shards of each save carry a tag of their own (8 hex digits).
+SHARD = re.compile(r"model-[0-9a-f]{8}-(\d{5})-of-(\d{5})\.safetensors")
 
 
 def _tensors_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -54,6 +55,7 @@ def test_sharded_layout_is_what_hugging_face_writes_and_reloads_equal(
             numbers = [SHARD.fullmatch(f).groups() for f in shards]  # type: ignore[union-attr]
             assert [int(k) for k, _ in numbers] == list(range(1, len(shards) + 1))
             assert {int(n) for _, n in numbers} == {len(shards)} and len(shards) > 1
+            assert len({f.split("-")[1] for f in shards}) == 1  # one save, one tag
             weight_map = index["weight_map"]
             nbytes = sum(t.numel() * t.element_size() for t in stored.values())
             assert index["metadata"]["total_size"] == nbytes
@@ -200,8 +202,8 @@ def test_a_resave_with_fewer_shards_removes_the_stale_ones(tmp_path: Path) -> No
             lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"w": "../x"}}'),
             "weight_map",
         ),
-        (lambda d: (d / "model-00002-of-00003.safetensors").unlink(), "missing"),
-        (lambda d: _truncate(d / "model-00003-of-00003.safetensors"), "truncated"),
+        (lambda d: _shard(d, 2).unlink(), "missing"),
+        (lambda d: _truncate(_shard(d, 3)), "truncated"),
         (lambda d: _remap(d), "disagree"),
     ],
 )
@@ -220,6 +222,11 @@ def test_broken_sharded_folders_raise_and_load_nothing(tmp_path: Path, edit: Any
     assert_same(dict(target.state_dict()), before)
 
 
+def _shard(folder: Path, k: int) -> Path:
+    (path,) = folder.glob(f"model-*-{k:05d}-of-00003.safetensors")
+    return path
+
+
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:-4])
@@ -228,7 +235,7 @@ def _truncate(path: Path) -> None:
 def _remap(folder: Path) -> None:
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    index["weight_map"]["0.weight"] = "model-00003-of-00003.safetensors"  # shard 1 holds it
+    index["weight_map"]["0.weight"] = _shard(folder, 3).name  # shard 1 holds it
     index_path.write_text(json.dumps(index))
 
 
@@ -238,3 +245,85 @@ def test_bad_shard_sizes_are_refused(tmp_path: Path, bad: Any) -> None:
 
     with pytest.raises(faccel.errors.ArgumentValueError, match="max_shard_size"):
         faccel.save_model(faccel.detect({}), torch.nn.Linear(1, 1), tmp_path, max_shard_size=bad)
+
+
+def _versioned(version: float) -> torch.nn.Module:
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.fill_(version)
+    return model
+
+
+def _assert_loads_version(folder: Path, version: float) -> None:
+    import faccel
+
+    target = _versioned(-1)
+    faccel.load_model(faccel.detect({}), target, folder)
+    assert all(bool((t == version).all()) for t in target.state_dict().values())
+
+
+@pytest.mark.parametrize("fail_after", [0, 2, 5, 8], ids=["shard-1", "shard-2", "shard-3", "index"])
+@pytest.mark.parametrize("shard_size", [5000, 10**9], ids=["over-4-shards", "over-1-file"])
+def test_a_full_disk_fails_the_save_leaves_the_earlier_one_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_after: int, shard_size: int
+) -> None:
+    """ENOSPC at the n-th write of a 4-shard save: a StorageError, the folder as the earlier save left it."""
+    import errno
+
+    import faccel
+    from faccel._checkpoint import _durable
+
+    dist = faccel.detect({})
+    faccel.save_model(dist, _versioned(1), tmp_path, max_shard_size=shard_size)
+    before = sorted(os.listdir(tmp_path))
+    writes = 0
+    original = _durable._write_all
+
+    def full(fd: int, view: memoryview) -> None:
+        nonlocal writes
+        writes += 1
+        if writes > fail_after:
+            os.write(fd, view[: len(view) // 2])  # part of it, as a filling disk does
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(fd, view)
+
+    monkeypatch.setattr(_durable, "_write_all", full)
+    with pytest.raises(faccel.errors.StorageError, match="save_model failed"):
+        faccel.save_model(dist, _versioned(2), tmp_path, max_shard_size=5000)
+    assert sorted(os.listdir(tmp_path)) == before  # no .tmp-*, no shard of the failed save
+    _assert_loads_version(tmp_path, 1)
+    monkeypatch.undo()
+    faccel.save_model(dist, _versioned(2), tmp_path, max_shard_size=5000)
+    _assert_loads_version(tmp_path, 2)
+
+
+def test_a_really_full_disk_fails_the_save_and_leaves_the_earlier_one(tmp_path: Path) -> None:
+    """A 64 KiB tmpfs holds one 4-shard save, not two: the second fails (ENOSPC), the first stays whole.
+
+    Root only (the mount); elsewhere the monkeypatched ENOSPC test above stands in.
+    """
+    import subprocess
+
+    import faccel
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
+    try:
+        dist = faccel.detect({})
+        faccel.save_model(dist, _versioned(1), disk, max_shard_size=5000)
+        before = sorted(os.listdir(disk))
+        with pytest.raises(faccel.errors.StorageError, match="No space left on device"):
+            faccel.save_model(dist, _versioned(2), disk, max_shard_size=5000)
+        assert sorted(os.listdir(disk)) == before
+        _assert_loads_version(disk, 1)
+        faccel.save_model(dist, _versioned(3), disk, max_shard_size=10**9)  # one file fits beside them
+        assert sorted(os.listdir(disk)) == ["model.safetensors"]
+        _assert_loads_version(disk, 3)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -6,13 +6,23 @@ thread, so it overlaps the write and the fsync instead of re-reading the
 file. Reading is the mirror: one ``readinto`` per chunk into a single
 buffer, hashed chunk by chunk on a second thread.
 
+Every file faccel reads back (a checkpoint's files, ``load_model``'s weights
+and index) is opened here, by :func:`open_regular`: a regular file only (a
+FIFO, a device or a folder is refused without blocking), never through a
+symbolic link out of its folder, and its real size checked against a cap
+before a byte is allocated. JSON is parsed by :func:`parse_json`, which turns
+every way hostile text can fail (too deep, too long a number) into one
+:class:`CheckpointError` naming the file.
+
 POSIX durability needs three fsyncs: the file (its data), the directory that
 holds it (its name), and, after a rename, the directory the name moved into.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
 import stat
 import threading
@@ -26,11 +36,16 @@ import torch
 from faccel.errors import CheckpointError
 
 __all__ = [
+    "MAX_JSON",
+    "MAX_MANIFEST",
     "FileRecord",
     "atomic_write",
     "check_written",
     "fsync_dir",
     "in_parallel",
+    "open_regular",
+    "parse_json",
+    "read_json",
     "read_verified",
     "write_durably",
 ]
@@ -42,6 +57,14 @@ _THREAD_BYTES = 1 << 20
 _READ_CHUNK = 64 << 20
 # One write() moves at most this much on Linux; larger views are written in pieces.
 _WRITE_CHUNK = 1 << 30
+# The largest JSON file read back: state, generators, a weights index (a few MB in practice).
+MAX_JSON = 256 << 20
+# A manifest lists about 100 bytes per rank: 32 MiB is room for 300,000 ranks.
+MAX_MANIFEST = 32 << 20
+# Digits of one JSON integer (Python's own limit for int(str)); 64-bit values need 20.
+_MAX_DIGITS = 4300
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @attrs.frozen(kw_only=True)
@@ -146,25 +169,96 @@ def atomic_write(path: Path, chunks: Sequence[Any]) -> FileRecord:
     return record
 
 
-def read_verified(path: Path, expected: FileRecord | None, *, where: str) -> tuple[torch.Tensor, FileRecord]:
-    """The bytes of ``path`` as a uint8 tensor, checked against ``expected`` when given.
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
-    Raises :class:`CheckpointError` naming ``where`` if the file is missing, or
-    its size or hash differs from ``expected``.
+
+def open_regular(path: Path, *, where: str, within: Sequence[Path] = ()) -> int:
+    """A descriptor open for reading on the regular file at ``path`` (the caller closes it).
+
+    Never blocks (a FIFO is opened non-blocking, then refused) and never reads
+    a folder, a device or a socket. Symbolic links: with ``within`` empty,
+    ``path`` and the folder holding it must not be links (a checkpoint holds
+    none); otherwise links are followed only while the real path stays inside
+    one of the ``within`` folders (given as real paths). Raises
+    :class:`CheckpointError` naming ``where``.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        if within:
+            real = Path(os.path.realpath(path))
+            if not any(real.is_relative_to(root) for root in within):
+                msg = (
+                    f"{where}: a symbolic link to {real}, outside {within[0]}; faccel reads only the "
+                    "files inside the folder it is given"
+                )
+                raise CheckpointError(msg)
+            fd = os.open(real, _READ_FLAGS)
+        else:
+            folder = os.open(path.parent, _DIR_FLAGS)
+            try:
+                fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+            finally:
+                os.close(folder)
     except FileNotFoundError:
         msg = f"{where}: the file is missing"
         raise CheckpointError(msg) from None
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            msg = (
+                f"{where}: it or its folder is a symbolic link (or not a folder); a checkpoint's "
+                "folder and files are never links, and faccel does not follow them"
+            )
+        else:
+            msg = f"{where}: cannot be opened ({error.strerror})"
+        raise CheckpointError(msg) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        msg = f"{where}: {_kind(mode)}, not a regular file; faccel reads regular files only"
+        raise CheckpointError(msg)
+    return fd
+
+
+def _check_size(size: int, expected: FileRecord | None, limit: int | None, where: str) -> None:
+    if expected is not None and size != expected.size:
+        msg = (
+            f"{where}: the file has {size} bytes but the manifest says {expected.size} (truncated or altered)"
+        )
+        raise CheckpointError(msg)
+    if limit is not None and size > limit:
+        msg = f"{where}: the file has {size} bytes, more than the {limit} such a file may have"
+        raise CheckpointError(msg)
+
+
+def read_verified(
+    path: Path,
+    expected: FileRecord | None,
+    *,
+    where: str,
+    limit: int | None = None,
+    within: Sequence[Path] = (),
+) -> tuple[torch.Tensor, FileRecord]:
+    """The bytes of ``path`` as a uint8 tensor, checked against ``expected`` when given.
+
+    The file is opened by :func:`open_regular` (``within`` as there), and its
+    size checked against ``expected`` and ``limit`` before anything is
+    allocated. Raises :class:`CheckpointError` naming ``where`` if the file is
+    missing, not a regular file, a link refused, too large, or its size or
+    hash differs from ``expected``.
+    """
+    fd = open_regular(path, where=where, within=within)
     try:
         size = os.fstat(fd).st_size
-        if expected is not None and size != expected.size:
-            msg = (
-                f"{where}: the file has {size} bytes but the manifest says {expected.size} "
-                "(truncated or altered)"
-            )
-            raise CheckpointError(msg)
+        _check_size(size, expected, limit, where)
         # torch.empty, not bytearray: no zero-filling, and 64-byte aligned for tensor views.
         buffer = torch.empty(size, dtype=torch.uint8)
         view = buffer.numpy().data if size else memoryview(b"")
@@ -187,6 +281,42 @@ def read_verified(path: Path, expected: FileRecord | None, *, where: str) -> tup
         msg = f"{where}: the {HASH} checksum differs from the manifest's (the file is corrupted)"
         raise CheckpointError(msg)
     return buffer, FileRecord(size=size, sha256=digest)
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        msg = f"an integer of {len(text)} digits"
+        raise ValueError(msg)
+    return int(text)
+
+
+def parse_json(data: bytes | memoryview, where: str) -> Any:
+    """``data`` parsed as JSON, or one :class:`CheckpointError` naming ``where``.
+
+    Whatever hostile text makes the parser raise (bad UTF-8 or syntax, nesting
+    deeper than the interpreter's recursion limit, an integer of thousands of
+    digits) is caught here and nowhere else.
+
+    Example:
+        >>> parse_json(b'{"a": [1, 2.5]}', "x.json")
+        {'a': [1, 2.5]}
+        >>> parse_json(b"[" * 100_000, "x.json")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.CheckpointError: x.json: not JSON (RecursionError...)
+    """
+    try:
+        return json.loads(bytes(data), parse_int=_parse_int)
+    except (ValueError, RecursionError, TypeError, OverflowError) as error:
+        msg = f"{where}: not JSON ({type(error).__name__}: {str(error)[:120]})"
+        raise CheckpointError(msg) from None
+
+
+def read_json(path: Path, *, where: str, limit: int = MAX_JSON, within: Sequence[Path] = ()) -> Any:
+    """The JSON file at ``path``: opened and size-capped as :func:`read_verified`, parsed by
+    :func:`parse_json`. Raises :class:`CheckpointError` naming ``where``."""
+    buffer, _ = read_verified(path, None, where=where, limit=limit, within=within)
+    return parse_json(buffer.numpy().data, where)
 
 
 def in_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:

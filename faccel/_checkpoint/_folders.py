@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl  # POSIX only: faccel does not target Windows
-import json
 import os
 import shutil
 import socket
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import attrs
 
-from faccel._checkpoint._durable import fsync_dir
+from faccel._checkpoint._durable import MAX_MANIFEST, fsync_dir, read_json
 from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
@@ -50,15 +49,12 @@ __all__ = [
 # The file a writer locks in the root; it holds the writer's host and pid, for the error of a second one.
 LOCK = ".lock"
 
-_MAX_MANIFEST = 1 << 20
-
 
 def manifest_step(directory: Path) -> int | None:
     """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
     try:
-        with open(directory / MANIFEST, "rb") as handle:
-            manifest = json.loads(handle.read(_MAX_MANIFEST))
-    except (OSError, ValueError, RecursionError):
+        manifest = read_json(directory / MANIFEST, where=str(directory / MANIFEST), limit=MAX_MANIFEST)
+    except (CheckpointError, OSError):
         return None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return None

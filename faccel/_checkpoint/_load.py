@@ -1,7 +1,10 @@
 """Checked checkpoint content into the live objects, and this rank's generators set.
 
 Only :func:`faccel._checkpoint._verify.check` makes a :class:`Loadable`, so
-everything loaded here has passed every check first.
+everything loaded here has passed every check first, and every
+``load_state_dict`` has already succeeded on a throwaway copy of its object
+(``_stage``). The model is loaded last, after every other object took its
+state.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import numpy as np
 import torch
 
 from faccel._checkpoint._capture import is_stateful
+from faccel._checkpoint._format import STATE
 from faccel._checkpoint._sharded_state import load_full_state
 from faccel._checkpoint._verify import Loadable
 from faccel._model import is_sharded, unwrap_model
 from faccel._train_state import TrainState
 from faccel._tree import paired_leaves, rebuild
+from faccel.errors import CheckpointError
 
 __all__ = ["load"]
 
@@ -35,6 +40,20 @@ def _placed(saved: Any, live: Any) -> Any:
     return rebuild(saved, moved)
 
 
+def _into(where: str, field: str, obj: Any, saved: Mapping[str, Any]) -> None:
+    """``obj.load_state_dict(saved)``; only an object that could not be copied may still refuse."""
+    try:
+        with torch.no_grad():
+            obj.load_state_dict(saved)
+    except Exception as error:  # only an object that could not be copied gets here untried
+        msg = (
+            f"checkpoint {where}: {STATE}: {field}: the saved state does not load into the target "
+            f"({type(error).__name__}: {error}); it could not be tried on a copy first, so {field} "
+            "may be partly loaded (the objects loaded before it are: fix the target and restore again)"
+        )
+        raise CheckpointError(msg) from error
+
+
 def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -> TrainState:
     """Load a checked checkpoint into ``state``'s objects (in place) and set the generators.
 
@@ -42,21 +61,23 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     ``rng`` is None for a rank the checkpoint has no generators of (resharding
     to more ranks): its generators are left as they are.
     """
+    where = loadable.where
+    extras = _load_extras(state.extras, loadable.extras, where, "extras")
+    rank_extras = {}
+    if rng is not None:
+        rank_extras = _load_extras(state.rank_extras, rng["extras"], where, "rank_extras")
+    if state.scaler is not None and loadable.scaler:
+        _into(where, "scaler", state.scaler, dict(loadable.scaler))
+    if state.scheduler is not None and loadable.scheduler is not None:
+        _into(where, "scheduler", state.scheduler, dict(loadable.scheduler))
     model = unwrap_model(state.model)
     if is_sharded(model):
         # A collective: every rank scatters the whole tensors into its own shards.
         load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
     else:
-        with torch.no_grad():
-            model.load_state_dict(dict(loadable.model), strict=True)
         if state.optimizer is not None:
-            state.optimizer.load_state_dict(dict(loadable.optimizer))
-    if state.scheduler is not None and loadable.scheduler is not None:
-        state.scheduler.load_state_dict(dict(loadable.scheduler))
-    if state.scaler is not None and loadable.scaler:
-        state.scaler.load_state_dict(dict(loadable.scaler))
-    extras = _load_extras(state.extras, loadable.extras)
-    rank_extras = _load_extras(state.rank_extras, rng["extras"]) if rng is not None else {}
+            _into(where, "optimizer", state.optimizer, dict(loadable.optimizer))
+        _into(where, "model", model, dict(loadable.model))  # strict: every key, checked
     if rng is not None:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -73,13 +94,15 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     )
 
 
-def _load_extras(live_extras: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+def _load_extras(
+    live_extras: Mapping[str, Any], saved: Mapping[str, Any], where: str, label: str
+) -> dict[str, Any]:
     """Stateful extras loaded in place, the others replaced by the saved values."""
     extras: dict[str, Any] = {}
     for name, live in live_extras.items():
         value = saved[name]
         if is_stateful(live):
-            live.load_state_dict(_placed(value, live.state_dict()))
+            _into(where, f"{label}[{name!r}]", live, _placed(value, live.state_dict()))
             extras[name] = live
         else:
             extras[name] = _placed(value, live)

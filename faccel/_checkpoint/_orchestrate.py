@@ -33,10 +33,13 @@ from torch import nn
 
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
 from faccel._checkpoint._durable import (
+    MAX_JSON,
+    MAX_MANIFEST,
     FileRecord,
     check_written,
     fsync_dir,
     in_parallel,
+    parse_json,
     read_verified,
     write_durably,
 )
@@ -86,11 +89,7 @@ def _json_bytes(value: Any) -> bytes:
 
 
 def _parse_json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        msg = f"{where}: not valid JSON ({str(error)[:120]})"
-        raise CheckpointError(msg) from None
+    return parse_json(data, where)
 
 
 def _write_rank0(
@@ -378,7 +377,7 @@ class _BrokenError(CheckpointError):
 def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
     where = f"{directory}/{MANIFEST}"
     try:
-        buffer, _ = read_verified(directory / MANIFEST, None, where=where)
+        buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
         manifest = _parse_json(buffer.numpy().tobytes(), where)
     except CheckpointError as error:
         raise _BrokenError(str(error)) from None
@@ -393,7 +392,10 @@ def _read_checkpoint(
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
     def read(name: str) -> Callable[[], torch.Tensor]:
-        return lambda: read_verified(directory / name, records[name], where=f"{directory}/{name}")[0]
+        limit = MAX_JSON if name.endswith(".json") else None
+        return lambda: read_verified(
+            directory / name, records[name], where=f"{directory}/{name}", limit=limit
+        )[0]
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
     names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])
@@ -548,8 +550,11 @@ def restore(
                 )
             return load(train_state, *found)
         passed.append((candidate, found if isinstance(found, str) else "broken on another rank"))
-    listed = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
-    msg = f"{path}: every checkpoint there is broken: {listed}"
+    # The latest one's own error first (alone when it is the only one), then the older ones'.
+    msg = passed[0][1]
+    if len(passed) > 1:
+        older_ones = "; ".join(f"{folder.name} ({why})" for folder, why in passed[1:])
+        msg += f". And every checkpoint before it in {path} is broken too: {older_ones}"
     raise CheckpointError(msg)
 
 

@@ -18,13 +18,14 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from faccel._checkpoint._durable import open_regular, parse_json
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -35,7 +36,9 @@ __all__ = [
     "parse_header",
     "plan",
     "read_header",
+    "read_tensors",
     "tensor_views",
+    "valid_shape",
 ]
 
 # torch dtype -> safetensors dtype code (the format's own names).
@@ -71,6 +74,31 @@ def dtype_of_code(code: object, where: str) -> torch.dtype:
 
 # The format allows up to 100 MB of header; a larger claim means a foreign or corrupt file.
 _MAX_HEADER = 100_000_000
+_READ_CHUNK = 64 << 20
+# A shape's dimensions: at most as many as NumPy allows, and their product (zero sizes counted
+# as one) small enough that no stride or size computed from it overflows 64 bits.
+_MAX_DIMS = 64
+_MAX_SPAN = 1 << 56
+
+
+def valid_shape(value: object) -> tuple[int, ...] | None:
+    """``value`` as a shape when it is a list of at most 64 non-negative ints whose product,
+    zero sizes counted as one, stays below 2^56 (so that no stride overflows); else None.
+
+    Example:
+        >>> valid_shape([2, 0, 3]), valid_shape([0, 2**64]), valid_shape([-1]), valid_shape("2")
+        ((2, 0, 3), None, None, None)
+    """
+    if type(value) is not list or len(value) > _MAX_DIMS:
+        return None
+    span = 1
+    for size in value:
+        if type(size) is not int or not 0 <= size < _MAX_SPAN:
+            return None
+        span *= max(size, 1)
+        if span >= _MAX_SPAN:
+            return None
+    return tuple(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -149,9 +177,9 @@ def parse_header(prefix: bytes | memoryview, file_size: int, *, where: str) -> H
     if length > _MAX_HEADER or 8 + length > file_size or 8 + length > len(prefix):
         raise _bad(where, f"a header of {length} bytes does not fit a file of {file_size} bytes")
     try:
-        raw = json.loads(bytes(prefix[8 : 8 + length]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _bad(where, f"the header is not JSON ({error})") from None
+        raw = parse_json(prefix[8 : 8 + length], where)
+    except CheckpointError as error:
+        raise _bad(where, f"the header is {str(error).removeprefix(where + ': ')}") from None
     if not isinstance(raw, dict):
         raise _bad(where, "the header is not a JSON object")
     metadata = raw.pop("__metadata__", None) or {}
@@ -178,9 +206,9 @@ def _info(name: str, entry: Any, where: str) -> TensorInfo:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise _bad(where, f"entry {name!r} needs exactly dtype, shape and data_offsets")
     dtype = dtype_of_code(entry["dtype"], f"{where}: tensor {name!r}")
-    shape, offsets = entry["shape"], entry["data_offsets"]
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _bad(where, f"tensor {name!r} has a malformed shape {shape!r:.60}")
+    shape, offsets = valid_shape(entry["shape"]), entry["data_offsets"]
+    if shape is None:
+        raise _bad(where, f"tensor {name!r} has a malformed or oversized shape {entry['shape']!r:.60}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -190,8 +218,8 @@ def _info(name: str, entry: Any, where: str) -> TensorInfo:
         raise _bad(where, f"tensor {name!r} has malformed data_offsets {offsets!r:.60}")
     itemsize = dtype.itemsize
     if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
-        raise _bad(where, f"tensor {name!r}: data_offsets do not match shape {shape} of {dtype}")
-    return TensorInfo(dtype=dtype, shape=tuple(shape), start=offsets[0], end=offsets[1])
+        raise _bad(where, f"tensor {name!r}: data_offsets do not match shape {list(shape)} of {dtype}")
+    return TensorInfo(dtype=dtype, shape=shape, start=offsets[0], end=offsets[1])
 
 
 def tensor_views(buffer: torch.Tensor, header: Header) -> dict[str, torch.Tensor]:
@@ -209,16 +237,61 @@ def tensor_views(buffer: torch.Tensor, header: Header) -> dict[str, torch.Tensor
     return out
 
 
-def read_header(path: Path, *, where: str) -> Header:
-    """Read and check only the header of the safetensors file at ``path``."""
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            head = handle.read(8)
-            if len(head) == 8:
-                (length,) = struct.unpack("<Q", head)
-                head += handle.read(min(length, _MAX_HEADER + 1))
-    except FileNotFoundError:
-        msg = f"{where}: the file is missing"
-        raise CheckpointError(msg) from None
+def _header_of(fd: int, size: int, where: str) -> Header:
+    head = os.pread(fd, 8, 0)
+    if len(head) == 8:
+        (length,) = struct.unpack("<Q", head)
+        if length <= _MAX_HEADER and 8 + length <= size:  # else parse_header says why
+            head += os.pread(fd, length, 8)
     return parse_header(head, size, where=where)
+
+
+def read_header(path: Path, *, where: str, within: Sequence[Path] = ()) -> Header:
+    """Read and check only the header of the safetensors file at ``path``.
+
+    The file is opened as ``_durable.open_regular`` opens it (a regular file,
+    links as ``within`` allows); at most the header's bytes are read.
+    """
+    fd = open_regular(path, where=where, within=within)
+    try:
+        return _header_of(fd, os.fstat(fd).st_size, where)
+    finally:
+        os.close(fd)
+
+
+def read_tensors(
+    path: Path, infos: Mapping[str, TensorInfo], *, where: str, within: Sequence[Path] = ()
+) -> dict[str, torch.Tensor]:
+    """The tensors named in ``infos`` of the file at ``path``, as its header was read before.
+
+    Only those tensors' bytes are read (each into its own aligned buffer), so
+    memory is bounded by what is asked for, not by the file's size. The file's
+    header must still say ``infos`` (else :class:`CheckpointError`: it changed
+    since it was checked).
+    """
+    fd = open_regular(path, where=where, within=within)
+    try:
+        size = os.fstat(fd).st_size
+        header = _header_of(fd, size, where)
+        if any(header.tensors.get(name) != info for name, info in infos.items()):
+            msg = f"{where}: the file changed since its header was checked; load again"
+            raise CheckpointError(msg)
+        out: dict[str, torch.Tensor] = {}
+        for name, info in infos.items():
+            buffer = torch.empty(info.end - info.start, dtype=torch.uint8)
+            view = buffer.numpy().data
+            offset, start = 0, header.data_start + info.start
+            while offset < len(view):
+                got = os.preadv(fd, [view[offset : offset + _READ_CHUNK]], start + offset)
+                if not got:
+                    msg = f"{where}: the file shrank while it was read"
+                    raise CheckpointError(msg)
+                offset += got
+            out[name] = (
+                buffer.view(info.dtype).reshape(info.shape)
+                if len(view)
+                else torch.empty(info.shape, dtype=info.dtype)
+            )
+        return out
+    finally:
+        os.close(fd)

@@ -41,7 +41,7 @@ import attrs
 import numpy as np
 import torch
 
-from faccel._checkpoint._safetensors import DTYPE_CODES, dtype_of_code
+from faccel._checkpoint._safetensors import DTYPE_CODES, dtype_of_code, valid_shape
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -280,9 +280,10 @@ def _unb64(text: str, where: str, path: str) -> bytes:
 
 
 def _shape(value: Any, where: str, path: str) -> tuple[int, ...]:
-    if type(value) is not list or not all(type(d) is int and d >= 0 for d in value):
+    shape = valid_shape(value)
+    if shape is None:
         raise _bad(where, path, f"shape must be a list of non-negative integers, got {value!r:.80}")
-    return tuple(value)
+    return shape
 
 
 def _decode_numpy(body: dict[str, Any], where: str, path: str) -> np.ndarray | np.generic:
@@ -290,9 +291,9 @@ def _decode_numpy(body: dict[str, Any], where: str, path: str) -> np.ndarray | n
         raise _bad(where, path, "an __ndarray__ needs exactly dtype, shape and data")
     try:
         dtype = np.dtype(body["dtype"])
-    except TypeError:
-        raise _bad(where, path, f"unknown NumPy dtype {body['dtype']!r}") from None
-    if dtype.kind not in _NUMPY_KINDS:
+    except (TypeError, ValueError, OverflowError):
+        raise _bad(where, path, f"unknown NumPy dtype {body['dtype']!r:.80}") from None
+    if dtype.kind not in _NUMPY_KINDS or dtype.shape or dtype.fields is not None:
         raise _bad(where, path, f"NumPy dtype {dtype} is not a plain number type")
     data = _unb64(body["data"], where, path) if type(body["data"]) is str else None
     shape = None if body["shape"] is None else _shape(body["shape"], where, path)

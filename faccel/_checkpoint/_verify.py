@@ -33,6 +33,7 @@ from faccel._checkpoint._format import (
     VERSION,
     expected_files,
 )
+from faccel._checkpoint._stage import refusal, stand_ins
 from faccel._checkpoint._tagged_json import decode, tensor_refs
 from faccel._checkpoint._weights import alias_groups, compare_tensors
 from faccel._model import is_sharded, unwrap_model
@@ -77,6 +78,9 @@ def check_manifest(
     if not isinstance(files, dict):
         files = {}
     listed = set(files)
+    if world > len(listed):  # bounds world_size by what the manifest lists, before naming the files
+        msg = f"{where}: world_size {world}, but it lists {len(listed)} files (one generator file per rank)"
+        raise CheckpointError(msg)
     expected = set(expected_files(world))
     if listed != expected:
         msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
@@ -115,8 +119,13 @@ _ELEMENTWISE = frozenset(
 
 @attrs.frozen(kw_only=True)
 class Loadable:
-    """A checkpoint's content, decoded and checked against its target objects."""
+    """A checkpoint's content, decoded and checked against its target objects.
 
+    Every load_state_dict it calls for has been tried on throwaway copies of
+    the objects (``_stage``): loading it into them succeeds.
+    """
+
+    where: str
     step: int
     epoch: int
     position: int
@@ -197,7 +206,10 @@ def check(
     epoch = _int_field(content, "epoch", problems)
     position = _int_field(content, "position", problems)
     problems.raise_if_any()
+    _stage(state, model, optimizer, scheduler, scaler, extras, problems)
+    problems.raise_if_any()
     return Loadable(
+        where=where,
         step=step,
         epoch=epoch,
         position=position,
@@ -207,6 +219,45 @@ def check(
         scaler=scaler,
         extras=extras,
     )
+
+
+def _objects(state: TrainState) -> list[Any]:
+    """Every stateful object of ``state``: what a throwaway copy may reach."""
+    found = [unwrap_model(state.model), state.optimizer, state.scheduler, state.scaler]
+    found += [value for value in (*state.extras.values(), *state.rank_extras.values()) if is_stateful(value)]
+    return [obj for obj in found if obj is not None]
+
+
+def _stage(
+    state: TrainState,
+    model: Mapping[str, torch.Tensor],
+    optimizer: Mapping[str, Any],
+    scheduler: Mapping[str, Any] | None,
+    scaler: Mapping[str, Any] | None,
+    extras: Mapping[str, Any],
+    problems: _Problems,
+) -> None:
+    """Try every load of the restore on throwaway copies (``_stage``); list what refuses."""
+    stand_in = stand_ins(_objects(state))
+    trials: list[tuple[str, Any, Any]] = [
+        (f"extras[{name!r}]", state.extras[name], value)
+        for name, value in extras.items()
+        if is_stateful(state.extras[name])
+    ]
+    trials += [("scaler", state.scaler, scaler), ("scheduler", state.scheduler, scheduler)]
+    trials.append(("optimizer", state.optimizer, optimizer))
+    target = unwrap_model(state.model)
+    if not is_sharded(target):  # an FSDP2 model loads through collectives: its shapes are checked
+        trials.append(("model", target, model))
+    for field, obj, saved in trials:
+        if obj is None or saved is None or (field == "scaler" and not saved):
+            continue
+        refused = refusal(obj, saved, stand_in)
+        if refused is not None:
+            target_kind = class_name(obj)
+            problems.add(
+                STATE, f"{field}: the saved state does not load into the target's {target_kind} ({refused})"
+            )
 
 
 def _refs_by_file(content: Mapping[str, Any]) -> dict[str, set[str]]:
@@ -314,7 +365,14 @@ def _check_optimizer(
             problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
             continue
         for key, value in entry.items():
-            if (
+            if elementwise and not _state_value(key, value):
+                problems.add(
+                    STATE,
+                    f"optimizer state {key!r} of parameter {pid} is a {type(value).__name__} "
+                    f"({_short(value)}),"
+                    f" not a {'number or one-element tensor' if key == 'step' else 'tensor'}",
+                )
+            elif (
                 elementwise
                 and isinstance(value, torch.Tensor)
                 and value.dim() > 0
@@ -326,6 +384,23 @@ def _check_optimizer(
                     f"the parameter is {param.dtype} {list(param.shape)}",
                 )
     return saved
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _state_value(key: str, value: Any) -> bool:
+    """Whether a built-in optimizer can take ``value`` as its per-parameter state ``key``."""
+    if key == "step":  # a count: Adam and its kin call float() on it
+        return _number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    # Tensors; None or numbers where older PyTorch kept them (SGD's momentum_buffer).
+    return value is None or _number(value) or isinstance(value, torch.Tensor)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _same_keys(saved: Any, live: Mapping[str, Any], what: str, problems: _Problems) -> bool:
@@ -362,7 +437,24 @@ def _check_scheduler(
         )
         return None
     saved = decoded(section.get("state_dict"))
-    return saved if _same_keys(saved, target.state_dict(), "scheduler", problems) else None
+    live = target.state_dict()
+    if not _same_keys(saved, live, "scheduler", problems):
+        return None
+    # A scheduler's state has the shape its construction gave it: a SequentialLR of three
+    # schedulers would take the states of two and keep its third as it was.
+    for first, second in ((saved, live), (live, saved)):
+        missing = next(
+            (place for place, _, other in paired_leaves(first, second, "scheduler") if other is MISSING), None
+        )
+        if missing is not None:
+            problems.add(
+                STATE,
+                f"the saved scheduler state and the target's differ in shape at {missing} (a "
+                "scheduler built otherwise: another number of "
+                "schedulers, milestones or param groups); create the scheduler as when saving",
+            )
+            return None
+    return saved
 
 
 def _check_scaler(
@@ -495,5 +587,16 @@ def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -
         label="rank_extras",
         file=file,
     )
+    problems.raise_if_any()
+    stand_in = stand_ins(_objects(state))
+    for name, value in states["extras"].items():
+        live = state.rank_extras[name]
+        refused = refusal(live, value, stand_in) if is_stateful(live) else None
+        if refused is not None:
+            problems.add(
+                file,
+                f"rank_extras[{name!r}]: the saved state does not load into the target's "
+                f"{class_name(live)} ({refused})",
+            )
     problems.raise_if_any()
     return states

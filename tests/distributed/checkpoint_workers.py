@@ -488,6 +488,43 @@ def _wait(pid: int) -> int:
 REPLACED_STEP = 5
 
 
+def kill_loop(write: Any, check: Any, *, trials: int, max_delay: float, seed: int) -> list[list[int]]:
+    """Fork writers of versions ``latest + 1, latest + 2, ...``; SIGKILL each at a random moment; check.
+
+    ``write(version)`` writes one version, whole; ``check()`` reads what is
+    there and returns its version (at the start, the version already written).
+    Run from a one-thread process: a fork inherits the built state and the
+    warmed-up code, so a trial costs the kill delay and one check, not a
+    process start. Returns ``[committed, checked]`` per trial: the last version
+    the killed writer had finished, and what ``check()`` returned after the kill.
+    """
+    import mmap
+    import signal
+    import struct
+    import time
+
+    shared = mmap.mmap(-1, 8)  # anonymous and shared with forked children: the last committed version
+    chooser = random.Random(seed)
+    latest, outcomes = check(), []
+    for _ in range(trials):
+        struct.pack_into("<q", shared, 0, latest)
+
+        def body(first: int = latest + 1) -> None:
+            for version in itertools.count(first):
+                write(version)
+                struct.pack_into("<q", shared, 0, version)
+
+        pid = _fork(body)
+        time.sleep(chooser.uniform(0, max_delay))
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(pid) == -signal.SIGKILL
+        committed = struct.unpack_from("<q", shared, 0)[0]
+        checked = check()
+        outcomes.append([committed, checked])
+        latest = max(committed, checked)
+    return outcomes
+
+
 def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: bool = False) -> dict:
     """Fork writers that checkpoint step after step; SIGKILL each at a random moment; restore.
 
@@ -495,16 +532,9 @@ def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: b
     ``replace=True, keep=1``, each version with the next mark: the restored checkpoint must
     be a whole version, the last committed one or the next.
 
-    Runs in a one-thread helper process (the harness's), which forks the
-    writers: a fork inherits the built state and the warmed-up code, so a
-    trial costs the kill delay and one restore, not a process start.
+    Runs in a one-thread helper process (the harness's); see :func:`kill_loop`.
     Returns ``[committed, restored]`` per trial; raises if a restore fails or mixes.
     """
-    import mmap
-    import signal
-    import struct
-    import time
-
     import faccel
 
     dist = faccel.detect({})
@@ -512,27 +542,16 @@ def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: b
     fixed = REPLACED_STEP if replace else None
     faccel.checkpoint(dist, at_step(state, fixed or 0, mark=0), root)
     faccel.checkpoint(dist, state, os.path.join(root, ".warmup"))  # one-time costs, before any kill
-    shared = mmap.mmap(-1, 8)  # anonymous and shared with forked children: the last committed step
-    chooser = random.Random(seed)
-    latest, outcomes = 0, []
-    for _ in range(trials):
-        struct.pack_into("<q", shared, 0, latest)
 
-        def write(first: int = latest + 1) -> None:
-            for mark in itertools.count(first):
-                if fixed is None:
-                    faccel.checkpoint(dist, at_step(state, mark), root, keep=2)
-                else:
-                    faccel.checkpoint(dist, at_step(state, fixed, mark), root, keep=1, replace=True)
-                struct.pack_into("<q", shared, 0, mark)
+    def write(mark: int) -> None:
+        if fixed is None:
+            faccel.checkpoint(dist, at_step(state, mark), root, keep=2)
+        else:
+            faccel.checkpoint(dist, at_step(state, fixed, mark), root, keep=1, replace=True)
 
-        pid = _fork(write)
-        time.sleep(chooser.uniform(0, max_delay))
-        os.kill(pid, signal.SIGKILL)
-        assert _wait(pid) == -signal.SIGKILL
-        committed = struct.unpack_from("<q", shared, 0)[0]
-        latest = crash_check(root, fixed)
-        outcomes.append([committed, latest])
+    outcomes = kill_loop(
+        write, lambda: crash_check(root, fixed), trials=trials, max_delay=max_delay, seed=seed
+    )
     return {"outcomes": outcomes}
 
 

@@ -1,0 +1,157 @@
+"""save_model killed with SIGKILL: the functions tests/test_save_model_crash.py runs in a helper process.
+
+Every weight of version ``v`` is ``v``, so a load that mixed the files of two
+saves shows it. The versions cycle through the layouts (four shards, four
+again, one file, two shards), so a kill lands in every switch between them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.distributed.checkpoint_workers import _fork, _wait, kill_loop
+
+LAYERS, WIDTH = 4, 256
+# max_shard_size of version v: SHARD_SIZES[v % 4]; a layer (weight and bias) is 263,168 bytes.
+SHARD_SIZES = (270_000, 270_000, 10**9, 600_000)
+SHARD_COUNTS = (4, 4, 1, 2)
+MIXED, UNLOADABLE = -1, -2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+
+
+def _save(dist: Any, model: nn.Module, directory: str, version: int) -> None:
+    import faccel
+
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.fill_(version)
+    faccel.save_model(dist, model, directory, max_shard_size=SHARD_SIZES[version % len(SHARD_SIZES)])
+
+
+def read_version(directory: str) -> int:
+    """The version ``load_model`` loads from ``directory``: ``MIXED`` if its weights come from
+    two saves, ``UNLOADABLE`` if it raises."""
+    import faccel
+
+    target = _model()
+    with torch.no_grad():
+        for tensor in target.parameters():
+            tensor.fill_(-3)
+    try:
+        faccel.load_model(faccel.detect({}), target, directory)
+    except faccel.errors.CheckpointError:
+        return UNLOADABLE
+    values = set(torch.cat([t.flatten() for t in target.state_dict().values()]).unique().tolist())
+    return int(values.pop()) if len(values) == 1 else MIXED
+
+
+def expected_files(version: int) -> list[str]:
+    """The layout a complete save of ``version`` leaves, shard names without their tag."""
+    count = SHARD_COUNTS[version % len(SHARD_COUNTS)]
+    if count == 1:
+        return ["model.safetensors"]
+    shards = [f"model-TAG-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    return sorted([*shards, "model.safetensors.index.json"])
+
+
+def untagged(directory: str) -> list[str]:
+    """The files in ``directory``, the 8-hex-digit tag of a shard's name replaced by ``TAG``."""
+    import re
+
+    return sorted(re.sub(r"^model-[0-9a-f]{8}-", "model-TAG-", name) for name in os.listdir(directory))
+
+
+def save_model_crash_trials(directory: str, trials: int, max_delay: float, seed: int) -> dict:
+    """Save version after version over an earlier complete save; SIGKILL each writer at a random
+    moment (:func:`kill_loop`); after each kill, load. Then one more save (a restarted job's)."""
+    import faccel
+
+    dist = faccel.detect({})
+    model = _model()
+    _save(dist, model, directory + ".warmup", 1)  # one-time costs, before any kill
+    _save(dist, model, directory, 0)  # the earlier complete save
+    most_files = 0
+
+    def check() -> int:
+        nonlocal most_files
+        most_files = max(most_files, len(os.listdir(directory)))
+        return read_version(directory)
+
+    outcomes = kill_loop(
+        lambda version: _save(dist, model, directory, version),
+        check,
+        trials=trials,
+        max_delay=max_delay,
+        seed=seed,
+    )
+    final = max(max(pair) for pair in outcomes) + 1
+    _save(dist, model, directory, final)
+    return {
+        "outcomes": outcomes,
+        "most_files": most_files,
+        "final": [read_version(directory), final],
+        "files": [untagged(directory), expected_files(final)],
+    }
+
+
+def save_model_kill_at_every_operation(directory: str, before: int, after: int) -> dict:
+    """Save version ``after`` over a complete save of ``before``, SIGKILLed at its 1st, 2nd, ... file
+    operation (``os.open``, ``os.write``, ``os.fsync``, ``os.replace``, ``os.rename``,
+    ``os.unlink``); after each kill, load, then save ``after`` again (a restarted job).
+
+    Returns the number of operations, the version loaded after each kill, and the
+    retries' versions and files.
+    """
+    import faccel
+
+    dist = faccel.detect({})
+    model = _model()
+    _save(dist, model, directory + ".warmup", 1)
+
+    def reset() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        _save(dist, model, directory, before)
+
+    def write_and_die_at(kill_at: int) -> None:
+        count = 0
+
+        def counted(original: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                nonlocal count
+                count += 1
+                if count == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        for name in ("open", "write", "fsync", "replace", "rename", "unlink"):
+            setattr(os, name, counted(getattr(os, name)))
+        _save(dist, model, directory, after)
+        if kill_at == 0:  # the dry run reports how many operations there were
+            with open(directory + ".count", "w") as handle:
+                handle.write(str(count))
+
+    reset()
+    assert _wait(_fork(lambda: write_and_die_at(0))) == 0
+    with open(directory + ".count") as handle:
+        total = int(handle.read())
+    loaded, retried, files = [], [], []
+    for kill_at in range(1, total + 1):
+        reset()
+        assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
+        loaded.append(read_version(directory))
+        _save(dist, model, directory, after)
+        retried.append(read_version(directory))
+        files.append(untagged(directory))
+    return {"operations": total, "loaded": loaded, "retried": retried, "files": files}
