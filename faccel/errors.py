@@ -12,6 +12,7 @@ __all__ = [
     "ArgumentError",
     "ArgumentValueError",
     "CheckpointError",
+    "CheckpointWarning",
     "DistributedError",
     "FaccelError",
     "FunctionalError",
@@ -142,4 +143,15 @@ class StorageError(FaccelError, OSError):
     the rank that wrote (the message names it and keeps the ``OSError`` as its
     cause), or such a failure on another rank. Raised by :func:`faccel.save_model`.
     Fix: free space or correct the path or permissions, then save again.
+    """
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was passed over: ``restore(root)`` used an older one.
+
+    Cause: the latest checkpoint under the root failed its check (a file
+    missing, truncated or altered), so :func:`faccel.restore` fell back to
+    the newest complete one; the message names both. Not a :class:`FaccelError`:
+    the restore succeeded. Fix: delete or inspect the broken folder; to make
+    it an error, ``warnings.simplefilter("error", faccel.errors.CheckpointWarning)``.
     """

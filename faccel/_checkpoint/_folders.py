@@ -7,20 +7,47 @@ count, and the next checkpoint removes them. A ``.replaced-step-N`` folder (a
 checkpoint moved aside by ``replace=True`` for the moment its replacement is
 renamed in) counts as step N while ``step-N`` is absent: a crash between the
 two renames leaves it, and the next checkpoint renames it back.
+
+One writer per root: the writing rank holds an OS lock (``fcntl.flock``) on
+``ROOT/.lock`` for the whole write, released by the OS when the process dies,
+so a second writer fails at once with a :class:`CheckpointError` naming the
+first one's pid, and whoever holds the lock may treat every ``.tmp-`` and
+``.trash-`` folder as a dead writer's leftover. POSIX only (``fcntl``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl  # POSIX only: faccel does not target Windows
 import os
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
+
+import attrs
 
 from faccel._checkpoint._durable import MAX_MANIFEST, fsync_dir, read_json
 from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
 
-__all__ = ["blocking_file", "latest_checkpoint", "manifest_step", "remove_leftovers", "rotate"]
+__all__ = [
+    "LOCK",
+    "RootLock",
+    "blocking_file",
+    "check_lock",
+    "complete_checkpoints",
+    "hold_lock",
+    "latest_checkpoint",
+    "manifest_step",
+    "remove_leftovers",
+    "rotate",
+]
+
+# The file a writer locks in the root; it holds the writer's host and pid, for the error of a second one.
+LOCK = ".lock"
 
 
 def manifest_step(directory: Path) -> int | None:
@@ -35,7 +62,7 @@ def manifest_step(directory: Path) -> int | None:
     return step if type(step) is int else None
 
 
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
     try:
         entries = list(os.scandir(root))
@@ -79,12 +106,15 @@ def latest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
     candidate = Path(path)
     if manifest_step(candidate) is not None:
         return candidate
-    complete = _complete_checkpoints(candidate)
+    complete = complete_checkpoints(candidate)
     return complete[-1][1] if complete else None
 
 
 def remove_leftovers(root: Path) -> None:
     """Delete folders of interrupted writes and deletions (invisible to restore anyway).
+
+    The caller holds the root's lock (:func:`hold_lock`): no other writer is
+    alive, so every ``.tmp-`` and ``.trash-`` folder is a dead writer's.
 
     A checkpoint left aside by an interrupted replace goes back to its name
     when the replacement never arrived, and is deleted when it did.
@@ -121,7 +151,7 @@ def blocking_file(path: Path) -> Path | None:
 
 def rotate(root: Path, keep: int, step: int) -> None:
     """Delete the oldest checkpoints before ``step``, so that ``keep`` remain with it."""
-    older = [folder for s, folder in _complete_checkpoints(root) if s < step]
+    older = [folder for s, folder in complete_checkpoints(root) if s < step]
     doomed = older[: max(0, len(older) - (keep - 1))]
     trashed = []
     for folder in doomed:
@@ -133,3 +163,82 @@ def rotate(root: Path, keep: int, step: int) -> None:
         fsync_dir(root)
     for trash in trashed:
         shutil.rmtree(trash, ignore_errors=True)
+
+
+@attrs.frozen(kw_only=True)
+class RootLock:
+    """A held writer lock: the lock file's path, open descriptor and identity (device, inode)."""
+
+    path: Path
+    fd: int
+    device: int
+    inode: int
+
+
+def _holder(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(200).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "a process that has not yet written its pid"
+
+
+@contextlib.contextmanager
+def hold_lock(root: Path) -> Iterator[RootLock]:
+    """Hold ``root``'s writer lock for the ``with`` block; the lock file is removed on release.
+
+    Non-blocking: a root locked by another live process raises at once. The
+    OS releases the lock when its holder dies (a stale lock file is simply
+    locked again). The file is unlinked before it is unlocked, and a lock
+    won on a file no longer at ``root/.lock`` is retried, so two writers never
+    hold locks on two different files at once.
+    """
+    path = root / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            msg = (
+                f"{root}: another process is writing a checkpoint into this folder ({_holder(path)}, "
+                f"holds {path}): one writer per checkpoint root. Give each run its own folder, or "
+                "stop the other run first"
+            )
+            raise CheckpointError(msg) from None
+        own = os.fstat(fd)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (own.st_dev, own.st_ino):
+            break
+        os.close(fd)  # won the lock of a file its last holder removed: lock the current one
+    lock = RootLock(path=path, fd=fd, device=own.st_dev, inode=own.st_ino)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
+        yield lock
+    finally:
+        try:
+            if check_lock(lock) is None:
+                os.unlink(path)
+        except OSError:
+            pass  # the root is gone: nothing to tidy
+        os.close(fd)  # releases the lock
+
+
+def check_lock(lock: RootLock) -> str | None:
+    """None while ``lock``'s file is still the root's lock file, else what happened to it."""
+    try:
+        now = os.stat(lock.path, follow_symlinks=False)
+    except FileNotFoundError:
+        return f"{lock.path} was removed (the root deleted?)"
+    except OSError as error:
+        return f"{lock.path} cannot be checked ({error})"
+    if (now.st_dev, now.st_ino) != (lock.device, lock.inode):
+        return f"{lock.path} was replaced by another file (the root deleted and made again?)"
+    return None

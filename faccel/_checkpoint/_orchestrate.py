@@ -16,11 +16,14 @@ exactly (a position inside an epoch, rank extras).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from faccel._checkpoint._durable import (
     MAX_JSON,
     MAX_MANIFEST,
     FileRecord,
+    check_written,
     fsync_dir,
     in_parallel,
     parse_json,
@@ -40,7 +44,11 @@ from faccel._checkpoint._durable import (
     write_durably,
 )
 from faccel._checkpoint._folders import (
+    RootLock,
     blocking_file,
+    check_lock,
+    complete_checkpoints,
+    hold_lock,
     latest_checkpoint,
     manifest_step,
     remove_leftovers,
@@ -71,7 +79,7 @@ from faccel._model import is_sharded, unwrap_model
 from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, CheckpointError
+from faccel.errors import ArgumentValueError, CheckpointError, CheckpointWarning
 
 __all__ = ["checkpoint", "latest_checkpoint", "restore"]
 
@@ -106,6 +114,7 @@ def _commit(
     records: dict[str, FileRecord],
     content: dict[str, Any],
     keep: int | None,
+    lock: RootLock,
 ) -> None:
     for rank in range(dist.world_size):
         name = rng_name(rank)
@@ -124,8 +133,15 @@ def _commit(
             for name in expected_files(dist.world_size)
         },
     }
-    write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
+    written = {**{name: records[name] for name in expected_files(dist.world_size)}}
+    written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
+    what = f"the checkpoint of step {content['step']}"
+    check_written(temporary, written, what=what)  # a folder emptied under us is never committed
+    lost = check_lock(lock)
+    if lost is not None:
+        msg = f"{what}: not committed: {lost} while it was written; one writer per checkpoint root"
+        raise CheckpointError(msg)
     aside = None
     if final.exists():
         # replace=True: move the old one aside, then the new one in. Between the two renames
@@ -134,6 +150,12 @@ def _commit(
         os.rename(final, aside)
     os.rename(temporary, final)
     fsync_dir(root)
+    try:
+        check_written(final, written, what=what)
+    except CheckpointError:
+        with contextlib.suppress(OSError):  # ours and broken: out of sight (restore would pass it over)
+            os.rename(final, root / trash_name(final.name))
+        raise
     if aside is not None:
         trash = root / trash_name(final.name)
         os.rename(aside, trash)  # invisible at once; then deleted at leisure
@@ -199,7 +221,13 @@ def checkpoint(
             outlived the process group's timeout (the message names the step
             and ``faccel.detect(timeout=...)``); a value with no pickle-free
             form in the state (the message names it), or a failed write on
-            any rank. Earlier checkpoints are untouched.
+            any rank; another process is writing into ``path`` (one writer
+            per root: the writing rank holds an OS lock, ``fcntl.flock`` on
+            ``path/.lock``, and a second writer is refused at once, the message
+            naming the holder's host and pid); the folder being written
+            changed under the writer (``path`` deleted during the write: the
+            files are checked against the manifest before and after the commit
+            rename). Earlier checkpoints are untouched.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -233,32 +261,41 @@ def checkpoint(
     # writes them exactly as an unsharded model's (so any world size can restore them).
     whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
 
-    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]] | None:
-        if not dist.is_main_process:
-            return None
-        captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
-        root.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(root)
-        temporary.mkdir()
-        return captured
+    # The writing rank holds the root's lock from before its leftovers are removed until the commit
+    # (or failure) is over; the OS releases it if the process dies.
+    with contextlib.ExitStack() as held:
 
-    captured = together(
-        dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
-    )
+        def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
+            if not dist.is_main_process:
+                return None
+            captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
+            root.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(hold_lock(root))
+            remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
+            if not replace and manifest_step(final) is not None:  # written since _agree, by another run
+                raise CheckpointError(_exists_message(final, step))
+            temporary.mkdir()
+            return (*captured, lock)
 
-    def write() -> dict[str, FileRecord]:
-        records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
-        if captured is not None:
-            records |= _write_rank0(temporary, *captured)
-        return records
+        prepared = together(
+            dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+        )
 
-    records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
+        def write() -> dict[str, FileRecord]:
+            records = {
+                rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])
+            }
+            if prepared is not None:
+                records |= _write_rank0(temporary, prepared[0], prepared[1])
+            return records
 
-    def commit() -> None:
-        if captured is not None:
-            _commit(dist, root, temporary, final, records, captured[0], keep)
+        records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
 
-    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+        def commit() -> None:
+            if prepared is not None:
+                _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
+
+        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
     return final
 
 
@@ -293,15 +330,7 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
         )
         raise CheckpointError(msg)
     if low[6]:
-        msg = (
-            f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
-            "overwrites another unasked. The step names the checkpoint, and faccel does not count "
-            "it for you: advance the step after each optimizer step, with state = attrs.evolve("
-            "state, step=state.step + 1, position=state.position + 1). To write this step again on "
-            "purpose, pass "
-            "checkpoint(..., replace=True)"
-        )
-        raise CheckpointError(msg)
+        raise CheckpointError(_exists_message(final, step))
     if -low[1] != low[4] or -low[2] != low[5]:
         differ = sorted(digests)
         if -low[1] == low[4]:  # the same names: find which of them differ
@@ -316,6 +345,17 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
         raise CheckpointError(msg)
 
 
+def _exists_message(final: Path, step: int) -> str:
+    return (
+        f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
+        "overwrites another unasked. The step names the checkpoint, and faccel does not count "
+        "it for you: advance the step after each optimizer step, with state = attrs.evolve("
+        "state, step=state.step + 1, position=state.position + 1). To write this step again on "
+        "purpose, pass "
+        "checkpoint(..., replace=True)"
+    )
+
+
 def _resolve(path: Path) -> Path:
     directory = latest_checkpoint(path)
     if directory is None:
@@ -327,10 +367,20 @@ def _resolve(path: Path) -> Path:
     return directory
 
 
+class _BrokenError(CheckpointError):
+    """A checkpoint's files fail their check (missing, truncated, altered): ``restore(root)`` passes it over.
+
+    Not a mismatch with the objects given, which no older checkpoint would cure.
+    """
+
+
 def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
     where = f"{directory}/{MANIFEST}"
-    buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
-    manifest = _parse_json(buffer.numpy().tobytes(), where)
+    try:
+        buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
+        manifest = _parse_json(buffer.numpy().tobytes(), where)
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
     return check_manifest(manifest, dist, model, where=where)
 
 
@@ -349,7 +399,10 @@ def _read_checkpoint(
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
     names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])
-    buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
+    try:
+        buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name in (MODEL, OPTIMIZER, EXTRAS):
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
@@ -401,7 +454,9 @@ def restore(
     """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
 
     ``path`` is one checkpoint folder, or a root folder of them (then the
-    latest complete one, see :func:`latest_checkpoint`). Everything is checked
+    latest complete one, see :func:`latest_checkpoint`; when its files fail
+    their check, the newest one before it that passes, with a
+    :class:`~faccel.errors.CheckpointWarning` naming both). Everything is checked
     before any object is touched: the manifest's format and version, every
     file's presence, size and SHA-256, and the saved keys, shapes, dtypes and
     classes against the model, optimizer, scheduler, scaler and extras given.
@@ -434,8 +489,8 @@ def restore(
             truncated, foreign, of another version or world size (another
             world size is refused mid-epoch, ``position`` > 0, and with
             ``rank_extras``, under any strategy), or does not fit the
-            objects; a rank did not call ``restore`` within
-            ``arrival_timeout``. The message names the file and the problem,
+            objects; every checkpoint of a root is broken; a rank did not
+            call ``restore`` within ``arrival_timeout``. The message names the file and the problem,
             and nothing has been modified.
 
     Example:
@@ -463,10 +518,53 @@ def restore(
             "all ranks must see one shared file system"
         )
         raise CheckpointError(msg)
-    loadable, rng = together(
-        dist,
-        lambda: _read_checkpoint(dist, train_state, directory),
-        what="checking the checkpoint",
-        raises=CheckpointError,
-    )
-    return load(train_state, loadable, rng)
+    # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
+    single = manifest_step(Path(path)) is not None
+    older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
+    passed: list[tuple[Path, str]] = []
+    for candidate in [directory, *older]:
+        if candidate is not directory:
+            step = manifest_step(candidate) or 0
+            low, high = agree_max(dist, [-step, step])
+            if -low != high:
+                msg = (
+                    f"{path}: the ranks found different checkpoints to fall back to (steps {-low} to "
+                    f"{high}); all ranks must see one shared file system"
+                )
+                raise CheckpointError(msg)
+        found = together(
+            dist,
+            functools.partial(_read_unless_broken, dist, train_state, candidate, single=single),
+            what="checking the checkpoint",
+            raises=CheckpointError,
+        )
+        (broken_anywhere,) = agree_max(dist, [int(isinstance(found, str))])
+        if not broken_anywhere and not isinstance(found, str):
+            if passed:
+                skipped = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
+                warnings.warn(
+                    f"{path}: restored {candidate.name}, the newest complete checkpoint, and passed over "
+                    f"the later broken one(s): {skipped}",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+            return load(train_state, *found)
+        passed.append((candidate, found if isinstance(found, str) else "broken on another rank"))
+    # The latest one's own error first (alone when it is the only one), then the older ones'.
+    msg = passed[0][1]
+    if len(passed) > 1:
+        older_ones = "; ".join(f"{folder.name} ({why})" for folder, why in passed[1:])
+        msg += f". And every checkpoint before it in {path} is broken too: {older_ones}"
+    raise CheckpointError(msg)
+
+
+def _read_unless_broken(
+    dist: DistState, state: TrainState, directory: Path, *, single: bool
+) -> tuple[Loadable, dict[str, Any] | None] | str:
+    """The checkpoint read and checked, or (from a root) why its files are broken."""
+    try:
+        return _read_checkpoint(dist, state, directory)
+    except _BrokenError as error:
+        if single:
+            raise CheckpointError(str(error)) from None
+        return str(error)
