@@ -8,6 +8,7 @@ it before its first import.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -30,3 +31,18 @@ def _one_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def keep_global_generators() -> Any:
+    """Python's, NumPy's and torch's global generators back as they were after the test."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])

@@ -12,14 +12,12 @@ import hashlib
 import json
 import os
 import pickle
-import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 import torch
 
@@ -28,13 +26,7 @@ from tests.distributed import checkpoint_workers as cw
 Edit = Callable[[Path], None]
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_generators() -> Any:
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
+pytestmark = pytest.mark.usefixtures("keep_global_generators")  # restore sets the global generators
 
 
 def _state(seed: int, **changes: Any) -> Any:

@@ -10,12 +10,10 @@ it was.
 
 from __future__ import annotations
 
-import random
 import tempfile
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -27,13 +25,7 @@ from tests.distributed import checkpoint_workers as cw
 FILES = ("manifest.json", "state.json", "model.safetensors", "optimizer.safetensors", "extras.safetensors")
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_generators() -> Any:
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
+pytestmark = pytest.mark.usefixtures("keep_global_generators")  # restore sets the global generators
 
 
 def _groups(model: nn.Module, split: int) -> Any:

@@ -8,27 +8,18 @@ optimizer, scheduler, scaler, extras and generators are unchanged.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from tests.distributed import checkpoint_workers as cw
 
-
-@pytest.fixture(autouse=True)
-def _keep_global_generators() -> Any:
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
+pytestmark = pytest.mark.usefixtures("keep_global_generators")  # restore sets the global generators
 
 
 def _model(seed: int) -> nn.Module:

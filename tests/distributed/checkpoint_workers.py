@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -591,25 +592,8 @@ def kill_at_every_operation(root: str, replace: bool = False) -> dict:
             faccel.checkpoint(dist, at_step(state, 3), root, keep=2)
 
     def write_and_die_at(kill_at: int) -> None:
-        count = 0
-
-        def counted(original: Any) -> Any:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                nonlocal count
-                count += 1
-                if count == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return original(*args, **kwargs)
-
-            return wrapper
-
         patched = [(os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "open"), (os, "write")]
-        for module, name in [*patched, (shutil, "rmtree")]:
-            setattr(module, name, counted(getattr(module, name)))
-        write()
-        if kill_at == 0:  # the dry run reports how many operations there were
-            with open(os.path.join(root, "..", "count"), "w") as handle:
-                handle.write(str(count))
+        die_at_operation(kill_at, [*patched, (shutil, "rmtree")], write, os.path.join(root, "..", "count"))
 
     reset()
     assert _wait(_fork(lambda: write_and_die_at(0))) == 0
@@ -770,3 +754,32 @@ def slow_checkpoint(root: str, group_timeout: float, delay: float) -> dict:
         error = f"{type(caught).__name__}: {caught}"
     listed = [name for name in os.listdir(root) if name.startswith("step-")]
     return {"rank": dist.rank, "error": error, "listed": listed}
+
+
+def die_at_operation(
+    kill_at: int, patches: list[tuple[Any, str]], work: Callable[[], object], count_file: str
+) -> None:
+    """Run ``work`` with each patched function counting its calls; SIGKILL this process at call ``kill_at``.
+
+    ``kill_at=0`` never kills: it writes the number of calls to ``count_file`` (the dry run).
+    """
+    import signal
+
+    count = 0
+
+    def counted(original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nonlocal count
+            count += 1
+            if count == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for module, name in patches:
+        setattr(module, name, counted(getattr(module, name)))
+    work()
+    if kill_at == 0:
+        with open(count_file, "w") as handle:
+            handle.write(str(count))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.distributed.checkpoint_workers import _fork, _wait, kill_loop
+from tests.distributed.checkpoint_workers import _fork, _wait, die_at_operation, kill_loop
 
 LAYERS, WIDTH = 4, 256
 # max_shard_size of version v: SHARD_SIZES[v % 4]; a layer (weight and bias) is 263,168 bytes.
@@ -123,24 +123,8 @@ def save_model_kill_at_every_operation(directory: str, before: int, after: int) 
         _save(dist, model, directory, before)
 
     def write_and_die_at(kill_at: int) -> None:
-        count = 0
-
-        def counted(original: Any) -> Any:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                nonlocal count
-                count += 1
-                if count == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return original(*args, **kwargs)
-
-            return wrapper
-
-        for name in ("open", "write", "fsync", "replace", "rename", "unlink"):
-            setattr(os, name, counted(getattr(os, name)))
-        _save(dist, model, directory, after)
-        if kill_at == 0:  # the dry run reports how many operations there were
-            with open(directory + ".count", "w") as handle:
-                handle.write(str(count))
+        patches = [(os, name) for name in ("open", "write", "fsync", "replace", "rename", "unlink")]
+        die_at_operation(kill_at, patches, lambda: _save(dist, model, directory, after), directory + ".count")
 
     reset()
     assert _wait(_fork(lambda: write_and_die_at(0))) == 0
