@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from faccel._process_group import comm_device, require_peers
-from faccel._process_group import peers_answer as _peers_answer
+from faccel._process_group import comm_device, peers_answer, require_peers
 from faccel._state import DistState
 from faccel._tree import flatten_with_paths, rebuild
 from faccel.errors import ArgumentError, ArgumentValueError, DistributedError
@@ -90,7 +89,7 @@ def _exchange(dist: DistState, description: dict[str, Any]) -> list[dict[str, An
     payload = json.dumps(description, separators=(",", ":")).encode()
     device = comm_device(dist)
     name = description["call"].split("(")[0]
-    with _peers_answer(dist, name):
+    with peers_answer(dist, name):
         raw = _all_gather_bytes(payload, _META_BYTES, device, dist.world_size)
         lengths = [int.from_bytes(r[:4], "little") for r in raw]
         if max(lengths) > _META_BYTES - 4:
@@ -234,7 +233,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
     if not dist.distributed:
         leaves, _ = _check_local(tree, "gather")
         rows = [_as_rows(leaf) for leaf in leaves]
-        return rebuild(tree, iter(rows)), [[row.shape[0] for row in rows]]
+        return rebuild(tree, rows), [[row.shape[0] for row in rows]]
     description, leaves, paths = _describe(call, tree)
     description["shapes"] = [[1] if s == [] else s for s in description["shapes"]]
     descriptions = _exchange(dist, description)
@@ -254,7 +253,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
     buffer = _pack(rows, longest, device)
     received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(dist.world_size)]
     if longest:
-        with _peers_answer(dist, call.split("(")[0]):
+        with peers_answer(dist, call.split("(")[0]):
             tdist.all_gather(received, buffer)
     gathered = []
     for i, (leaf, dtype) in enumerate(zip(rows, dtypes, strict=True)):
@@ -266,7 +265,7 @@ def gather_sizes(dist: DistState, tree: Any, *, call: str = "gather") -> tuple[A
         joined = torch.cat(pieces).view(dtype).reshape(total, *leaf.shape[1:])
         gathered.append(joined.to(leaf.device))
     sizes = [[d["shapes"][i][0] for i in range(len(rows))] for d in descriptions]
-    return rebuild(tree, iter(gathered)), sizes
+    return rebuild(tree, gathered), sizes
 
 
 def gather(dist: DistState, tree: Any) -> Any:
@@ -351,13 +350,13 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
     reduced: list[Any] = [None] * len(leaves)
     for indices in by_dtype.values():
         flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in indices])
-        with _peers_answer(dist, "reduce"):
+        with peers_answer(dist, "reduce"):
             tdist.all_reduce(flat, op=_OPS[op])
         if op == "mean":
             flat /= dist.world_size
         for i, piece in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
             reduced[i] = piece.view(leaves[i].shape).to(leaves[i].device)
-    return rebuild(tree, iter(reduced))
+    return rebuild(tree, reduced)
 
 
 def any_rank(dist: DistState, flag: bool | torch.Tensor) -> bool:
@@ -446,7 +445,7 @@ def broadcast(dist: DistState, tree: Any, *, src: int = 0) -> Any:
     else:
         buffer = torch.empty(length, dtype=torch.uint8, device=device)
     if length:
-        with _peers_answer(dist, "broadcast"):
+        with peers_answer(dist, "broadcast"):
             tdist.broadcast(buffer, src=src)
     if dist.rank == src:
         return tree
@@ -454,7 +453,7 @@ def broadcast(dist: DistState, tree: Any, *, src: int = 0) -> Any:
         buffer[start : start + _nbytes(shape, dtype)].view(dtype).reshape(shape).to(leaf.device)
         for leaf, start, shape, dtype in zip(leaves, offsets, shapes, dtypes, strict=True)
     ]
-    return rebuild(tree, iter(received))
+    return rebuild(tree, received)
 
 
 def _check_src(src: int, world_size: int) -> None:
@@ -522,7 +521,7 @@ def pad_across_processes(
         start = longest - leaf.shape[axis] if pad_first else 0
         out.narrow(axis, start, leaf.shape[axis]).copy_(leaf)
         padded.append(out)
-    return rebuild(tree, iter(padded))
+    return rebuild(tree, padded)
 
 
 def gather_object(dist: DistState, obj: Any) -> list[Any]:
@@ -555,6 +554,6 @@ def gather_object(dist: DistState, obj: Any) -> list[Any]:
     if not dist.distributed:
         return [obj]
     out: list[Any] = [None] * dist.world_size
-    with _peers_answer(dist, "gather_object"):
+    with peers_answer(dist, "gather_object"):
         tdist.all_gather_object(out, obj)
     return out

@@ -194,18 +194,25 @@ class PreparedLoader:
                 many depends on a length nobody knows beforehand.
         """
         s = self.sharding
-        if isinstance(self._control, _ShardedStream) and s.even_batches and not s.drop_last:
-            try:
-                len(self.dataset)
-            except TypeError:
-                msg = (
-                    "this loader reads an IterableDataset without __len__, so its padding is unknown: "
-                    "at the end of the stream each rank repeats samples from its start until every "
-                    "rank has as many batches (5 samples, batch 2, 2 ranks: 6 are read). Give the "
-                    "dataset a __len__, or prepare(..., even_batches=False) to repeat none"
-                )
-                raise ArgumentError(msg) from None
+        if s.even_batches and not s.drop_last and self._unsized():
+            msg = (
+                "this loader reads an IterableDataset without __len__, so its padding is unknown: "
+                "at the end of the stream each rank repeats samples from its start until every "
+                "rank has as many batches (5 samples, batch 2, 2 ranks: 6 are read). Give the "
+                "dataset a __len__, or prepare(..., even_batches=False) to repeat none"
+            )
+            raise ArgumentError(msg)
         return s.padding
+
+    def _unsized(self) -> bool:
+        """Whether this loader reads an ``IterableDataset`` without ``__len__``."""
+        if not isinstance(self._control, _ShardedStream):
+            return False
+        try:
+            len(self.dataset)
+        except TypeError:
+            return True
+        return False
 
     def at(self, *, epoch: int, start: int = 0) -> PreparedLoader:
         """A view of the same loader at ``epoch``, beginning at batch ``start``.
@@ -235,12 +242,9 @@ class PreparedLoader:
             ArgumentError: The loader reads an ``IterableDataset`` without ``__len__``
                 (a ``TypeError``, as ``len()`` of any object without a length).
         """
-        if isinstance(self._control, _ShardedStream):
-            try:
-                len(self.dataset)
-            except TypeError:
-                msg = "this loader reads an IterableDataset without __len__, so its length is unknown"
-                raise ArgumentError(msg) from None
+        if self._unsized():
+            msg = "this loader reads an IterableDataset without __len__, so its length is unknown"
+            raise ArgumentError(msg)
         return self.sharding.num_batches
 
     def __iter__(self) -> Iterator[Any]:

@@ -44,11 +44,16 @@ class _Writer(Protocol):
     def close(self) -> None: ...
 
 
+def _write_config(folder: Path, config: Mapping[str, Any]) -> None:
+    """The hyperparameters as ``config.json`` (values JSON cannot hold are written as text)."""
+    (folder / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
+
+
 class _JsonLines:
     """One JSON object a line: ``{"step", "time", "source", <metric>: value ...}``."""
 
     def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
-        (folder / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
+        _write_config(folder, config)
         self._file = (folder / METRICS_FILE).open("a", encoding="utf-8")
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
@@ -64,7 +69,7 @@ class _Csv:
     """Long format (``step,time,source,metric,value``), so new metric names need no new header."""
 
     def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
-        (folder / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
+        _write_config(folder, config)
         path = folder / "metrics.csv"
         fresh = not path.exists()
         self._file = path.open("a", encoding="utf-8", newline="")

@@ -88,10 +88,6 @@ def _json_bytes(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
-def _parse_json(data: bytes, where: str) -> Any:
-    return parse_json(data, where)
-
-
 def _write_rank0(
     temporary: Path, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
 ) -> dict[str, FileRecord]:
@@ -133,7 +129,7 @@ def _commit(
             for name in expected_files(dist.world_size)
         },
     }
-    written = {**{name: records[name] for name in expected_files(dist.world_size)}}
+    written = {name: records[name] for name in expected_files(dist.world_size)}
     written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
     what = f"the checkpoint of step {content['step']}"
@@ -378,7 +374,7 @@ def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[
     where = f"{directory}/{MANIFEST}"
     try:
         buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
-        manifest = _parse_json(buffer.numpy().tobytes(), where)
+        manifest = parse_json(buffer.numpy().tobytes(), where)
     except CheckpointError as error:
         raise _BrokenError(str(error)) from None
     return check_manifest(manifest, dist, model, where=where)
@@ -408,9 +404,9 @@ def _read_checkpoint(
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
         tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
-    content = _parse_json(buffers[STATE].numpy().tobytes(), state_where)
+    content = parse_json(buffers[STATE].numpy().tobytes(), state_where)
     rng_where = f"{directory}/{rng_file}"
-    rng_content = _parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
+    rng_content = parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
         rng = check_rng(dist, state, rng_content, where=rng_where) if rng_file else None
