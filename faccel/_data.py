@@ -9,6 +9,8 @@ Nothing counts epochs behind your back.
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -17,6 +19,8 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -24,6 +28,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
+from faccel._samplers import check_repeatable
 from faccel._sharding import Sharding
 from faccel._state import DistState
 from faccel._tree import map_tensors
@@ -59,19 +64,91 @@ class _ShardBatchSampler(Sampler[list[int]]):
     position.
     """
 
-    def __init__(self, sharding: Sharding) -> None:
+    def __init__(self, sharding: Sharding, *, flat: bool = False, seeds: str = "rank") -> None:
         self.sharding = sharding
+        self.flat = flat  # batch_size=None: yield each rank's indices one by one
+        self.seeds = seeds
         self._next: tuple[int, int] = (0, 0)
 
     def point(self, epoch: int, start: int) -> None:
         self._next = (epoch, start)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[Any]:
         epoch, start = self._next
-        return iter(self.sharding.batches(epoch=epoch, start=start))
+        batches = self.sharding.batches(epoch=epoch, start=start)
+        if self.flat:
+            return (batch[0] for batch in batches)
+        if self.seeds == "torch":
+            return iter(batches)
+        s = self.sharding
+        rank = s.rank if self.seeds == "rank" else -1
+        return (
+            _SeededBatch(batch, _seed_of(s.seed, epoch, rank, start + k)) for k, batch in enumerate(batches)
+        )
 
     def __len__(self) -> int:
         return self.sharding.num_batches
+
+
+def _seed_of(*parts: int) -> int:
+    # hash() of a tuple of ints does not depend on PYTHONHASHSEED: the same on every run.
+    return hash(parts) & (2**63 - 1)
+
+
+class _SeededBatch(list):  # type: ignore[type-arg]
+    """A batch of indices that carries the seed its worker draws its random numbers from."""
+
+    def __init__(self, indices: list[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+
+def _seed_generators(seed: int) -> None:
+    """Seed torch's CPU generator, ``random`` and (if imported) numpy's in this loader worker."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+class _SeedingDataset(Dataset):  # type: ignore[type-arg]
+    """The user's map dataset, reseeding a worker's generators before each batch it fetches.
+
+    Each batch's random numbers (augmentations) are then a function of
+    ``(seed, epoch, rank, batch)``: the same in a resumed run as in the straight
+    one, whichever worker fetches the batch. In the main process
+    (``num_workers=0``) nothing is reseeded: the generators there are the
+    training loop's.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, batch: list[int]) -> list[Any]:
+        seed = getattr(batch, "seed", None)
+        if seed is not None and get_worker_info() is not None:
+            _seed_generators(seed)
+        fetch = getattr(self.dataset, "__getitems__", None)
+        if fetch:
+            return fetch(list(batch))  # type: ignore[no-any-return]
+        return [self.dataset[i] for i in batch]
+
+
+class _First:
+    """A collate function for loaders without batching: one item at a time (kept picklable for workers)."""
+
+    def __init__(self, collate: Callable[[Any], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.collate(items[0])
 
 
 class _ShardedStream(IterableDataset):  # type: ignore[type-arg]
@@ -165,6 +242,11 @@ class PreparedLoader:
     non_blocking: bool = False
     _control: _ShardBatchSampler | _ShardedStream
     _seeder: torch.Generator
+    # Whether the loader batches samples (False: each unit -- a batch sampler's batch, or an
+    # item of a loader with batch_size=None -- is one loader batch).
+    _batched: bool = True
+    # Which worker seeds: "rank" (per rank and batch), "shared" (per batch) or "torch".
+    _worker_seeds: str = "rank"
     # Only on the view prepare() returns: whether it has been iterated (one cell, set once).
     # Views from at() name their epoch, so iterating them again is deliberate.
     _bare_iterated: list[bool] | None = None
@@ -173,15 +255,18 @@ class PreparedLoader:
     _started: list[int] = attrs.field(factory=lambda: [0])
 
     @property
-    def batch_size(self) -> int:
-        """The per-process batch size."""
-        return self.sharding.batch_size
+    def batch_size(self) -> int | None:
+        """The per-process batch size; None where batches come whole (a batch sampler, batch_size=None)."""
+        return self.sharding.batch_size if self._batched else None
 
     @property
     def dataset(self) -> Any:
         """The user's dataset."""
         control = self._control
-        return control.dataset if isinstance(control, _ShardedStream) else self.dataloader.dataset
+        if isinstance(control, _ShardedStream):
+            return control.dataset
+        dataset = self.dataloader.dataset
+        return dataset.dataset if isinstance(dataset, _SeedingDataset) else dataset
 
     @property
     def padding(self) -> int:
@@ -263,9 +348,12 @@ class PreparedLoader:
             control.point(self.epoch, self.start)
         else:
             control.start = self.start
-        # Worker seeds follow (seed, epoch, start), and the global torch RNG is not
-        # consumed by the DataLoader, so a resumed run draws the same random numbers.
-        self._seeder.manual_seed(hash((self.sharding.seed, self.epoch, self.start)) & (2**63 - 1))
+        # Worker seeds follow (seed, epoch, start, rank), and the global torch RNG is not
+        # consumed by the DataLoader; map-style batches are reseeded one by one on top
+        # (_SeedingDataset), so a resumed run draws the same random numbers.
+        s = self.sharding
+        rank = s.rank if self._worker_seeds == "rank" else -1
+        self._seeder.manual_seed(_seed_of(s.seed, self.epoch, self.start, rank))
         iterator: Iterator[Any] = iter(self.dataloader)
         if self.dataloader.persistent_workers:
             iterator = _alone(iterator, self._started, self._started[0])
@@ -312,17 +400,83 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:  # type: ignore[type-
     return options
 
 
-def _shuffle_of(sampler: object) -> bool:
+_WORKER_SEEDS = ("rank", "shared", "torch")
+
+
+def _refuse_distributed_sampler(sampler: object) -> None:
+    if isinstance(sampler, DistributedSampler):
+        msg = (
+            f"this DataLoader already shards with a DistributedSampler (rank {sampler.rank} of "
+            f"{sampler.num_replicas}); prepare() deals the data to the ranks itself, so it would shard "
+            f"the shard. Build the DataLoader without it (shuffle={sampler.shuffle}, "
+            f"drop_last={sampler.drop_last}; the seed is faccel.detect(seed=...)), or give prepare() "
+            "the sampler you wrapped in it; see docs/data.md, 'A DistributedSampler'"
+        )
+        raise PrepareError(msg)
+
+
+def _plain_shuffle(sampler: object) -> bool | None:
+    """True/False for the two samplers whose order Sharding draws itself; None for any other."""
     if type(sampler) is SequentialSampler:
         return False
     if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
         return True
-    msg = (
-        f"prepare() rebuilds the loader with a sharded sampler, but this loader has a custom "
-        f"sampler ({type(sampler).__name__}) whose order faccel cannot reproduce; build the "
-        "DataLoader with shuffle=True or shuffle=False, or shard it yourself with faccel.Sharding"
-    )
-    raise PrepareError(msg)
+    return None
+
+
+def _plan(
+    dist: DistState, loader: DataLoader, even_batches: bool, split_batches: bool
+) -> tuple[Sharding, bool]:  # type: ignore[type-arg]
+    """The sharding of a map-style loader, and whether the loader batches samples itself."""
+    batcher = loader.batch_sampler
+    common: dict[str, Any] = {
+        "rank": dist.rank,
+        "world_size": dist.world_size,
+        "even_batches": even_batches,
+        "seed": dist.seed,
+    }
+    if batcher is not None and type(batcher) is not BatchSampler:
+        # A custom batch sampler: its batches are the units, dealt whole.
+        _refuse_distributed_sampler(getattr(batcher, "sampler", None))
+        if split_batches:
+            msg = (
+                f"split_batches=True splits batches of one fixed size, but this DataLoader has a "
+                f"batch sampler ({type(batcher).__name__}) whose batches prepare() deals whole to the "
+                "ranks; drop split_batches (each rank then takes whole batches of it)"
+            )
+            raise PrepareError(msg)
+        units = check_repeatable(batcher, dist.seed, batches=True)
+        sharding = Sharding(
+            num_samples=len(units), batch_size=1, sampler=batcher, whole_batches=True, **common
+        )
+        return sharding, False
+    sampler = loader.sampler if batcher is None else batcher.sampler
+    _refuse_distributed_sampler(sampler)
+    batch_size, drop_last = (1, False) if batcher is None else (batcher.batch_size, batcher.drop_last)
+    if split_batches:
+        if batcher is None:
+            msg = "split_batches=True needs a batch size to split, but this DataLoader has batch_size=None"
+            raise PrepareError(msg)
+        if batch_size % dist.world_size:
+            msg = (
+                f"split_batches=True gives each of the {dist.world_size} ranks an equal slice of every "
+                f"batch, but batch_size={batch_size} is not divisible by {dist.world_size}; pick a "
+                f"multiple of the world size, or split_batches=False for {batch_size} a rank"
+            )
+            raise PrepareError(msg)
+        batch_size //= dist.world_size
+    shuffle = _plain_shuffle(sampler)
+    if shuffle is not None:
+        n = len(loader.dataset)  # type: ignore[arg-type]
+        sharding = Sharding(
+            num_samples=n, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, **common
+        )
+    else:
+        order = check_repeatable(sampler, dist.seed)
+        sharding = Sharding(
+            num_samples=len(order), batch_size=batch_size, drop_last=drop_last, sampler=sampler, **common
+        )
+    return sharding, batcher is not None
 
 
 def prepare_loader(
@@ -330,24 +484,30 @@ def prepare_loader(
     loader: DataLoader,  # type: ignore[type-arg]
     *,
     even_batches: bool = True,
+    split_batches: bool = False,
+    worker_seeds: str = "rank",
 ) -> PreparedLoader:
-    """Rebuild ``loader`` so this rank reads its shard; see :class:`PreparedLoader`."""
-    batcher = loader.batch_sampler
-    if batcher is None:
-        msg = (
-            "prepare() needs the per-process batch size, but this DataLoader has batch_size=None; "
-            "let the DataLoader batch (batch_size=N) instead of the dataset"
-        )
-        raise PrepareError(msg)
-    if type(batcher) is not BatchSampler:
-        msg = (
-            f"this DataLoader has a custom batch_sampler ({type(batcher).__name__}) "
-            "that prepare() cannot shard; use batch_size=, shuffle= and drop_last= instead"
-        )
-        raise PrepareError(msg)
+    """Rebuild ``loader`` so this rank reads its shard; see :class:`PreparedLoader`.
+
+    Raises:
+        PrepareError: The loader cannot be sharded as asked (the message says why and what to do).
+        ArgumentValueError: ``worker_seeds`` is not one of ``'rank'``, ``'shared'``, ``'torch'``.
+
+    Example:
+        >>> import torch, faccel
+        >>> data = torch.utils.data.TensorDataset(torch.arange(6))
+        >>> dist = faccel.DistState.simulated(rank=1, world_size=2)
+        >>> [b.tolist() for (b,) in prepare_loader(dist, torch.utils.data.DataLoader(data, batch_size=2))]
+        [[1, 3], [5]]
+    """
+    if worker_seeds not in _WORKER_SEEDS:
+        msg = f"worker_seeds must be one of {_WORKER_SEEDS}, got {worker_seeds!r}"
+        raise ArgumentValueError(msg)
     seeder = torch.Generator()
     options = _loader_options(loader)
+    collate: Callable[[Any], Any] = options.pop("collate_fn")
     dataset = loader.dataset
+    control: _ShardBatchSampler | _ShardedStream
     if isinstance(dataset, IterableDataset):
         if loader.persistent_workers:
             # Persistent workers keep the copy of the stream they started with, so they
@@ -357,33 +517,48 @@ def prepare_loader(
                 "the workers would not see resume positions; build the DataLoader without it"
             )
             raise PrepareError(msg)
-        length = _length_or_zero(dataset)
+        batcher: Any = loader.batch_sampler
+        batched = batcher is not None
+        batch_size, drop_last = (batcher.batch_size, batcher.drop_last) if batched else (1, False)
+        if split_batches:
+            if not batched or batch_size % dist.world_size:
+                msg = (
+                    f"split_batches=True gives each of the {dist.world_size} ranks an equal slice of "
+                    "every batch, which needs a batch size divisible by the world size, got "
+                    f"{batch_size if batched else None}"
+                )
+                raise PrepareError(msg)
+            batch_size //= dist.world_size
         sharding = Sharding(
-            num_samples=length,
-            batch_size=batcher.batch_size,
+            num_samples=_length_or_zero(dataset),
+            batch_size=batch_size,
             rank=dist.rank,
             world_size=dist.world_size,
-            drop_last=batcher.drop_last,
+            drop_last=drop_last,
             even_batches=even_batches,
             seed=dist.seed,
         )
         stream = _ShardedStream(dataset, sharding)
-        collate: Callable[[list[Any]], Any] = options.pop("collate_fn")
-        rebuilt = DataLoader(stream, batch_size=None, collate_fn=collate, generator=seeder, **options)
-        control: _ShardBatchSampler | _ShardedStream = stream
-    else:
-        sharding = Sharding(
-            num_samples=len(dataset),  # type: ignore[arg-type]
-            batch_size=batcher.batch_size,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            shuffle=_shuffle_of(batcher.sampler),
-            drop_last=batcher.drop_last,
-            even_batches=even_batches,
-            seed=dist.seed,
+        rebuilt = DataLoader(
+            stream,
+            batch_size=None,
+            collate_fn=collate if batched else _First(collate),
+            generator=seeder,
+            **options,
         )
-        control = _ShardBatchSampler(sharding)
-        rebuilt = DataLoader(dataset, batch_sampler=control, generator=seeder, **options)
+        control = stream
+    else:
+        sharding, batched = _plan(dist, loader, even_batches, split_batches)
+        reseed = worker_seeds != "torch" and loader.num_workers > 0 and loader.batch_sampler is not None
+        data = _SeedingDataset(dataset) if reseed else dataset
+        if batched or loader.batch_sampler is not None:
+            control = _ShardBatchSampler(sharding, seeds=worker_seeds if reseed else "torch")
+            rebuilt = DataLoader(data, batch_sampler=control, collate_fn=collate, generator=seeder, **options)
+        else:  # batch_size=None: the dataset's items are the batches
+            control = _ShardBatchSampler(sharding, flat=True)
+            rebuilt = DataLoader(
+                data, sampler=control, batch_size=None, collate_fn=collate, generator=seeder, **options
+            )
     return PreparedLoader(
         dataloader=rebuilt,
         sharding=sharding,
@@ -392,6 +567,8 @@ def prepare_loader(
         control=control,
         seeder=seeder,
         bare_iterated=[False],
+        batched=batched,
+        worker_seeds=worker_seeds,
     )
 
 

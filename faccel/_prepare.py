@@ -81,7 +81,13 @@ def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
 
 
 def _loader(dist: DistState, loader: Any, options: _Options) -> Any:
-    return prepare_loader(dist, loader, even_batches=options["even_batches"])
+    return prepare_loader(
+        dist,
+        loader,
+        even_batches=options["even_batches"],
+        split_batches=options["split_batches"],
+        worker_seeds=options["worker_seeds"],
+    )
 
 
 def _prepared_loader(dist: DistState, loader: Any, options: _Options) -> Any:
@@ -165,6 +171,8 @@ def prepare(
     even_batches: bool = True,
     ddp_kwargs: Mapping[str, Any] | None = None,
     shard_policy: Callable[[nn.Module], bool] | None = None,
+    split_batches: bool = False,
+    worker_seeds: str = "rank",
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -188,7 +196,11 @@ def prepare(
     * LR scheduler: returned as is; it advances once per ``scheduler.step()``.
     * ``DataLoader``: rebuilt as a :class:`PreparedLoader` that reads this
       rank's shard (see :class:`Sharding`) with the same batch size per process,
-      and delivers batches on ``dist.device``.
+      and delivers batches on ``dist.device``. Any sampler (its output for the
+      epoch, drawn from ``(dist.seed, epoch)``, is dealt to the ranks), any batch
+      sampler (its batches are dealt whole) and ``batch_size=None`` (each item
+      is a batch, dealt whole) work; a ``DistributedSampler`` or a sampler with
+      hidden random state is refused (docs/data.md).
     * Already prepared objects come back unchanged (prepared for another
       ``DistState``: :class:`~faccel.errors.PrepareError`).
 
@@ -203,13 +215,25 @@ def prepare(
             units (``fully_shard`` is applied to each, innermost first, then to
             the root). Default: each block of the first ``ModuleList``, else
             each child module with parameters.
+        split_batches: The loader's ``batch_size`` is the *global* batch: each
+            rank takes ``batch_size // world_size`` of every global batch (it must
+            divide), so the global batch stays fixed as the world size changes.
+        worker_seeds: How loader workers are seeded. ``'rank'`` (default): each
+            batch's random numbers (augmentations) follow ``(dist.seed, epoch,
+            rank, batch)``, so ranks draw different numbers and a resumed run
+            the same as the straight one; ``'shared'``: the same without the
+            rank (every rank draws the same numbers); ``'torch'``: only the
+            DataLoader's own per-worker seeding, from ``(dist.seed, epoch, start)``.
 
     Returns:
         The prepared objects in the given order (one object: itself).
 
     Raises:
-        PrepareError: A loader faccel cannot shard, an object prepared for
-            another ``DistState``, or one of the refused objects above.
+        PrepareError: A loader faccel cannot shard (a ``DistributedSampler``, a
+            sampler with hidden state, ``split_batches`` with a batch size the
+            world size does not divide), an object prepared for another
+            ``DistState``, or one of the refused objects above.
+        ArgumentValueError: ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
 
     Example:
         >>> import torch, faccel
@@ -222,7 +246,13 @@ def prepare(
         >>> (len(loader), loader.batch_size, tag)
         (3, 4, 'tag')
     """
-    options = {"even_batches": even_batches, "ddp_kwargs": ddp_kwargs, "shard_policy": shard_policy}
+    options = {
+        "even_batches": even_batches,
+        "ddp_kwargs": ddp_kwargs,
+        "shard_policy": shard_policy,
+        "split_batches": split_batches,
+        "worker_seeds": worker_seeds,
+    }
     # Modules first, whatever the order given: preparing one may replace its parameters,
     # and optimizers in the same call must see the replacements.
     ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}

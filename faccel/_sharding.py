@@ -13,14 +13,24 @@ cuts its positions into batches of ``batch_size``.
   number of batches. Those repeated samples are the *padding*, reported by
   :attr:`Sharding.padding` and :meth:`Sharding.is_padding`.
 * neither: no sample is repeated; ranks may differ by one batch.
+
+With a ``sampler`` (any ``Sampler`` the loader had), the epoch's order is that
+sampler's output for ``(seed, epoch)`` (see ``faccel._samplers``) instead of
+``randperm``; it is dealt the same way. With ``whole_batches`` the sampler is a
+batch sampler: the positions are its *batches*, each dealt whole to one rank
+(``batch_size`` is then 1: one batch sampler batch per loader batch), and the
+padding repeats whole batches.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
-from faccel.errors import ArgumentValueError
+from faccel._samplers import draw
+from faccel.errors import ArgumentValueError, UsageError
 
 __all__ = ["Sharding"]
 
@@ -46,7 +56,9 @@ class Sharding:
     Raises:
         ArgumentValueError: ``num_samples`` or ``rank`` is negative,
             ``batch_size`` or ``world_size`` is below 1, ``rank`` is not below
-            ``world_size``, or :meth:`batches` gets a negative ``start``.
+            ``world_size``, :meth:`batches` gets a negative ``start``, or
+            ``whole_batches`` comes without a ``sampler`` or with ``batch_size`` > 1.
+        UsageError: The ``sampler`` yields another count than ``num_samples``.
 
     Example:
         >>> s = Sharding(num_samples=7, batch_size=2, rank=2, world_size=3)
@@ -54,6 +66,14 @@ class Sharding:
         [[2, 5], [1]]
         >>> (s.num_batches, s.padding, s.is_padding(8))
         (2, 2, True)
+
+        A batch sampler's batches, dealt whole (5 batches, 2 ranks: batch 0 pads rank 1):
+
+        >>> buckets = [[0, 1, 2], [3, 4], [5], [6, 7], [8]]
+        >>> s = Sharding(num_samples=5, batch_size=1, rank=1, world_size=2,
+        ...              sampler=buckets, whole_batches=True)
+        >>> s.batches(epoch=0), s.padding
+        ([[3, 4], [6, 7], [0, 1, 2]], 1)
     """
 
     num_samples: int = attrs.field(validator=_non_negative)
@@ -64,10 +84,20 @@ class Sharding:
     drop_last: bool = False
     even_batches: bool = True
     seed: int = 0
+    # The loader's own sampler (or batch sampler, with whole_batches) when it is not a plain
+    # sequential or shuffled one; num_samples is then the length of its output.
+    sampler: object = None
+    whole_batches: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
             msg = f"rank must be in [0, {self.world_size}), got {self.rank!r}"
+            raise ArgumentValueError(msg)
+        if self.whole_batches and (self.sampler is None or self.batch_size != 1):
+            msg = (
+                "whole_batches deals a batch sampler's batches whole: give sampler= (the batch "
+                f"sampler) and batch_size=1, got sampler={self.sampler!r}, batch_size={self.batch_size}"
+            )
             raise ArgumentValueError(msg)
 
     @property
@@ -100,8 +130,29 @@ class Sharding:
         """Batches this rank sees in an epoch."""
         return -(-self._count(self.rank) // self.batch_size)
 
+    def _drawn(self, epoch: int) -> list[Any]:
+        """The sampler's output for ``epoch``: indices, or batches with ``whole_batches``."""
+        drawn = draw(self.sampler, self.seed, epoch, batches=self.whole_batches)
+        if len(drawn) != self.num_samples:
+            what = "batches" if self.whole_batches else "indices"
+            msg = (
+                f"the {type(self.sampler).__name__} yielded {len(drawn)} {what} in epoch {epoch}, but "
+                f"{self.num_samples} when the loader was prepared; the padding and every rank's share "
+                "are computed from that count, so a sampler must yield the same number every epoch"
+            )
+            raise UsageError(msg)
+        return drawn
+
     def order(self, epoch: int = 0) -> torch.Tensor:
-        """The global order of dataset indices in ``epoch`` (before dealing)."""
+        """The global order of dataset indices in ``epoch`` (before dealing).
+
+        With ``whole_batches``: the batches' indices one after the other.
+        """
+        if self.sampler is not None:
+            drawn = self._drawn(epoch)
+            if self.whole_batches:
+                drawn = [i for batch in drawn for i in batch]
+            return torch.tensor(drawn, dtype=torch.long)
         if not self.shuffle:
             return torch.arange(self.num_samples)
         generator = torch.Generator()
@@ -121,6 +172,8 @@ class Sharding:
         """Dataset indices this rank sees in ``epoch``, padding included."""
         if self.num_samples == 0:
             return []
+        if self.whole_batches:
+            return [i for batch in self.batches(epoch) for i in batch]
         positions = self.positions()
         return self.order(epoch)[positions % self.num_samples].tolist()
 
@@ -133,5 +186,8 @@ class Sharding:
         if self.num_samples == 0 or start >= self.num_batches:
             return []
         positions = self.positions()[start * b :]
+        if self.whole_batches:
+            units = self._drawn(epoch)
+            return [units[p % self.num_samples] for p in positions.tolist()]
         flat = self.order(epoch)[positions % self.num_samples].tolist()
         return [flat[i : i + b] for i in range(0, len(flat), b)]

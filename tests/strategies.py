@@ -29,6 +29,43 @@ def shardings(draw: st.DrawFn, *, max_samples: int = 100_000, max_world: int = 1
 
 
 @st.composite
+def sampler_forms(draw: st.DrawFn, *, max_samples: int = 600, max_world: int = 256) -> dict:
+    """Keyword arguments of a faccel.Sharding (without rank) for each loader form.
+
+    The plain shuffled/sequential form; a custom sampler's output (a list of
+    indices, repeats allowed, as WeightedRandomSampler draws); or a batch
+    sampler's batches (lists of varying sizes), dealt whole.
+    """
+    form = draw(st.sampled_from(["plain", "sampler", "batches"]))
+    world = draw(st.integers(min_value=1, max_value=max_world))
+    common = {"world_size": world, "even_batches": draw(st.booleans()), "seed": draw(st.integers(0, 2**31))}
+    n = draw(st.integers(min_value=0, max_value=max_samples))
+    if form == "plain":
+        b = draw(st.integers(min_value=1, max_value=64))
+        return {
+            "num_samples": n,
+            "batch_size": b,
+            "shuffle": draw(st.booleans()),
+            "drop_last": draw(st.booleans()),
+            **common,
+        }
+    if form == "sampler":
+        order = draw(st.lists(st.integers(0, max(n - 1, 0)), min_size=n, max_size=n))
+        b = draw(st.integers(min_value=1, max_value=64))
+        return {
+            "num_samples": n,
+            "batch_size": b,
+            "drop_last": draw(st.booleans()),
+            "sampler": order,
+            **common,
+        }
+    sizes = draw(st.lists(st.integers(1, 9), max_size=max(1, n // 4)))
+    flat = iter(range(sum(sizes)))
+    batches = [[next(flat) for _ in range(size)] for size in sizes]
+    return {"num_samples": len(batches), "batch_size": 1, "sampler": batches, "whole_batches": True, **common}
+
+
+@st.composite
 def torchrun_envs(draw: st.DrawFn) -> dict[str, str]:
     """A valid torchrun environment, nodes of equal size."""
     nodes = draw(st.integers(min_value=1, max_value=8))
