@@ -70,6 +70,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._tracking import init_tracker as init_tracker
     from faccel._tracking import log as log
     from faccel._train_state import TrainState as TrainState
+    from faccel._uneven import uneven_inputs as uneven_inputs
 
 # The public surface, the one table of it: namespace -> defining module -> names. A
 # namespace's entry under its own name lists its public submodules. Each namespace's
@@ -106,6 +107,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._state": ("DistState", "state_from_env"),
         "faccel._train_state": ("TrainState",),
         "faccel._tracking": ("Tracker", "end_training", "init_tracker", "log"),
+        "faccel._uneven": ("uneven_inputs",),
     },
     "faccel.func": {
         "faccel._functional": ("FunctionalState", "loss_and_grad", "model_params"),

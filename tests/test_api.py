@@ -57,6 +57,7 @@ PINNED: dict[str, list[str]] = {
         "split_between_processes",
         "state_from_env",
         "to_device",
+        "uneven_inputs",
         "unwrap_model",
         "wait_for_everyone",
         # checkpoints: atomic, pickle-free TrainState checkpoints; weights in the HF layout
