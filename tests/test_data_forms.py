@@ -289,3 +289,59 @@ def test_each_form_covers_its_order_once_plus_padding_and_resumes_as_a_suffix(fo
     rank = data.draw(st.integers(0, w - 1))
     start = data.draw(st.integers(0, len(per_rank[rank]) + 1))
     assert shardings[rank].batches(epoch, start=start) == per_rank[rank][start:]
+
+
+def test_gather_for_metrics_keeps_object_columns_exact_like_tensors() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    loader = faccel.prepare(dist, DataLoader(TensorDataset(torch.arange(5)), batch_size=2))
+    outs = [
+        faccel.gather_for_metrics(
+            dist, {"x": x, "text": [f"s{int(v)}" for v in x], "ids": (1,) * len(x)}, loader, batch=k
+        )
+        for k, (x,) in enumerate(loader)
+    ]
+    assert [o["text"] for o in outs] == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert all(isinstance(o["ids"], tuple) for o in outs)
+    with pytest.raises(faccel.errors.ArgumentError, match="JSON"):
+        faccel.gather_for_metrics(dist, [object(), object()], loader, batch=0)
+
+
+def test_gather_for_metrics_with_a_loader_it_did_not_prepare_says_what_to_do() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    plain = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+    # Before: AttributeError: 'DataLoader' object has no attribute 'epoch'.
+    with pytest.raises(
+        faccel.errors.ArgumentError, match=r"got a DataLoader.*Prepare the DataLoader.*faccel\.gather"
+    ):
+        faccel.gather_for_metrics(dist, torch.ones(2), plain, batch=0)
+
+
+def test_a_stream_without_length_gathers_exactly_without_padding() -> None:
+    import faccel
+
+    class Unsized(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(7))
+
+    dist = faccel.detect({})
+    loader = faccel.prepare(dist, DataLoader(Unsized(), batch_size=3), even_batches=False)
+    outs = [faccel.gather_for_metrics(dist, x, loader, batch=k) for k, x in enumerate(loader)]
+    assert torch.cat(outs).tolist() == list(range(7))
+    padded = faccel.prepare(dist, DataLoader(Unsized(), batch_size=3))
+    with pytest.raises(faccel.errors.ArgumentValueError, match="even_batches=False"):
+        faccel.gather_for_metrics(dist, next(iter(padded)), padded, batch=0)
+
+
+def test_batch_size_none_gathers_per_batch_and_says_so_for_the_whole_epoch() -> None:
+    import faccel
+
+    dist = faccel.detect({})
+    loader = faccel.prepare(dist, DataLoader(TensorDataset(torch.arange(3)), batch_size=None))
+    outs = [faccel.gather_for_metrics(dist, x.reshape(1), loader, batch=k) for k, (x,) in enumerate(loader)]
+    assert torch.cat(outs).tolist() == [0, 1, 2]
+    with pytest.raises(faccel.errors.ArgumentValueError, match="once per batch"):
+        faccel.gather_for_metrics(dist, torch.arange(3), loader)
