@@ -73,8 +73,10 @@ class DistributedError(FaccelError, RuntimeError):
 class PrepareError(FaccelError, TypeError):
     """An object given to :func:`faccel.prepare` cannot be prepared as asked.
 
-    Cause: a loader with a custom sampler or batch sampler, ``batch_size=None``,
-    or an object prepared under a different ``DistState``.
+    Cause: a loader whose order cannot be made the same on every rank (a
+    ``DistributedSampler``, a sampler with hidden random state), ``split_batches``
+    with a batch size the world size does not divide, or an object prepared
+    under a different ``DistState``.
     Fix: follow the message; most cases name the argument to change.
     """
 
