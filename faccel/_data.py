@@ -9,6 +9,8 @@ Nothing counts epochs behind your back.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -415,6 +417,30 @@ def _refuse_distributed_sampler(sampler: object) -> None:
         raise PrepareError(msg)
 
 
+def _check_agreement(dist: DistState, sampler: object, drawn: list[Any]) -> None:
+    """Check once, at prepare, that every rank drew the same epoch 0 (one small all_gather).
+
+    A sampler seeded by faccel agrees by construction; one whose order comes from
+    its own seed (``set_epoch`` samplers) agrees only if every rank built it alike.
+    """
+    if not dist.distributed:
+        return
+    from faccel._collectives import _exchange
+
+    digest = hashlib.sha256(json.dumps(drawn, separators=(",", ":")).encode()).hexdigest()[:16]
+    peers = _exchange(dist, {"call": "prepare(loader)", "order": digest})
+    differ = [rank for rank, peer in enumerate(peers) if peer["order"] != peers[0]["order"]]
+    if differ:
+        msg = (
+            f"the ranks drew different orders from this {type(sampler).__name__} for epoch 0 (ranks "
+            f"{differ} differ from rank 0), so their shares would overlap and miss samples. Its "
+            "order comes from state faccel does not seed (its own seed, set per rank?): build it "
+            "alike on every rank, or let it draw from a `generator` attribute (faccel reseeds it "
+            "from (dist.seed, epoch)); see docs/data.md, 'A custom sampler'"
+        )
+        raise PrepareError(msg)
+
+
 def _plain_shuffle(sampler: object) -> bool | None:
     """True/False for the two samplers whose order Sharding draws itself; None for any other."""
     if type(sampler) is SequentialSampler:
@@ -446,6 +472,7 @@ def _plan(
             )
             raise PrepareError(msg)
         units = check_repeatable(batcher, dist.seed, batches=True)
+        _check_agreement(dist, batcher, units)
         sharding = Sharding(
             num_samples=len(units), batch_size=1, sampler=batcher, whole_batches=True, **common
         )
@@ -473,6 +500,7 @@ def _plan(
         )
     else:
         order = check_repeatable(sampler, dist.seed)
+        _check_agreement(dist, sampler, order)
         sharding = Sharding(
             num_samples=len(order), batch_size=batch_size, drop_last=drop_last, sampler=sampler, **common
         )

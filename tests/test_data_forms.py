@@ -345,3 +345,27 @@ def test_batch_size_none_gathers_per_batch_and_says_so_for_the_whole_epoch() -> 
     assert torch.cat(outs).tolist() == [0, 1, 2]
     with pytest.raises(faccel.errors.ArgumentValueError, match="once per batch"):
         faccel.gather_for_metrics(dist, torch.arange(3), loader)
+
+
+def test_an_iterable_dataset_without_batching_or_with_split_batches_is_dealt_like_a_map() -> None:
+    import faccel
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(7))
+
+    per_rank = []
+    for rank in range(2):
+        dist = faccel.DistState.simulated(rank=rank, world_size=2)
+        items = faccel.prepare(dist, DataLoader(Stream(), batch_size=None))
+        split = faccel.prepare(dist, DataLoader(Stream(), batch_size=4), split_batches=True)
+        assert items.batch_size is None and split.batch_size == 2
+        per_rank.append(([int(x) for x in items], [b.tolist() for b in split]))
+    assert [p[0] for p in per_rank] == [[0, 2, 4, 6], [1, 3, 5, 0]]
+    assert [p[1] for p in per_rank] == [[[0, 2], [4, 6]], [[1, 3], [5]]]  # 2 batches each: no padding
+    with pytest.raises(faccel.errors.PrepareError, match="divisible"):
+        faccel.prepare(
+            faccel.DistState.simulated(rank=0, world_size=3),
+            DataLoader(Stream(), batch_size=4),
+            split_batches=True,
+        )

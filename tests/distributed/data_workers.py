@@ -139,3 +139,38 @@ def uneven_training(n: int, batch: int, steps_of_rank: list[int] | None = None) 
             grads.append([model.module.weight.grad.flatten().tolist(), model.module.bias.grad.tolist()])
     faccel.wait_for_everyone(dist)
     return {"grads": grads, "batches": len(loader)}
+
+
+class OwnSeed(Sampler[int]):
+    """Decides its order from its own seed and set_epoch (faccel cannot seed it)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(
+            torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        )
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def disagreeing_sampler() -> dict[str, Any]:
+    """A sampler built with another seed on each rank: prepare says so on every rank."""
+    import faccel
+
+    dist = faccel.detect()
+    alike = faccel.prepare(
+        dist, DataLoader(TensorDataset(torch.arange(8)), batch_size=2, sampler=OwnSeed(8, 3))
+    )
+    try:
+        faccel.prepare(
+            dist, DataLoader(TensorDataset(torch.arange(8)), batch_size=2, sampler=OwnSeed(8, dist.rank))
+        )
+    except faccel.errors.PrepareError as error:
+        return {"error": str(error), "alike": [b.tolist() for (b,) in alike]}
+    return {"error": None}

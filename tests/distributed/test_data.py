@@ -73,3 +73,11 @@ def test_uneven_batches_under_ddp_neither_hang_nor_lose_gradients() -> None:
             assert torch.allclose(torch.tensor(got[0]), torch.tensor(want[0]), atol=1e-6)
             assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-6)
     assert len(ranks[0]["grads"]) == 3 and len(ranks[1]["grads"]) == 2
+
+
+def test_a_sampler_seeded_differently_on_each_rank_is_refused_on_every_rank() -> None:
+    ranks = harness.run(data_workers.disagreeing_sampler, world_size=2)
+    for r in ranks:
+        assert r["error"] is not None and "ranks drew different orders from this OwnSeed" in r["error"]
+    seen = sorted(x for r in ranks for batch in r["alike"] for x in batch)
+    assert seen == list(range(8))  # built alike: the shares partition the epoch
