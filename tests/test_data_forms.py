@@ -264,6 +264,11 @@ def test_worker_seeds_must_be_a_known_mode() -> None:
 @given(sampler_forms(max_world=256), st.integers(0, 3), st.data())
 @settings(max_examples=60, deadline=None)
 def test_each_form_covers_its_order_once_plus_padding_and_resumes_as_a_suffix(form, epoch, data) -> None:
+    form_law(form, epoch, data)
+
+
+def form_law(form: dict, epoch: int, data) -> None:
+    """One form's law (scripts/prove_data_forms.py runs it with many more examples)."""
     import faccel
 
     shardings = [faccel.Sharding(rank=r, **form) for r in range(form["world_size"])]
