@@ -274,6 +274,9 @@ class PreparedLoader:
     def padding(self) -> int:
         """Samples repeated in an epoch (over all ranks) so batch counts are even.
 
+        Where batches come whole (a batch sampler, ``batch_size=None``) it counts
+        the repeated batches (items).
+
         Raises:
             ArgumentError: The loader reads an ``IterableDataset`` without
                 ``__len__`` and pads (``even_batches`` without ``drop_last``): it

@@ -46,7 +46,9 @@ def uneven_inputs(
 
     Raises:
         UsageError: There are peers but ``model`` is not the DDP module
-            ``prepare`` returned (an FSDP2 model, or the unwrapped module).
+            ``prepare`` returned (an FSDP2 model, or the unwrapped module), or
+            ``dist.accumulation_steps`` > 1 (the ranks would disagree on which
+            micro-steps synchronise).
 
     Example:
         >>> import torch, faccel
@@ -57,6 +59,15 @@ def uneven_inputs(
         >>> model.weight.grad.tolist()
         [[1.0, 1.0]]
     """
+    if dist.accumulation_steps > 1:
+        # micro_batches cuts each rank's batches into groups from its own length; with
+        # uneven lengths the ranks would disagree on which micro-steps all-reduce.
+        msg = (
+            f"uneven_inputs cannot be combined with accumulation_steps={dist.accumulation_steps}: "
+            "ranks with different numbers of batches would disagree on which micro-steps "
+            "synchronise gradients; keep prepare(..., even_batches=True) when accumulating"
+        )
+        raise UsageError(msg)
     if not dist.distributed:
         yield
         return

@@ -374,3 +374,12 @@ def test_an_iterable_dataset_without_batching_or_with_split_batches_is_dealt_lik
             DataLoader(Stream(), batch_size=4),
             split_batches=True,
         )
+
+
+def test_uneven_inputs_refuses_accumulation() -> None:
+    import faccel
+
+    model = torch.nn.Linear(2, 1)
+    context = faccel.uneven_inputs(faccel.DistState(accumulation_steps=2), model)
+    with pytest.raises(faccel.errors.UsageError, match="accumulation_steps=2"):
+        context.__enter__()

@@ -138,7 +138,12 @@ def uneven_training(n: int, batch: int, steps_of_rank: list[int] | None = None) 
             torch.nn.functional.mse_loss(model(x), y).backward()
             grads.append([model.module.weight.grad.flatten().tolist(), model.module.bias.grad.tolist()])
     faccel.wait_for_everyone(dist)
-    return {"grads": grads, "batches": len(loader)}
+    try:
+        with faccel.uneven_inputs(dist, model.module):
+            pass
+    except faccel.errors.UsageError as error:
+        refused = str(error)
+    return {"grads": grads, "batches": len(loader), "refused": refused}
 
 
 class OwnSeed(Sampler[int]):

@@ -73,6 +73,9 @@ def test_uneven_batches_under_ddp_neither_hang_nor_lose_gradients() -> None:
             assert torch.allclose(torch.tensor(got[0]), torch.tensor(want[0]), atol=1e-6)
             assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-6)
     assert len(ranks[0]["grads"]) == 3 and len(ranks[1]["grads"]) == 2
+    assert (
+        "needs the DistributedDataParallel model faccel.prepare returned, got a Linear" in ranks[0]["refused"]
+    )
 
 
 def test_a_sampler_seeded_differently_on_each_rank_is_refused_on_every_rank() -> None:
