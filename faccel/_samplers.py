@@ -104,9 +104,10 @@ def draw(sampler: Any, seed: int, epoch: int, *, batches: bool = False) -> list[
     """
     twin = _seeded_copy(sampler, seed, epoch)
     with _global_generators(seed + epoch):
+        # int(): a sampler may yield numpy or tensor scalars; map() is the fast way.
         if batches:
-            return [[int(i) for i in batch] for batch in twin]
-        return [int(i) for i in twin]
+            return [list(map(int, batch)) for batch in twin]
+        return list(map(int, twin))
 
 
 def check_repeatable(sampler: Any, seed: int, *, batches: bool = False) -> list[Any]:
