@@ -74,10 +74,12 @@ def forms_metrics(num_workers: int) -> dict[str, Any]:
         ),
         "items": lambda: DataLoader(Items(), batch_size=None, **workers),
         "stream": lambda: DataLoader(Stream(), batch_size=2, **workers),
+        "split": lambda: DataLoader(data, batch_size=4, shuffle=True, **workers),
     }
+    options = {"stream": {"even_batches": False}, "split": {"split_batches": True}}
     out: dict[str, Any] = {}
     for name, make in makers.items():
-        loader = faccel.prepare(dist, make(), even_batches=name != "stream")
+        loader = faccel.prepare(dist, make(), **options.get(name, {}))
         view = loader.at(epoch=1)
         per_batch, texts, seen, outputs, rows_indices = [], [], [], [], []
         for k, batch in enumerate(view):

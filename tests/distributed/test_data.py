@@ -11,7 +11,7 @@ from tests.distributed import data_workers, harness
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_each_loader_form_gathers_exactly_its_epoch_on_two_ranks(num_workers: int) -> None:
     ranks = harness.run(data_workers.forms_metrics, world_size=2, num_workers=num_workers)
-    for name in ("weighted", "buckets", "items", "stream"):
+    for name in ("weighted", "buckets", "items", "stream", "split"):
         r0, r1 = ranks[0][name], ranks[1][name]
         assert r0["order"] == r1["order"], name  # the ranks drew the same epoch order, unasked
         assert r0["per_batch"] == r1["per_batch"] and r0["texts"] == r1["texts"]
@@ -27,6 +27,10 @@ def test_each_loader_form_gathers_exactly_its_epoch_on_two_ranks(num_workers: in
         assert r0["indices"] == expected, name  # with_indices: each row's dataset index
         if r0["whole"] is not None:
             assert r0["whole"] == r1["whole"] == [f"#{i}" for i in expected], name
+    # split_batches: global batch k (4 samples) is rank 0's and rank 1's batch k (2 each).
+    split = [[x for r in ranks for x in r["split"]["seen"][k]] for k in range(len(ranks[0]["split"]["seen"]))]
+    flat = [x for batch in split for x in batch]
+    assert all(len(batch) == 4 for batch in split[:-1]) and len(flat) == 14 and set(flat) == set(range(13))
     # Ranks saw different data (the dealing), every batch whole for the batch sampler.
     assert ranks[0]["buckets"]["seen"] != ranks[1]["buckets"]["seen"]
 
