@@ -345,7 +345,7 @@ class PreparedLoader:
         if due is not None and due[0] == self.epoch:
             if due[1] != self.consumed:
                 msg = (
-                    f"epoch {self.epoch} was restored at another world size: all ranks before had read "
+                    f"epoch {self.epoch} was resumed at another world size: all ranks before had read "
                     f"{due[1]} positions of its order, which this world reads in other batches, so "
                     f"at(epoch={self.epoch}, start=...) alone would read them again. Iterate "
                     f"loader.resume(state) (or loader.at(epoch={self.epoch}, start=state.position, "

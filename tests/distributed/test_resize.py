@@ -1,0 +1,93 @@
+"""Resuming an interrupted epoch at another world size, DDP and FSDP2, on real gloo processes (issue 13).
+
+Each pair trains one epoch and part of the next at one world size, checkpoints, restores at the
+other and finishes the epoch. Across the two runs every sample of the interrupted epoch is read
+exactly once, plus the padding the resumed loader reports; the model, optimizer and scheduler come
+back as saved; ranks that existed draw from their saved generators, new ranks from
+``new_rank_seed(seed, step, rank)``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import harness, resize_workers
+
+PAIRS = {
+    "ddp": [(1, 2), (2, 1), (2, 3), (4, 2), (3, 4)],
+    "fsdp": [(2, 1), (2, 3), (4, 2)],
+}
+
+
+def check_coverage(first: list[dict], second: list[dict]) -> int:
+    """Every sample of the epoch once over both runs, plus the padding reported; returns the padding."""
+    counts = Counter(i for r in [*first, *second] for i in r["seen"])
+    padding = second[0]["padding"]
+    assert all(r["padding"] == padding for r in second)
+    assert set(counts) == set(range(resize_workers.SAMPLES))
+    assert sum(counts.values()) == resize_workers.SAMPLES + padding
+    # Padding repeats happen only in the resumed run, never in the interrupted one.
+    assert max(Counter(i for r in first for i in r["seen"]).values()) == 1
+    return padding
+
+
+def check_carried_over(first: list[dict], second: list[dict], new_rank_seed) -> None:
+    for r in second:
+        assert r["digest"] == first[0]["digest"]  # model, optimizer, scheduler: as saved
+        assert r["lr"] == first[0]["lr"]
+        assert "resumed at another world size" in r["old_form"]
+        assert r["finite"] and r["next_epoch_batches"] > 0
+    for rank, r in enumerate(second):
+        if rank < len(first):
+            assert r["draw"] == first[rank]["draw"]  # its own saved generators
+        else:
+            seed = new_rank_seed(first[0]["seed"], first[0]["step"], rank)
+            assert r["draw"] == torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "before", "after"), [(s, a, b) for s, pairs in PAIRS.items() for a, b in pairs]
+)
+def test_an_epoch_resumed_at_another_world_size_reads_each_sample_once(
+    tmp_path: Path, strategy: str, before: int, after: int
+) -> None:
+    from faccel import Sharding
+    from faccel._checkpoint._load import new_rank_seed
+
+    # Stop after 3 batches of epoch 1: 3 x before x 2 of the 26 samples read.
+    first = harness.run(
+        resize_workers.interrupted, world_size=before, root=str(tmp_path), strategy=strategy, stop=3
+    )
+    second = harness.run(resize_workers.resumed, world_size=after, root=str(tmp_path), strategy=strategy)
+    consumed = 3 * before * 2
+    for r in second:
+        assert r["epoch_position_consumed"] == [1, 0, consumed]
+    padding = check_coverage(first, second)
+    law = Sharding(num_samples=resize_workers.SAMPLES, batch_size=2, world_size=after, consumed=consumed)
+    assert padding == law.padding < after
+    check_carried_over(first, second, new_rank_seed)
+
+
+@pytest.mark.parametrize("last", [2, 3])
+def test_a_checkpoint_inside_a_resumed_epoch_resumes_exactly(tmp_path: Path, last: int) -> None:
+    """2 ranks read 12 samples; 3 ranks resume, read one batch each (6) and checkpoint; 2 or 3 finish.
+
+    At 3 ranks (the same world size) the saved position counts batches from the 12 read before.
+    """
+    first = harness.run(
+        resize_workers.interrupted, world_size=2, root=str(tmp_path / "a"), strategy="ddp", stop=3
+    )
+    again = str(tmp_path / "b")
+    second = harness.run(
+        resize_workers.resumed, world_size=3, root=str(tmp_path / "a"), strategy="ddp", again=again
+    )
+    third = harness.run(resize_workers.resumed, world_size=last, root=again, strategy="ddp")
+    where = [1, 0, 18] if last == 2 else [1, 1, 12]
+    assert [r["epoch_position_consumed"] for r in third] == [where] * last
+    assert all("resumed at another world size" in r["old_form"] for r in third)
+    read = [{"seen": r["before_again"]} for r in second]
+    check_coverage([*first, *read], third)
