@@ -150,3 +150,35 @@ def resumed(root: str, strategy: str, batch_size: int = 2, again: str | None = N
     state = attrs.evolve(state, epoch=state.epoch + 1, position=0)
     result["next_epoch_batches"] = len(list(loader.resume(state)))  # the next epoch is a plain one
     return result
+
+
+def unshared_folders(base: str) -> dict[str, Any]:
+    """Each rank checkpoints into and restores from its own folder, as nodes with local disks would."""
+    import os
+    import shutil
+
+    import faccel
+
+    dist = faccel.detect()
+    state, _ = _objects(dist, 2)
+    mine = f"{base}/node{dist.rank}"
+    result: dict[str, Any] = {}
+    try:
+        faccel.checkpoint(dist, state, mine)
+        result["checkpoint"] = ""
+    except faccel.errors.CheckpointError as error:
+        result["checkpoint"] = str(error)
+    result["left"] = sorted(os.listdir(mine)) if os.path.isdir(mine) else None
+    faccel.checkpoint(dist, state, f"{base}/shared")  # a real one, then on one "node" only
+    if dist.rank == 0:
+        shutil.rmtree(mine, ignore_errors=True)
+        shutil.copytree(f"{base}/shared", mine)
+    faccel.wait_for_everyone(dist)
+    before = _digest(state)
+    try:
+        faccel.restore(dist, state, mine)
+        result["restore"] = ""
+    except faccel.errors.CheckpointError as error:
+        result["restore"] = str(error)
+    result["unchanged"] = _digest(state) == before
+    return result

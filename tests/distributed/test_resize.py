@@ -9,6 +9,11 @@ back as saved; ranks that existed draw from their saved generators, new ranks fr
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +21,9 @@ import pytest
 import torch
 
 from tests.distributed import harness, resize_workers
+
+ROOT = Path(__file__).resolve().parents[2]
+REHEARSAL = ROOT / "tests" / "distributed" / "scripts" / "resize_rehearsal.py"
 
 PAIRS = {
     "ddp": [(1, 2), (2, 1), (2, 3), (4, 2), (3, 4)],
@@ -91,3 +99,83 @@ def test_a_checkpoint_inside_a_resumed_epoch_resumes_exactly(tmp_path: Path, las
     assert all("resumed at another world size" in r["old_form"] for r in third)
     read = [{"seen": r["before_again"]} for r in second]
     check_coverage([*first, *read], third)
+
+
+def test_ranks_that_cannot_see_each_others_files_fail_cleanly(tmp_path: Path) -> None:
+    """Nodes with their own disks (a folder per rank): checkpoint and restore fail on every rank.
+
+    The shared-file-system requirement of docs/checkpoints.md, as it shows when it is not met:
+    a named CheckpointError on every rank, nothing committed, nothing loaded.
+    """
+    zero, one = harness.run(resize_workers.unshared_folders, world_size=2, base=str(tmp_path))
+    assert "No such file or directory" in one["checkpoint"] and "rng-00001.json" in one["checkpoint"]
+    assert "failed on 1 other rank(s)" in zero["checkpoint"]
+    # Nothing committed on either "node" (an invisible temporary folder, removed by the next writer).
+    assert not [name for name in zero["left"] if name.startswith("step-")] and one["left"] is None
+    assert "no checkpoint there" in one["restore"] and "failed on 1 other rank(s)" in zero["restore"]
+    assert zero["unchanged"] and one["unchanged"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_torchrun_nodes_checkpoint_and_three_ranks_resume(tmp_path: Path) -> None:
+    """A multi-node rehearsal on one machine: two torchrun agents (--nnodes 2 --nproc-per-node 2,
+    c10d rendezvous on localhost) train and checkpoint; one agent of 3 ranks resumes and finishes."""
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    rendezvous = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        "rehearsal",
+    ]
+    rendezvous += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--monitor-interval", "0.1"]
+    script = [str(REHEARSAL), str(root), str(out)]
+    agents = [
+        subprocess.Popen(
+            [
+                *run,
+                *rendezvous,
+                "--node-rank",
+                str(node),
+                "--rdzv-conf",
+                f"is_host={node == 0}",
+                *script,
+                "first",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    resume = subprocess.run(
+        [*run, "--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.1", *script, "resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert resume.returncode == 0, (resume.stdout + resume.stderr)[-3000:]
+    first = [json.loads((out / f"first-{rank}.json").read_text()) for rank in range(4)]
+    second = [json.loads((out / f"resume-{rank}.json").read_text()) for rank in range(3)]
+    assert sorted((r["world_size"], r["node"]) for r in first) == [(4, 0), (4, 0), (4, 1), (4, 1)]
+    assert [r["world_size"] for r in second] == [3, 3, 3]
+    counts = Counter(i for r in [*first, *second] for i in r["seen"])
+    assert sum(len(r["seen"]) for r in first) == 3 * 4 * 2  # three batches of 2 on 4 ranks
+    assert set(counts) == set(range(30)) and sum(counts.values()) == 30 + second[0]["padding"]
