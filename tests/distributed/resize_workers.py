@@ -18,7 +18,7 @@ from tests.distributed.workers import Blocks
 SAMPLES = 26
 
 
-def _objects(dist: Any, batch_size: int) -> tuple[Any, Any]:
+def _objects(dist: Any, batch_size: int, drop_last: bool = False) -> tuple[Any, Any]:
     import faccel
 
     generator = torch.Generator().manual_seed(3)
@@ -28,7 +28,7 @@ def _objects(dist: Any, batch_size: int) -> tuple[Any, Any]:
     model = Blocks()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.85, 0.99))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=drop_last)
     model, optimizer, scheduler, loader = faccel.prepare(dist, model, optimizer, scheduler, loader)
     state = faccel.TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     return state, loader
@@ -81,14 +81,16 @@ def _step(dist: Any, state: Any, batch: Any) -> Any:
     return attrs.evolve(state, step=state.step + 1, position=state.position + 1)
 
 
-def interrupted(root: str, strategy: str, stop: int, batch_size: int = 2) -> dict[str, Any]:
+def interrupted(
+    root: str, strategy: str, stop: int, batch_size: int = 2, drop_last: bool = False
+) -> dict[str, Any]:
     """Read ``stop`` batches of epoch 0 (after one whole epoch), checkpoint, draw a random number."""
     import attrs
 
     import faccel
 
     dist = faccel.detect(strategy=strategy)
-    state, loader = _objects(dist, batch_size)
+    state, loader = _objects(dist, batch_size, drop_last)
     for batch in loader.at(epoch=0):  # a whole epoch first: the interrupted one is epoch 1
         state = _step(dist, state, batch)
     state = attrs.evolve(state, epoch=1, position=0)
@@ -109,7 +111,9 @@ def interrupted(root: str, strategy: str, stop: int, batch_size: int = 2) -> dic
     }
 
 
-def resumed(root: str, strategy: str, batch_size: int = 2, again: str | None = None) -> dict[str, Any]:
+def resumed(
+    root: str, strategy: str, batch_size: int = 2, again: str | None = None, drop_last: bool = False
+) -> dict[str, Any]:
     """Restore at this world size, check what came back, and read the rest of the epoch.
 
     ``again``: a second checkpoint root, written after the first batch of the resumed epoch
@@ -120,7 +124,7 @@ def resumed(root: str, strategy: str, batch_size: int = 2, again: str | None = N
     import faccel
 
     dist = faccel.detect(strategy=strategy)
-    state, loader = _objects(dist, batch_size)
+    state, loader = _objects(dist, batch_size, drop_last)
     state = faccel.restore(dist, state, root)
     result: dict[str, Any] = {
         "digest": _digest(state),

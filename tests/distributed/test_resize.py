@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from faccel._checkpoint._load import new_rank_seed
 from tests.distributed import harness, resize_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +65,6 @@ def test_an_epoch_resumed_at_another_world_size_reads_each_sample_once(
     tmp_path: Path, strategy: str, before: int, after: int
 ) -> None:
     from faccel import Sharding
-    from faccel._checkpoint._load import new_rank_seed
 
     # Stop after 3 batches of epoch 1: 3 x before x 2 of the 26 samples read.
     first = harness.run(
@@ -77,6 +77,17 @@ def test_an_epoch_resumed_at_another_world_size_reads_each_sample_once(
     padding = check_coverage(first, second)
     law = Sharding(num_samples=resize_workers.SAMPLES, batch_size=2, world_size=after, consumed=consumed)
     assert padding == law.padding < after
+    check_carried_over(first, second, new_rank_seed)
+
+
+def test_under_drop_last_the_resumed_ranks_drop_the_remainders_incomplete_round(tmp_path: Path) -> None:
+    """2 ranks read 12 of 26 samples; 3 ranks read 2 rounds of 6 of the 14 left and drop 2."""
+    kwargs = {"root": str(tmp_path), "strategy": "ddp", "drop_last": True}
+    first = harness.run(resize_workers.interrupted, world_size=2, stop=3, **kwargs)
+    second = harness.run(resize_workers.resumed, world_size=3, **kwargs)
+    counts = Counter(i for r in [*first, *second] for i in r["seen"])
+    assert max(counts.values()) == 1 and len(counts) == 24  # each at most once, 2 dropped
+    assert [len(r["seen"]) for r in second] == [4, 4, 4] and second[0]["padding"] == 0
     check_carried_over(first, second, new_rank_seed)
 
 
