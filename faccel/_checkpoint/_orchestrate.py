@@ -176,7 +176,9 @@ def checkpoint(
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
     Tensors go to safetensors, everything else (optimizer param groups,
-    scheduler and scaler state, step, epoch, position, each rank's random
+    scheduler and scaler state, step, epoch, position (and, given
+    ``TrainState.loader``, the position in the epoch's global order, which
+    any world size resumes from), each rank's random
     generators, extras) to JSON, and a manifest lists every file with its
     size and SHA-256. The checkpoint is written into a temporary sibling
     folder, every file and the folder are fsynced, and one rename makes it
@@ -497,14 +499,19 @@ def restore(
     objects among the extras through ``load_state_dict``, and this rank's
     Python, NumPy, torch (and CUDA) random generators are set as they were.
 
-    Resume the data where it stopped with
-    ``loader.at(epoch=state.epoch, start=state.position)``: the batches an
-    uninterrupted run would have read next, without reading the skipped ones.
-    Under DDP call it on every rank; each rank gets its own ``rank_extras``.
+    Resume the data where it stopped with ``loader.resume(state)``: the
+    batches an uninterrupted run would have read next, without reading the
+    skipped ones. At another world size, a position inside an epoch comes
+    back as ``position=0, resumed_at=(epoch, consumed)`` (the positions of the
+    epoch's order all ranks had read, recorded when the saved TrainState had
+    its ``loader``), and ``loader.resume(state)`` deals the rest of the epoch
+    to the new ranks; a rank the checkpoint has no generators of seeds them
+    from ``(dist.seed, step, rank)``. Under DDP call it on every rank; each
+    rank gets its own ``rank_extras``.
 
     Args:
-        dist: The run's :class:`DistState`: the world size of the writer under
-            DDP; any world size for one process or an FSDP2 model (resharding).
+        dist: The run's :class:`DistState`, of any world size (an FSDP2 model
+            is resharded).
         train_state: The objects to load into, built as when saving; its
             extras name the entries to restore (any placeholder value; where
             it holds a tensor, the saved one must match its shape and dtype);
@@ -519,10 +526,11 @@ def restore(
 
     Raises:
         CheckpointError: No checkpoint at ``path``, or one that is corrupted,
-            truncated, foreign, of another version or world size (another
-            world size is refused mid-epoch, ``position`` > 0, and with
-            ``rank_extras``, under any strategy), or does not fit the
-            objects; every checkpoint of a root is broken; a rank did not
+            truncated, foreign, of another version, or does not fit the
+            objects; at another world size: a position inside an epoch that
+            the checkpoint does not record globally (saved without
+            ``TrainState.loader``), a target without ``loader``, or
+            ``rank_extras``; every checkpoint of a root is broken; a rank did not
             call ``restore`` within ``arrival_timeout``. The message names the file and the problem,
             and nothing has been modified.
 
