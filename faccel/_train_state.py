@@ -33,6 +33,15 @@ def _extras_keys(_: object, attribute: attrs.Attribute, value: Mapping[Any, Any]
         raise ArgumentError(msg)
 
 
+def _prepared(_: object, attribute: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
+    if value is not None and not isinstance(value, PreparedLoader):
+        msg = (
+            f"TrainState.{attribute.name} must be the loader faccel.prepare returned (or None), "
+            f"got {type(value).__name__}: its sharding is what places the position in the epoch"
+        )
+        raise ArgumentError(msg)
+
+
 def _resumed_at(_: object, attribute: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
     if value is None:
         return
@@ -95,7 +104,8 @@ class TrainState:
     Raises:
         ArgumentValueError: ``step``, ``epoch`` or ``position`` is negative.
         ArgumentError: ``step``, ``epoch`` or ``position`` is not an ``int``
-            (a bool is not), or a key of ``extras`` is not a string.
+            (a bool is not), a key of ``extras`` is not a string, ``loader``
+            is not a prepared loader, or ``resumed_at`` not a pair of ints.
 
     Example:
         >>> import attrs, torch
@@ -115,7 +125,7 @@ class TrainState:
     position: int = attrs.field(default=0, validator=_non_negative)
     extras: Mapping[str, Any] = attrs.field(factory=dict, validator=_extras_keys)
     rank_extras: Mapping[str, Any] = attrs.field(factory=dict, validator=_extras_keys)
-    loader: PreparedLoader | None = None
+    loader: PreparedLoader | None = attrs.field(default=None, validator=_prepared)
     resumed_at: tuple[int, int] | None = attrs.field(default=None, validator=_resumed_at)
 
     @property

@@ -110,6 +110,8 @@ def test_the_loader_forms_refuse_what_they_cannot_do_exactly() -> None:
         loader.at(epoch=0, consumed=21)
     with pytest.raises(faccel.errors.ArgumentError, match="resumed_at must be None or a tuple"):
         attrs.evolve(state, resumed_at=[1, 2])
+    with pytest.raises(faccel.errors.ArgumentError, match=r"the loader faccel\.prepare returned"):
+        attrs.evolve(state, loader=DataLoader(TensorDataset(torch.arange(3))))
 
     class Stream(IterableDataset):
         def __iter__(self):
