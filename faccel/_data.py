@@ -3,7 +3,8 @@
 A :class:`PreparedLoader` is a frozen view of a rebuilt ``DataLoader``: it
 holds the epoch and the batch to start from as plain values. Iterating the
 same view twice yields the same batches; move on with
-``loader.at(epoch=e)`` (and resume with ``loader.at(epoch=e, start=k)``).
+``loader.at(epoch=e)`` (and resume with ``loader.at(epoch=e, start=k)``, or
+with ``loader.resume(state)`` after a restore, at any world size).
 Nothing counts epochs behind your back.
 """
 
@@ -14,7 +15,7 @@ import json
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -70,23 +71,24 @@ class _ShardBatchSampler(Sampler[list[int]]):
         self.sharding = sharding
         self.flat = flat  # batch_size=None: yield each rank's indices one by one
         self.seeds = seeds
-        self._next: tuple[int, int] = (0, 0)
+        self._next: tuple[int, int, int] = (0, 0, 0)
 
-    def point(self, epoch: int, start: int) -> None:
-        self._next = (epoch, start)
+    def point(self, epoch: int, start: int, consumed: int = 0) -> None:
+        self._next = (epoch, start, consumed)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, start = self._next
-        batches = self.sharding.batches(epoch=epoch, start=start)
+        epoch, start, consumed = self._next
+        s = attrs.evolve(self.sharding, consumed=consumed) if consumed else self.sharding
+        batches = s.batches(epoch=epoch, start=start)
         if self.flat:
             return (batch[0] for batch in batches)
         if self.seeds == "torch":
             return iter(batches)
-        s = self.sharding
         rank = s.rank if self.seeds == "rank" else -1
-        return (
-            _SeededBatch(batch, _seed_of(s.seed, epoch, rank, start + k)) for k, batch in enumerate(batches)
-        )
+        # A resume at another world size numbers its batches afresh: its global position keeps
+        # their seeds apart from the first run's.
+        head = (s.seed, epoch, rank) if not consumed else (s.seed, epoch, rank, consumed)
+        return (_SeededBatch(batch, _seed_of(*head, start + k)) for k, batch in enumerate(batches))
 
     def __len__(self) -> int:
         return self.sharding.num_batches
@@ -205,6 +207,17 @@ class _ShardedStream(IterableDataset):  # type: ignore[type-arg]
                 yield batch
 
 
+class _Position(Protocol):
+    """Where a :class:`faccel.TrainState` says the data stopped (what :meth:`PreparedLoader.resume` reads)."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def consumed(self) -> int: ...
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class PreparedLoader:
     """One rank's view of a dataset: its batches of ``epoch``, from batch ``start``.
@@ -226,6 +239,9 @@ class PreparedLoader:
         device: Where batches are moved.
         epoch: The epoch this view yields.
         start: The first batch this view yields (batches consumed before it).
+        consumed: Global positions of the epoch's order consumed before this
+            view deals the rest (by all ranks together, at any world size; see
+            :meth:`resume`). 0 but in an epoch resumed at another world size.
 
     Example:
         >>> import torch, faccel
@@ -241,6 +257,7 @@ class PreparedLoader:
     device: torch.device
     epoch: int = 0
     start: int = 0
+    consumed: int = 0
     non_blocking: bool = False
     _control: _ShardBatchSampler | _ShardedStream
     _seeder: torch.Generator
@@ -255,6 +272,9 @@ class PreparedLoader:
     # Shared by every view of one loader: how many iterations have been started. With
     # persistent workers the DataLoader has one iterator, which each new iteration resets.
     _started: list[int] = attrs.field(factory=lambda: [0])
+    # Shared by every view: the (epoch, consumed) a restore at another world size left to resume
+    # from, until a view of that epoch is iterated. One iterated from elsewhere raises.
+    _due: list[tuple[int, int] | None] = attrs.field(factory=lambda: [None])
 
     @property
     def batch_size(self) -> int | None:
@@ -304,11 +324,22 @@ class PreparedLoader:
             return True
         return False
 
-    def at(self, *, epoch: int, start: int = 0) -> PreparedLoader:
+    def at(self, *, epoch: int, start: int = 0, consumed: int = 0) -> PreparedLoader:
         """A view of the same loader at ``epoch``, beginning at batch ``start``.
 
+        ``start`` counts this world's batches: ``at(epoch=e, start=k)`` yields
+        what an uninterrupted run of the same world size yields from its
+        batch ``k``. ``consumed`` skips that many positions of the epoch's
+        global order (read by all ranks of any world size together) and deals
+        the rest afresh to this world's ranks, the padding rule applied to the
+        remainder; ``start`` then counts batches of that dealing. After
+        :func:`faccel.restore`, :meth:`resume` passes both for you.
+
         Raises:
-            ArgumentValueError: ``epoch`` or ``start`` is negative.
+            ArgumentValueError: ``epoch``, ``start`` or ``consumed`` is
+                negative, ``consumed`` exceeds the dataset, or ``consumed``
+                is given for an ``IterableDataset`` (a stream resumes at
+                the world size that read it).
 
         Example:
             >>> import torch, faccel
@@ -323,7 +354,60 @@ class PreparedLoader:
         if epoch < 0 or start < 0:
             msg = f"epoch and start must be >= 0, got epoch={epoch!r}, start={start!r}"
             raise ArgumentValueError(msg)
-        return attrs.evolve(self, epoch=epoch, start=start, bare_iterated=None)
+        if consumed and isinstance(self._control, _ShardedStream):
+            msg = (
+                f"consumed={consumed} is for map-style datasets: this loader reads an IterableDataset, "
+                "whose stream is dealt as it is read; resume it at the world size that read it, "
+                "with at(epoch=..., start=...)"
+            )
+            raise ArgumentValueError(msg)
+        sharding = attrs.evolve(self.sharding, consumed=consumed)  # checks consumed <= num_samples
+        return attrs.evolve(
+            self, epoch=epoch, start=start, consumed=consumed, sharding=sharding, bare_iterated=None
+        )
+
+    def resume(self, state: _Position) -> PreparedLoader:
+        """The view that continues ``state``'s epoch where it stopped, at this world size.
+
+        ``loader.at(epoch=state.epoch, start=state.position, consumed=state.consumed)``:
+        after a restore at the same world size, the batches an uninterrupted
+        run would read next; after a restore at another world size (which
+        sets ``state.consumed`` to the positions all ranks had read and
+        ``state.position`` to 0), the rest of the epoch dealt afresh to this
+        world's ranks, so that across the two runs every sample of the epoch
+        is read once (padding repeats excepted, see :attr:`padding`).
+
+        Raises:
+            ArgumentValueError: As :meth:`at`.
+
+        Example:
+            >>> import torch, faccel
+            >>> data = torch.utils.data.TensorDataset(torch.arange(10))
+            >>> loader = faccel.prepare(faccel.detect({}), torch.utils.data.DataLoader(data, batch_size=3))
+            >>> state = faccel.TrainState.create(model=torch.nn.Linear(1, 1), optimizer=None,
+            ...                                  epoch=0, position=2)
+            >>> [batch.tolist() for (batch,) in loader.resume(state)]
+            [[6, 7, 8], [9]]
+        """
+        return self.at(epoch=state.epoch, start=state.position, consumed=state.consumed)
+
+    def expect_resume(self, epoch: int, consumed: int) -> None:
+        """Refuse, until it is iterated, any view of ``epoch`` that does not skip ``consumed`` positions.
+
+        :func:`faccel.restore` calls it on ``TrainState.loader`` when the
+        epoch continues from a global position (restored at another world
+        size): the batch-counting form ``at(epoch=e, start=state.position)``
+        would read the epoch again from its start.
+
+        Example:
+            >>> import torch, faccel
+            >>> data = torch.utils.data.TensorDataset(torch.arange(10))
+            >>> loader = faccel.prepare(faccel.detect({}), torch.utils.data.DataLoader(data, batch_size=3))
+            >>> loader.expect_resume(0, 6)
+            >>> [batch.tolist() for (batch,) in loader.at(epoch=0, consumed=6)]
+            [[6, 7, 8], [9]]
+        """
+        self._due[0] = (epoch, consumed) if consumed else None
 
     def __len__(self) -> int:
         """Batches this rank sees in a whole epoch (``start`` not subtracted).
@@ -347,18 +431,32 @@ class PreparedLoader:
                 )
                 raise UsageError(msg)
             self._bare_iterated[0] = True
+        due = self._due[0]
+        if due is not None and due[0] == self.epoch:
+            if due[1] != self.consumed:
+                msg = (
+                    f"epoch {self.epoch} was resumed at another world size: all ranks before had read "
+                    f"{due[1]} positions of its order, which this world reads in other batches, so "
+                    f"at(epoch={self.epoch}, start=...) alone would read them again. Iterate "
+                    f"loader.resume(state) (or loader.at(epoch={self.epoch}, start=state.position, "
+                    "consumed=state.consumed))"
+                )
+                raise UsageError(msg)
+            self._due[0] = None
         self._started[0] += 1
         control = self._control
         if isinstance(control, _ShardBatchSampler):
-            control.point(self.epoch, self.start)
+            control.point(self.epoch, self.start, self.consumed)
         else:
             control.start = self.start
-        # Worker seeds follow (seed, epoch, start, rank), and the global torch RNG is not
-        # consumed by the DataLoader; map-style batches are reseeded one by one on top
-        # (_SeedingDataset), so a resumed run draws the same random numbers.
+        # Worker seeds follow (seed, epoch, start, rank) (and the global position of a resume at
+        # another world size), and the global torch RNG is not consumed by the DataLoader;
+        # map-style batches are reseeded one by one on top (_SeedingDataset), so a resumed run
+        # draws the same random numbers.
         s = self.sharding
         rank = s.rank if self._worker_seeds == "rank" else -1
-        self._seeder.manual_seed(_seed_of(s.seed, self.epoch, self.start, rank))
+        where = (self.epoch, self.start, rank) if not self.consumed else (self.epoch, self.start, rank, self.consumed)
+        self._seeder.manual_seed(_seed_of(s.seed, *where))
         iterator: Iterator[Any] = iter(self.dataloader)
         if self.dataloader.persistent_workers:
             iterator = _alone(iterator, self._started, self._started[0])

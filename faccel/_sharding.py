@@ -20,6 +20,12 @@ sampler's output for ``(seed, epoch)`` (see ``faccel._samplers``) instead of
 batch sampler: the positions are its *batches*, each dealt whole to one rank
 (``batch_size`` is then 1: one batch sampler batch per loader batch), and the
 padding repeats whole batches.
+Resuming at another world size: ``consumed`` global positions of the epoch's
+order (read by all ranks together, see :meth:`Sharding.consumed_after`) are
+skipped, and the rest of the order is dealt afresh to this world, the rules
+above applied to the remainder. Positions stay global (position ``p`` is
+``order[p % num_samples]``), so padding repeats the start of the epoch's order,
+as it would have without the interruption. ``consumed=0`` is the plain epoch.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ class Sharding:
     Raises:
         ArgumentValueError: ``num_samples`` or ``rank`` is negative,
             ``batch_size`` or ``world_size`` is below 1, ``rank`` is not below
-            ``world_size``, :meth:`batches` gets a negative ``start``, or
-            ``whole_batches`` comes without a ``sampler`` or with ``batch_size`` > 1.
+            ``world_size``, ``consumed`` is negative or above ``num_samples``,
+            :meth:`batches` gets a negative ``start``, or ``whole_batches``
+            comes without a ``sampler`` or with ``batch_size`` > 1.
         UsageError: The ``sampler`` yields another count than ``num_samples``.
 
     Example:
@@ -74,6 +81,14 @@ class Sharding:
         ...              sampler=buckets, whole_batches=True)
         >>> s.batches(epoch=0), s.padding
         ([[3, 4], [6, 7], [0, 1, 2]], 1)
+
+        Two ranks read one batch each (4 positions), then the rest is dealt to three:
+
+        >>> Sharding(num_samples=7, batch_size=2, world_size=2).consumed_after(1)
+        4
+        >>> [Sharding(num_samples=7, batch_size=2, rank=r, world_size=3, consumed=4).batches()
+        ...  for r in range(3)]
+        [[[4]], [[5]], [[6]]]
     """
 
     num_samples: int = attrs.field(validator=_non_negative)
@@ -88,6 +103,9 @@ class Sharding:
     # sequential or shuffled one; num_samples is then the length of its output.
     sampler: object = None
     whole_batches: bool = False
+    # Global positions of the epoch's order consumed before this sharding deals (a resume
+    # at another world size); the remainder is dealt as a whole epoch would be.
+    consumed: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -99,18 +117,26 @@ class Sharding:
                 f"sampler) and batch_size=1, got sampler={self.sampler!r}, batch_size={self.batch_size}"
             )
             raise ArgumentValueError(msg)
+        if self.consumed > self.num_samples:
+            msg = f"consumed must be in [0, num_samples={self.num_samples}], got {self.consumed!r}"
+            raise ArgumentValueError(msg)
 
     @property
     def total(self) -> int:
-        """Positions dealt in an epoch over all ranks, padding included."""
-        n, w, b = self.num_samples, self.world_size, self.batch_size
+        """Where the dealt positions end (exclusive): all of an epoch's, padding included.
+
+        Without ``consumed`` it is the number of positions dealt; with it, they
+        are positions ``consumed`` up to ``total``.
+        """
+        o, w, b = self.consumed, self.world_size, self.batch_size
+        n = self.num_samples - o  # what is left to deal
         if self.drop_last:
-            return (n // (w * b)) * w * b
+            return o + (n // (w * b)) * w * b
         if not self.even_batches or n == 0:
-            return n
+            return o + n
         rounds = -(-n // (w * b))
         # The last rank must reach one sample into the last batch: w * ((rounds-1)*b + 1).
-        return max(n, w * ((rounds - 1) * b + 1))
+        return o + max(n, w * ((rounds - 1) * b + 1))
 
     @property
     def padding(self) -> int:
@@ -118,7 +144,7 @@ class Sharding:
         return max(0, self.total - self.num_samples)
 
     def _count(self, rank: int) -> int:
-        return max(0, -(-(self.total - rank) // self.world_size))
+        return max(0, -(-(self.total - self.consumed - rank) // self.world_size))
 
     @property
     def num_samples_on_rank(self) -> int:
@@ -161,7 +187,7 @@ class Sharding:
 
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """Global positions dealt to ``rank`` (this rank by default), in order."""
-        r = self.rank if rank is None else rank
+        r = self.consumed + (self.rank if rank is None else rank)
         return torch.arange(r, max(r, self.total), self.world_size)
 
     def is_padding(self, position: int) -> bool:
@@ -191,3 +217,30 @@ class Sharding:
             return [units[p % self.num_samples] for p in positions.tolist()]
         flat = self.order(epoch)[positions % self.num_samples].tolist()
         return [flat[i : i + b] for i in range(0, len(flat), b)]
+
+    def consumed_after(self, start: int) -> int:
+        """Global positions of the epoch's order read once every rank has read ``start`` batches.
+
+        Counted from the epoch's start (``consumed`` included) and capped at
+        ``num_samples``: padding is never counted, and once rank 0 has read all
+        its batches the whole epoch is consumed (under ``drop_last`` the dropped
+        tail too). This is the position :meth:`batches` of any world size
+        resumes from with ``consumed=``.
+
+        Raises:
+            ArgumentValueError: ``start`` is negative.
+
+        Example:
+            >>> s = Sharding(num_samples=10, batch_size=2, world_size=3)
+            >>> [s.consumed_after(k) for k in range(3)]
+            [0, 6, 10]
+        """
+        if start < 0:
+            msg = f"start must be >= 0, got {start!r}"
+            raise ArgumentValueError(msg)
+        if start > 0 and start >= self._batches_of(0):
+            return self.num_samples
+        return min(self.consumed + start * self.world_size * self.batch_size, self.num_samples)
+
+    def _batches_of(self, rank: int) -> int:
+        return -(-self._count(rank) // self.batch_size)

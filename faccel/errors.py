@@ -122,7 +122,8 @@ class CheckpointError(FaccelError, ValueError):
     that differ between ranks (use ``rank_extras``), a call made on some
     ranks only (every rank must call; ``arrival_timeout``), a meeting of the
     ranks past the process group's timeout (``faccel.detect(timeout=...)``),
-    and a mid-epoch checkpoint restored at another world size.
+    and a mid-epoch checkpoint restored at another world size without its
+    global data position (save with ``TrainState.loader``).
     """
 
 

@@ -325,3 +325,30 @@ def restore_specs(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
     changed = draw(st.lists(st.sampled_from(RESTORE_FIELDS), max_size=2, unique=True))
     target = {**saved, "step_abc": False, **{field: draw(_restore_field(field)) for field in changed}}
     return saved, target
+
+
+@st.composite
+def interrupted_epochs(draw: st.DrawFn, *, max_samples: int = 3000, max_world: int = 256) -> dict:
+    """One epoch read in stages at different world sizes: the sharding flags and each stage.
+
+    ``stages`` is a list of ``(world_size, batch_size, fraction)``: the stage's ranks read
+    that fraction of their batches (the last stage reads the rest of the epoch).
+    """
+    return {
+        "num_samples": draw(st.integers(min_value=0, max_value=max_samples)),
+        "shuffle": draw(st.booleans()),
+        "drop_last": draw(st.booleans()),
+        "even_batches": draw(st.booleans()),
+        "seed": draw(st.integers(min_value=0, max_value=2**31)),
+        "stages": draw(
+            st.lists(
+                st.tuples(
+                    st.integers(min_value=1, max_value=max_world),
+                    st.integers(min_value=1, max_value=64),
+                    st.floats(min_value=0, max_value=1),
+                ),
+                min_size=2,
+                max_size=4,
+            )
+        ),
+    }

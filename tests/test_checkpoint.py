@@ -324,14 +324,19 @@ def test_train_state_is_a_frozen_record() -> None:
         attrs.evolve(state, extras={1: "x"})
 
 
-def test_restore_needs_the_same_world_size(tmp_path: Path) -> None:
+def test_restore_at_another_world_size_needs_the_global_position_mid_epoch(tmp_path: Path) -> None:
+    # Was test_restore_needs_the_same_world_size: any world size restores now (issue 13), an epoch
+    # boundary as it is, a position inside an epoch only where the checkpoint records it globally.
     import faccel
 
     model = torch.nn.Linear(2, 2)
     state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     faccel.checkpoint(faccel.detect({}), state, tmp_path)
-    with pytest.raises(faccel.errors.CheckpointError, match="same world size"):
-        faccel.restore(faccel.DistState.simulated(world_size=2), state, tmp_path)
+    two = faccel.DistState.simulated(world_size=2)
+    assert faccel.restore(two, state, tmp_path).position == 0
+    faccel.checkpoint(faccel.detect({}), attrs.evolve(state, step=1, position=2), tmp_path)
+    with pytest.raises(faccel.errors.CheckpointError, match="does not record the global position"):
+        faccel.restore(two, state, tmp_path)
     with pytest.raises(faccel.errors.ArgumentValueError, match="simulated"):
         faccel.checkpoint(faccel.DistState.simulated(world_size=2), state, tmp_path)
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from tests.strategies import shardings
+from tests.strategies import interrupted_epochs, shardings
 
 
 def _all_ranks(kwargs: dict, epoch: int = 0):
@@ -147,3 +147,49 @@ def test_bad_arguments_are_named() -> None:
         Sharding(num_samples=4, batch_size=1).batches(0, start=-1)
     with pytest.raises(ArgumentValueError, match=r"num_samples must be >= 0, got -1"):
         Sharding(num_samples=-1, batch_size=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(interrupted_epochs())
+def test_an_epoch_resumed_at_other_world_sizes_sees_each_sample_once(spec: dict) -> None:
+    """The pure law behind resuming at another world size, for worlds of 1 to 256 ranks.
+
+    Stage by stage, every rank reads some of its batches; the next stage's ranks deal the rest
+    of the epoch's order afresh from ``consumed_after``. Over all stages each sample is read
+    exactly once, plus padding that ``is_padding`` reports, no more than the last stage's
+    world needs to even its batches.
+    """
+    from faccel import Sharding
+
+    flags = {key: spec[key] for key in ("num_samples", "shuffle", "drop_last", "even_batches", "seed")}
+    n = spec["num_samples"]
+    consumed, real, padding = 0, Counter[int](), 0
+    for number, (world, batch, fraction) in enumerate(spec["stages"]):
+        ranks = [
+            Sharding(rank=r, world_size=world, batch_size=batch, consumed=consumed, **flags)
+            for r in range(world)
+        ]
+        last = number == len(spec["stages"]) - 1
+        batches = ranks[0].num_batches
+        # Interrupted mid-epoch (a checkpoint after the last batch is an epoch boundary).
+        read = batches if last else max(0, min(int(fraction * batches), batches - 1))
+        counts = {s.num_batches for s in ranks}
+        if spec["even_batches"] or spec["drop_last"]:
+            assert len(counts) == 1  # the padding rule, applied afresh to the remainder
+        for s in ranks:
+            positions = s.positions()[: read * batch].tolist()
+            assert all(p >= consumed for p in positions)
+            real.update(p for p in positions if not s.is_padding(p))
+            padding += sum(1 for p in positions if s.is_padding(p))
+            if not last:
+                assert not any(s.is_padding(p) for p in positions)  # padding only at the epoch's end
+        if last:
+            assert padding == ranks[0].padding
+            if padding:  # the fewest: one sample less would leave a rank a batch short
+                assert padding < world and not spec["drop_last"] and spec["even_batches"]
+        consumed = ranks[0].consumed_after(read)
+        if last and read:
+            assert consumed == n  # the epoch is over, its dropped tail included
+    assert max(real.values(), default=1) == 1  # never a sample twice
+    if not spec["drop_last"]:
+        assert sorted(real) == list(range(n))  # every sample of the epoch

@@ -24,7 +24,7 @@ from faccel._checkpoint._tagged_json import TensorSink, encode
 from faccel._checkpoint._weights import model_tensors
 from faccel._model import unwrap_model
 from faccel._state import DistState
-from faccel._train_state import TrainState
+from faccel._train_state import TrainState, global_position
 
 __all__ = ["capture", "capture_rng", "class_name", "extras_digests", "is_stateful"]
 
@@ -77,6 +77,8 @@ def capture(
         "step": state.step,
         "epoch": state.epoch,
         "position": state.position,
+        "consumed": global_position(state),
+        "resumed_at": None if state.resumed_at is None else list(state.resumed_at),
         "world_size": dist.world_size,
         "model": {
             "keys": list(unwrap_model(state.model).state_dict() if model_state is None else model_state),

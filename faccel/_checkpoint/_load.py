@@ -9,6 +9,7 @@ state.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +27,22 @@ from faccel._train_state import TrainState
 from faccel._tree import paired_leaves, rebuild
 from faccel.errors import CheckpointError
 
-__all__ = ["load"]
+__all__ = ["load", "new_rank_seed"]
+
+
+def new_rank_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of a rank the checkpoint has no generators of (restored at a larger world size).
+
+    The first 4 bytes (little-endian) of the SHA-256 of ``"seed:step:rank"``:
+    fixed by the run's seed (``DistState.seed``), the checkpoint's step and the
+    rank, different for each new rank, and within NumPy's range.
+
+    Example:
+        >>> new_rank_seed(0, 7, 2) == new_rank_seed(0, 7, 2) != new_rank_seed(0, 7, 3)
+        True
+    """
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def _placed(saved: Any, live: Any) -> Any:
@@ -58,13 +74,15 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     """Load a checked checkpoint into ``state``'s objects (in place) and set the generators.
 
     Returns a new TrainState with the saved step, epoch, position and extras.
-    ``rng`` is None for a rank the checkpoint has no generators of (resharding
-    to more ranks): its generators are left as they are.
+    ``rng`` is ``{"seed": DistState.seed, "rank": rank}`` for a rank the checkpoint has no
+    generators of (restored at a larger world size): its Python, NumPy and
+    torch (and CUDA) generators are seeded with :func:`new_rank_seed`.
     """
     where = loadable.where
     extras = _load_extras(state.extras, loadable.extras, where, "extras")
     rank_extras = {}
-    if rng is not None:
+    new_rank = rng is not None and "seed" in rng
+    if rng is not None and not new_rank:
         rank_extras = _load_extras(state.rank_extras, rng["extras"], where, "rank_extras")
     if state.scaler is not None and loadable.scaler:
         _into(where, "scaler", state.scaler, dict(loadable.scaler))
@@ -78,20 +96,30 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
         if state.optimizer is not None:
             _into(where, "optimizer", state.optimizer, dict(loadable.optimizer))
         _into(where, "model", model, dict(loadable.model))  # strict: every key, checked
-    if rng is not None:
+    if rng is not None and new_rank:
+        seed = new_rank_seed(rng["seed"], loadable.step, rng["rank"])
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # CUDA's generators too
+    elif rng is not None:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None:
             torch.cuda.set_rng_state_all(rng["cuda"])
-    return attrs.evolve(
+    restored = attrs.evolve(
         state,
         step=loadable.step,
         epoch=loadable.epoch,
         position=loadable.position,
+        resumed_at=loadable.resumed_at,
         extras=extras,
         rank_extras=rank_extras,
     )
+    if restored.loader is not None and restored.consumed:
+        # The batch-counting at(epoch, start) would read the epoch again from its start.
+        restored.loader.expect_resume(restored.epoch, restored.consumed)
+    return restored
 
 
 def _load_extras(

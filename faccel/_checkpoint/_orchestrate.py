@@ -10,8 +10,9 @@ it is new (or ``replace=True``) and that their extras are equal; rank 0 writes
 everything but the other ranks' RNG files, and the ranks meet three times
 (prepare, write, commit). All ranks must see one shared file system.
 ``restore`` checks everything (``_verify``) before anything is loaded
-(``_load``), and refuses at another world size what cannot be carried over
-exactly (a position inside an epoch, rank extras).
+(``_load``). At another world size a position inside an epoch becomes a
+global one (``_check_world_change``), and what cannot be carried over exactly
+is refused (a position saved without its loader, rank extras).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -174,7 +176,9 @@ def checkpoint(
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
     Tensors go to safetensors, everything else (optimizer param groups,
-    scheduler and scaler state, step, epoch, position, each rank's random
+    scheduler and scaler state, step, epoch, position (and, given
+    ``TrainState.loader``, the position in the epoch's global order, which
+    any world size resumes from), each rank's random
     generators, extras) to JSON, and a manifest lists every file with its
     size and SHA-256. The checkpoint is written into a temporary sibling
     folder, every file and the folder are fsynced, and one rename makes it
@@ -409,27 +413,28 @@ def _read_checkpoint(
     rng_content = parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
-        rng = check_rng(dist, state, rng_content, where=rng_where) if rng_file else None
+        # A rank beyond the writers' gets generators seeded from (seed, step, rank): see _load.
+        rng: dict[str, Any] | None = (
+            check_rng(dist, state, rng_content, where=rng_where)
+            if rng_file
+            else {"seed": dist.seed, "rank": dist.rank}
+        )
     except RecursionError:
         msg = f"{directory}: a JSON file nests too deeply to be a faccel checkpoint"
         raise CheckpointError(msg) from None
     if world != dist.world_size:
-        _check_world_change(directory, world, dist.world_size, loadable, state)
+        loadable = _check_world_change(directory, world, dist.world_size, loadable, state)
     return loadable, rng
 
 
-def _check_world_change(directory: Path, world: int, now: int, loadable: Loadable, state: TrainState) -> None:
-    """What cannot be carried over exactly to another world size is refused, not reinterpreted."""
-    if loadable.position != 0:
-        msg = (
-            f"{directory}: written by {world} processes at batch {loadable.position} of epoch "
-            f"{loadable.epoch}, restored by {now}: a position inside an epoch counts batches of "
-            f"{world} ranks, and {now} rank(s) read the epoch in other batches, so it cannot be "
-            f"carried over exactly. Resume with {world} processes, or from a checkpoint written "
-            "at an epoch boundary (state.position == 0: attrs.evolve(state, epoch=epoch + 1, "
-            "position=0) once an epoch ends); faccel.load_model reads the weights alone"
-        )
-        raise CheckpointError(msg)
+def _check_world_change(
+    directory: Path, world: int, now: int, loadable: Loadable, state: TrainState
+) -> Loadable:
+    """A position inside an epoch becomes global; what cannot be carried over exactly is refused.
+
+    The epoch then continues from ``resumed_at = (epoch, consumed)`` at batch 0:
+    the rest of its order, dealt afresh to ``now`` ranks (``Sharding.consumed``).
+    """
     if state.rank_extras:
         msg = (
             f"{directory}: written by {world} processes, restored by {now}: rank_extras "
@@ -437,6 +442,40 @@ def _check_world_change(directory: Path, world: int, now: int, loadable: Loadabl
             "processes, or restore without rank_extras"
         )
         raise CheckpointError(msg)
+    at = loadable.resumed_at
+    before = at[1] if at is not None and at[0] == loadable.epoch else 0
+    if loadable.position == 0 and before == 0:
+        return attrs.evolve(loadable, resumed_at=None)  # an epoch boundary: nothing to carry over
+    where = (
+        f"{directory}: written by {world} processes at batch {loadable.position} of epoch "
+        f"{loadable.epoch}, restored by {now}"
+    )
+    if loadable.consumed is None:
+        msg = (
+            f"{where}: a position inside an epoch counts batches of {world} ranks, and {now} rank(s) "
+            "read the epoch in other batches, and this checkpoint does not record the global position "
+            "(it was saved without TrainState.loader). Resume with "
+            f"{world} processes, or from a checkpoint written at an epoch boundary (state.position "
+            "== 0), or save with TrainState.create(..., loader=loader) so that the next checkpoints "
+            "restore at any world size; faccel.load_model reads the weights alone"
+        )
+        raise CheckpointError(msg)
+    loader = state.loader
+    if loader is None:
+        msg = (
+            f"{where}: the epoch continues from position {loadable.consumed} of its global order, "
+            f"which {now} rank(s) deal afresh; pass the training loader to the TrainState you restore "
+            "into (TrainState.create(..., loader=loader)) and iterate loader.resume(state), so that "
+            "the epoch is not read again from its start"
+        )
+        raise CheckpointError(msg)
+    if loadable.consumed > loader.sharding.num_samples:
+        msg = (
+            f"{where}: {loadable.consumed} samples of the epoch were read, but the loader given has "
+            f"{loader.sharding.num_samples}; restore with the dataset that was saved"
+        )
+        raise CheckpointError(msg)
+    return attrs.evolve(loadable, position=0, resumed_at=(loadable.epoch, loadable.consumed))
 
 
 @setup_checked
@@ -460,14 +499,19 @@ def restore(
     objects among the extras through ``load_state_dict``, and this rank's
     Python, NumPy, torch (and CUDA) random generators are set as they were.
 
-    Resume the data where it stopped with
-    ``loader.at(epoch=state.epoch, start=state.position)``: the batches an
-    uninterrupted run would have read next, without reading the skipped ones.
-    Under DDP call it on every rank; each rank gets its own ``rank_extras``.
+    Resume the data where it stopped with ``loader.resume(state)``: the
+    batches an uninterrupted run would have read next, without reading the
+    skipped ones. At another world size, a position inside an epoch comes
+    back as ``position=0, resumed_at=(epoch, consumed)`` (the positions of the
+    epoch's order all ranks had read, recorded when the saved TrainState had
+    its ``loader``), and ``loader.resume(state)`` deals the rest of the epoch
+    to the new ranks; a rank the checkpoint has no generators of seeds them
+    from ``(dist.seed, step, rank)``. Under DDP call it on every rank; each
+    rank gets its own ``rank_extras``.
 
     Args:
-        dist: The run's :class:`DistState`: the world size of the writer under
-            DDP; any world size for one process or an FSDP2 model (resharding).
+        dist: The run's :class:`DistState`, of any world size (an FSDP2 model
+            is resharded).
         train_state: The objects to load into, built as when saving; its
             extras name the entries to restore (any placeholder value; where
             it holds a tensor, the saved one must match its shape and dtype);
@@ -482,10 +526,11 @@ def restore(
 
     Raises:
         CheckpointError: No checkpoint at ``path``, or one that is corrupted,
-            truncated, foreign, of another version or world size (another
-            world size is refused mid-epoch, ``position`` > 0, and with
-            ``rank_extras``, under any strategy), or does not fit the
-            objects; every checkpoint of a root is broken; a rank did not
+            truncated, foreign, of another version, or does not fit the
+            objects; at another world size: a position inside an epoch that
+            the checkpoint does not record globally (saved without
+            ``TrainState.loader``), a target without ``loader``, or
+            ``rank_extras``; every checkpoint of a root is broken; a rank did not
             call ``restore`` within ``arrival_timeout``. The message names the file and the problem,
             and nothing has been modified.
 

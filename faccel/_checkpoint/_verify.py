@@ -66,14 +66,6 @@ def check_manifest(
     if type(world) is not int or world < 1:
         msg = f"{where}: world_size should be a positive int, got {world!r}"
         raise CheckpointError(msg)
-    if world != dist.world_size and not is_sharded(unwrap_model(model)) and dist.world_size > 1:
-        msg = (
-            f"{where}: written by {world} processes, restored by {dist.world_size}; a DDP run resumes "
-            "with the same world size (each rank's data position and generators belong to one rank). "
-            "Restore into one process, or into an FSDP2 (strategy='fsdp') model, which reshards; or "
-            "read the weights alone with faccel.load_model"
-        )
-        raise CheckpointError(msg)
     files = manifest.get("files")
     if not isinstance(files, dict):
         files = {}
@@ -129,6 +121,10 @@ class Loadable:
     step: int
     epoch: int
     position: int
+    # Positions of the epoch's order all ranks had read (None: saved without TrainState.loader),
+    # and TrainState.resumed_at; both only from checkpoints that record them.
+    consumed: int | None = None
+    resumed_at: tuple[int, int] | None = None
     model: Mapping[str, torch.Tensor]
     optimizer: Mapping[str, Any]
     scheduler: Mapping[str, Any] | None
@@ -163,6 +159,23 @@ def _int_field(content: Mapping[str, Any], key: str, problems: _Problems) -> int
         problems.add(STATE, f"{key} must be an int >= 0, got {value!r}")
         return 0
     return value
+
+
+def _data_position(
+    content: Mapping[str, Any], problems: _Problems
+) -> tuple[int | None, tuple[int, int] | None]:
+    """``consumed`` and ``resumed_at`` of ``state.json`` (absent in checkpoints from before them)."""
+    consumed = content.get("consumed")
+    if consumed is not None and (type(consumed) is not int or consumed < 0):
+        problems.add(STATE, f"consumed must be null or an int >= 0, got {consumed!r}")
+        consumed = None
+    at = content.get("resumed_at")
+    if at is None:
+        return consumed, None
+    if not (isinstance(at, list) and len(at) == 2 and all(type(v) is int and v >= 0 for v in at)):
+        problems.add(STATE, f"resumed_at must be null or [epoch, consumed] of ints >= 0, got {at!r}")
+        return consumed, None
+    return consumed, (at[0], at[1])
 
 
 def check(
@@ -205,6 +218,7 @@ def check(
     step = _int_field(content, "step", problems)
     epoch = _int_field(content, "epoch", problems)
     position = _int_field(content, "position", problems)
+    consumed, resumed_at = _data_position(content, problems)
     problems.raise_if_any()
     _stage(state, model, optimizer, scheduler, scaler, extras, problems)
     problems.raise_if_any()
@@ -213,6 +227,8 @@ def check(
         step=step,
         epoch=epoch,
         position=position,
+        consumed=consumed,
+        resumed_at=resumed_at,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,

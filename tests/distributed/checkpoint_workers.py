@@ -612,7 +612,7 @@ def kill_at_every_operation(root: str, replace: bool = False) -> dict:
 
 
 def restore_at_another_world_size(root: str) -> dict:
-    """A DDP run restoring a checkpoint written by another number of ranks: every rank refuses."""
+    """A DDP run restoring, at another world size, a mid-epoch checkpoint saved without its loader."""
     import faccel
 
     dist = faccel.detect()
