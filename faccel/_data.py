@@ -361,8 +361,8 @@ def prepare_loader(
         sharding = Sharding(
             num_samples=length,
             batch_size=batcher.batch_size,
-            rank=dist.rank,
-            world_size=dist.world_size,
+            rank=dist.data_rank,  # the ranks of a tensor-parallel group read the same batches
+            world_size=dist.data_world_size,
             drop_last=batcher.drop_last,
             even_batches=even_batches,
             seed=dist.seed,
@@ -375,8 +375,8 @@ def prepare_loader(
         sharding = Sharding(
             num_samples=len(dataset),  # type: ignore[arg-type]
             batch_size=batcher.batch_size,
-            rank=dist.rank,
-            world_size=dist.world_size,
+            rank=dist.data_rank,  # the ranks of a tensor-parallel group read the same batches
+            world_size=dist.data_world_size,
             shuffle=_shuffle_of(batcher.sampler),
             drop_last=batcher.drop_last,
             even_batches=even_batches,

@@ -99,6 +99,26 @@ def metrics_plan(
     return ordered, positions[ordered]
 
 
+def _one_per_data_rank(dist: DistState, gathered: Any, sizes: list[list[int]]) -> tuple[Any, list[list[int]]]:
+    """Keep the rows of the first rank of each tensor-parallel group: the others repeat its batch.
+
+    Those ranks (tensor coordinate 0) are ``0, T, 2T, ...``, data-parallel
+    ranks ``0, 1, 2, ...`` in that order, which is the order the loader's plan expects.
+    """
+    layout = dist.parallel
+    keep = [rank for rank in range(dist.world_size) if layout.coordinates(rank)[2] == 0]
+    leaves, _, _ = flatten_with_paths(gathered)
+    picked = []
+    for i, leaf in enumerate(leaves):
+        starts = [0]
+        for rank_sizes in sizes:
+            starts.append(starts[-1] + rank_sizes[i])
+        rows = [torch.arange(starts[r], starts[r + 1]) for r in keep]
+        index = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+        picked.append(leaf.index_select(0, index.to(leaf.device)))
+    return rebuild(gathered, picked), [sizes[r] for r in keep]
+
+
 def gather_for_metrics(
     dist: DistState,
     tree: Any,
@@ -116,7 +136,9 @@ def gather_for_metrics(
     dataset index as well).
 
     Every leaf's dim 0 must be one row per input sample of this rank's batch
-    (``batch=k``) or batches (``batch=None``). Under ``even_batches=False``
+    (``batch=k``) or batches (``batch=None``). Under a layout with tensor
+    parallelism, the ranks of one tensor-parallel group read the same batches:
+    one copy of their rows is kept. Under ``even_batches=False``
     ranks may have different numbers of batches: call it once with
     ``batch=None`` at the end, or pass empty tensors (zero rows, the same other
     dims) on ranks without batch ``k``.
@@ -153,6 +175,8 @@ def gather_for_metrics(
     """
     call = f"gather_for_metrics(batch={batch}, epoch={loader.epoch}, start={loader.start})"
     gathered, sizes = gather_sizes(dist, tree, call=call)
+    if dist.data_world_size != dist.world_size:
+        gathered, sizes = _one_per_data_rank(dist, gathered, sizes)
     sharding = loader.sharding
     counts = []
     leaves, paths, _ = flatten_with_paths(gathered)
