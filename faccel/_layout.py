@@ -25,7 +25,7 @@ __all__ = ["DIMENSIONS", "Layout", "default_layout", "layout_problem", "parse_la
 DIMENSIONS: tuple[str, ...] = ("replicate", "shard", "tensor")
 
 
-def _size(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+def _size(_: object, attribute: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
     if type(value) is not int or value < 1:
         msg = f"Layout.{attribute.name} must be an int >= 1, got {value!r}"
         raise ArgumentValueError(msg)

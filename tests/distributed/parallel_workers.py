@@ -11,6 +11,8 @@ from typing import Any
 import attrs
 
 import faccel
+from faccel._layout import DIMENSIONS
+from faccel._mesh import data_group
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "parallel_transformer.py"
 
@@ -57,6 +59,12 @@ def layout_run(
     import torch.distributed as tdist
 
     coordinates = list(dist.parallel.coordinates(dist.rank))
+    mesh = faccel.device_mesh(dist)
+    group = data_group(dist)
+    groups = {
+        "data": tdist.get_process_group_ranks(group) if group is not None else list(range(dist.world_size)),
+        **{name: tdist.get_process_group_ranks(mesh.get_group(name)) for name in DIMENSIONS},
+    }
     state, loader = ex.build(dist)
     state, first = ex.train(dist, state, loader, epochs=1)
     faccel.checkpoint(dist, state, f"{root}/boundary")
@@ -65,6 +73,8 @@ def layout_run(
     result: dict[str, Any] = {
         "rank": tdist.get_rank(),
         "coordinates": coordinates,
+        "groups": groups,
+        "mesh_kept": faccel.device_mesh(dist) is mesh and mesh.mesh_dim_names == DIMENSIONS,
         "data_rank": dist.data_rank,
         "strategy": dist.strategy,
         "placements": _placements(state.model),

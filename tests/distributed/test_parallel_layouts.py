@@ -24,6 +24,7 @@ import torch
 
 from tests.distributed import harness, parallel_workers
 
+DIMENSIONS = ("replicate", "shard", "tensor")
 TOLERANCE = {"rel": 1e-5, "abs": 1e-6}
 # layout -> (the layout its checkpoint is also restored into, accumulation steps)
 CASES = {
@@ -76,6 +77,9 @@ def test_layout_trains_like_one_process_and_restores_into_any_layout(
     shape = faccel.Layout(**{k: int(v) for k, v in (item.split("=") for item in layout.split(","))})
     for r in ranks:
         assert tuple(r["coordinates"]) == shape.coordinates(r["rank"])
+        # the DeviceMesh's process groups are the layout's pure arithmetic, made once
+        assert r["groups"] == {d: list(shape.members(d, r["rank"])) for d in ("data", *DIMENSIONS)}
+        assert r["mesh_kept"]
         assert r["strategy"] == "fsdp"
         # the layout really split the weights: 2-D DTensors under FSDP2 + TP, HSDP's (Replicate, Shard)
         placements = r["placements"]
