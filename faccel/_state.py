@@ -348,6 +348,14 @@ def state_from_env(
     chosen_strategy = strategy
     if chosen_strategy is None and OPTION_VARIABLES["strategy"] not in env and chosen_layout is not None:
         chosen_strategy = strategy_for(chosen_layout)
+    chosen_strategy = _env_choice(env, OPTION_VARIABLES["strategy"], chosen_strategy, "ddp", STRATEGIES)
+    if chosen_layout is not None and chosen_strategy in STRATEGIES:
+        problem = layout_problem(chosen_layout, info.world_size, chosen_strategy)
+        if problem:  # named here, where it is known whether the variable or the argument said it
+            name = OPTION_VARIABLES["layout"]
+            said = f"layout={str(layout)!r}" if layout is not None else f"{name}={env[name]!r}"
+            msg = f"{said}: {problem}"
+            raise LaunchError(msg)
     chosen = _choose_device(device, info.local_rank, cuda_count, mps_available)
     if chosen.type == "mps" and info.world_size > 1:
         msg = f"MPS supports one process only, got WORLD_SIZE={info.world_size}; pass device='cpu'"
@@ -369,7 +377,7 @@ def state_from_env(
         backend=chosen_backend,
         precision=_env_choice(env, OPTION_VARIABLES["precision"], precision, "no", PRECISIONS),
         accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
-        strategy=_env_choice(env, OPTION_VARIABLES["strategy"], chosen_strategy, "ddp", STRATEGIES),
+        strategy=chosen_strategy,
         seed=seed,
         timeout=timeout if timeout is not None else _env_timeout(env),
         launcher=info.launcher,

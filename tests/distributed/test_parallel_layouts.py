@@ -121,3 +121,24 @@ def test_layout_trains_like_one_process_and_restores_into_any_layout(
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(got[name], t) for name, t in _weights(same_dir).items())
+
+
+def test_the_example_script_prints_each_layout_within_the_tolerance_of_one_process() -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "parallel_transformer.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    gaps = re.findall(r"^(\S+) +losses .* largest gap (\S+)$", done.stdout, re.M)
+    assert [layout for layout, _ in gaps] == list(CASES)
+    assert all(float(gap) < 1e-5 for _, gap in gaps), done.stdout
