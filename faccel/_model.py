@@ -174,17 +174,17 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any], me
 
     dtype = dist.autocast_dtype
     # FSDP2 casts parameters itself (and all-reduces in float32), so no autocast layer.
-    policy = MixedPrecisionPolicy(
-        param_dtype=dtype,
-        reduce_dtype=torch.float32 if dtype is not None else None,
-        output_dtype=torch.float32 if dtype is not None else None,
-    )
+    reduce_dtype = torch.float32 if dtype is not None else None
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    # Float32 outputs from the root only: a block that returned float32 would hand the root's
+    # own layers (a read-out after the blocks, in low precision) an input of another dtype.
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=reduce_dtype)
     should_shard = options.get("shard_policy") or default_shard_policy(model)
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
         if module is not model and should_shard(module):
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=inner)
+    fully_shard(model, mesh=mesh, mp_policy=root)
     _check_in_before_eval_forwards(dist, model)
     return model
 

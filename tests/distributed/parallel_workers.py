@@ -98,4 +98,9 @@ def layout_run(
         result["mid_refused"] = ""
     except faccel.errors.CheckpointError as error:
         result["mid_refused"] = str(error)
+
+    # bf16: autocast under tensor parallelism alone, FSDP2's MixedPrecisionPolicy otherwise
+    low = faccel.detect(layout=layout, precision="bf16")
+    state, loader = ex.build(low)
+    result["bf16_loss"] = ex.train(low, state, loader, epochs=2)[1]["loss"]
     return result

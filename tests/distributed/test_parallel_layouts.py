@@ -46,7 +46,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         state, log = ex.train(dist, state, loader, epochs=2)
         model_dir = tmp_path_factory.mktemp("reference")
         faccel.save_model(dist, state.model, model_dir)
-        return {**log, "predictions": ex.predictions(dist, state, loader), "model_dir": model_dir}
+        low = faccel.detect({}, precision="bf16")
+        bf16_loss = ex.train(low, *ex.build(low), epochs=2)[1]["loss"]
+        return {
+            **log,
+            "predictions": ex.predictions(dist, state, loader),
+            "model_dir": model_dir,
+            "bf16_loss": bf16_loss,
+        }
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -103,6 +110,8 @@ def test_layout_trains_like_one_process_and_restores_into_any_layout(
         assert r["other"]["loss"] == pytest.approx(reference["loss"][2:], **TOLERANCE)
         assert r["other"]["predictions"] == pytest.approx(reference["predictions"], **TOLERANCE)
         assert "data-parallel" in r["mid_refused"], r["mid_refused"]
+        # bf16 keeps 8 bits of mantissa: the layouts' other summation order shows at ~1e-3
+        assert r["bf16_loss"] == pytest.approx(reference["bf16_loss"], rel=1e-2)
 
     # loaders deal over the data-parallel ranks only: a tensor-parallel group reads one batch
     for step in range(4):
