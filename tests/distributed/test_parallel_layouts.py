@@ -29,7 +29,7 @@ TOLERANCE = {"rel": 1e-5, "abs": 1e-6}
 # layout -> (the layout its checkpoint is also restored into, accumulation steps)
 CASES = {
     "shard=2,tensor=2": ("tensor=4", 2),
-    "replicate=2,shard=2": ("shard=2,tensor=2", 1),
+    "replicate=2,shard=2": ("replicate=2,tensor=2", 1),  # HSDP with shards of one, over TP weights
     "tensor=4": ("replicate=2,shard=2", 1),
 }
 
