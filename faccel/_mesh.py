@@ -26,7 +26,11 @@ from faccel.errors import DistributedError
 __all__ = ["data_group", "data_mesh", "device_mesh"]
 
 # (what, layout shape, device type) -> (the default group it was made under, the object).
-# A new default group (shutdown, then detect) makes the entries stale: they are rebuilt.
+# A memo of objects that belong to the default process group, which PyTorch itself keeps per
+# process (faccel holds no other module-level state): a ProcessGroup takes no attributes to
+# hang them on, and a DistState is made before them and copied by attrs.evolve. It changes
+# no result, only how often init_device_mesh runs. A new default group (shutdown, then
+# detect) makes the entries stale: they are rebuilt.
 _MADE: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 
