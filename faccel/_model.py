@@ -259,8 +259,6 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
     """
     if isinstance(model, DistributedDataParallel | Autocast):
         return _check_prepared(dist, model)
-    if is_sharded(model):
-        return model
     # The same module prepared again gets the wrapper it got the first time: a second DDP
     # around it would reduce its gradients twice. (A copy of the module carries the weak
     # reference too, hence the check that the wrapper holds this very module.)
@@ -268,6 +266,8 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
     wrapper = earlier() if earlier is not None else None
     if wrapper is not None and unwrap_model(wrapper) is model:
         return _check_prepared(dist, wrapper)
+    if is_sharded(model):  # after the wrapper: tensor parallelism alone may wear an Autocast
+        return model
     model.to(dist.device)  # in place: the optimizer's parameter references stay valid
     wrap = _wrap_layout if dist.distributed and uses_mesh(dist) else _STRATEGIES[dist.strategy]
     wrapped = wrap(dist, model, options)

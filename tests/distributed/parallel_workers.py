@@ -101,6 +101,11 @@ def layout_run(
 
     # bf16: autocast under tensor parallelism alone, FSDP2's MixedPrecisionPolicy otherwise
     low = faccel.detect(layout=layout, precision="bf16")
-    state, loader = ex.build(low)
-    result["bf16_loss"] = ex.train(low, state, loader, epochs=2)[1]["loss"]
+    low_state, loader = ex.build(low)
+    result["bf16_loss"] = ex.train(low, low_state, loader, epochs=2)[1]["loss"]
+    # prepared again, the model comes back as it is (no second wrapping, no second plan)
+    result["prepared_again"] = [
+        faccel.prepare(d, faccel.unwrap_model(s.model)) is s.model
+        for d, s in ((dist, state), (low, low_state))
+    ]
     return result

@@ -114,6 +114,7 @@ def test_layout_trains_like_one_process_and_restores_into_any_layout(
         assert "data-parallel" in r["mid_refused"], r["mid_refused"]
         # bf16 keeps 8 bits of mantissa: the layouts' other summation order shows at ~1e-3
         assert r["bf16_loss"] == pytest.approx(reference["bf16_loss"], rel=1e-2)
+        assert r["prepared_again"] == [True, True]
 
     # loaders deal over the data-parallel ranks only: a tensor-parallel group reads one batch
     for step in range(4):
