@@ -126,6 +126,17 @@ def test_layout_trains_like_one_process_and_restores_into_any_layout(
         assert together == sorted(reference["indices"][step])
         assert len(by_data_rank) == shape.data_size
 
+    # the 4-process checkpoint restores into one plain process too, and trains on as one process did
+    with torch.random.fork_rng():
+        ex = parallel_workers.example()
+        alone = faccel.detect({})
+        state, loader = ex.build(alone)
+        state = faccel.restore(alone, state, tmp_path / "ckpt" / "boundary")
+        assert type(state.model.head.weight) is torch.nn.Parameter
+        assert ex.train(alone, state, loader, epochs=2)[1]["loss"] == pytest.approx(
+            reference["loss"][2:], **TOLERANCE
+        )
+
     # save_model: whole tensors in the Hugging Face layout, as one process saves them
     want = _weights(reference["model_dir"])
     got = _weights(model_dir)
