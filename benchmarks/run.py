@@ -41,7 +41,7 @@ RESULTS = HERE / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Display order; modules not listed come after, by name.
-ORDER = ("step", "accumulation", "data", "import", "checkpoint", "functional", "ddp")
+ORDER = ("step", "accumulation", "data", "import", "checkpoint", "functional", "ddp", "parallel")
 # Benchmarks other issues own: shown as pending until their module exists.
 PLANNED: Mapping[str, str] = {
     "accumulation": "step time with 4 micro-steps of accumulation vs manual accumulation "
@@ -58,6 +58,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "import": "import: seconds the import adds to `import torch`",
     "checkpoint": "checkpoint: durable save time, 50M-parameter MLP + AdamW / `torch.save` + fsync",
     "ddp_step": "ddp: time per step, 2 gloo processes / plain DDP's",
+    "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
 }
 
 

@@ -43,9 +43,11 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._data import to_device as to_device
     from faccel._launch import LaunchInfo as LaunchInfo
     from faccel._launch import parse_launch as parse_launch
+    from faccel._layout import Layout as Layout
     from faccel._logging import RankLogger as RankLogger
     from faccel._logging import get_logger as get_logger
     from faccel._logging import print as print
+    from faccel._mesh import device_mesh as device_mesh
     from faccel._metrics import gather_for_metrics as gather_for_metrics
     from faccel._model import unwrap_model as unwrap_model
     from faccel._notebook import launch as launch
@@ -92,7 +94,9 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         ),
         "faccel._data": ("PreparedLoader", "to_device"),
         "faccel._launch": ("LaunchInfo", "parse_launch"),
+        "faccel._layout": ("Layout",),
         "faccel._logging": ("RankLogger", "get_logger", "print"),
+        "faccel._mesh": ("device_mesh",),
         "faccel._metrics": ("gather_for_metrics",),
         "faccel._model": ("unwrap_model",),
         "faccel._notebook": ("launch",),

@@ -184,8 +184,9 @@ def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextli
         return _NOTHING  # one process: there is no all-reduce to skip
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
-    if is_sharded(model):
+    if is_sharded(model) and hasattr(type(model), "set_requires_gradient_sync"):
         return _fsdp_no_sync(model)
+    # Tensor parallelism alone reduces inside each forward and backward: nothing to defer.
     return _NOTHING
 
 

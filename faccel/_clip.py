@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,8 +52,9 @@ def clip_grad_norm(
 
     Call it after the backward of a syncing micro-step and before
     :func:`optimizer_step`. Under DDP the gradients are already averaged, so
-    every rank computes the same norm; under FSDP2 the norm of the sharded
-    gradients is reduced across ranks, and returned as a plain tensor. With an active fp16 ``scaler`` the
+    every rank computes the same norm; under FSDP2 and tensor parallelism the
+    norm of the sharded (DTensor) gradients is reduced across ranks, mesh by
+    mesh, and returned as a plain tensor, the same on every rank. With an active fp16 ``scaler`` the
     gradients of ``optimizer`` are unscaled first (once per step; the scaler
     remembers, and ``optimizer_step`` does not unscale again).
 
@@ -83,8 +85,12 @@ def clip_grad_norm(
         [0.6, 0.8]
     """
     _unscale(scaler, optimizer)
+    params = _params(model_or_params)
+    by_mesh = _by_mesh(params)
+    if len(by_mesh) > 1:
+        return _clip_across_meshes(by_mesh, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = torch.nn.utils.clip_grad_norm_(
-        _params(model_or_params),
+        params,
         max_norm,
         norm_type=norm_type,
         error_if_nonfinite=error_if_nonfinite,
@@ -93,6 +99,45 @@ def clip_grad_norm(
     # FSDP2: the norm of sharded (DTensor) gradients is a DTensor; hand back a plain one.
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
+
+
+def _by_mesh(params: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """Parameters with gradients, by the DeviceMesh of their gradient (None: a plain tensor)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    return groups
+
+
+def _clip_across_meshes(
+    by_mesh: dict[Any, list[torch.Tensor]],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """Clip gradients that live on several meshes (tensor parallelism beside FSDP2) by one total norm.
+
+    torch's ``clip_grad_norm_`` stacks every gradient's norm, which DTensors on
+    different meshes refuse (a tensor-parallel weight on ``(shard, tensor)``,
+    a LayerNorm on ``(shard,)``). Each mesh's norm is taken alone and made whole
+    with ``full_tensor`` (an all-reduce over that mesh's ranks); the total of
+    those whole norms is the same number on every rank.
+    """
+    norms = []
+    for group in by_mesh.values():
+        grads = [p.grad for p in group if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+        full = getattr(norm, "full_tensor", None)
+        norms.append((full() if full is not None else norm).float().cpu())
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        msg = f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})"
+        raise RuntimeError(msg)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    return total
 
 
 def clip_grad_value(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from faccel._mesh import data_group
 from faccel._process_group import comm_device, peers_answer, require_peers
 from faccel._state import DistState
 from faccel._tree import flatten_with_paths, rebuild
@@ -308,7 +309,11 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
 
     The inputs are not modified; new tensors come back, the same on every
     rank. Shapes and dtypes must match across ranks. ``'mean'`` sums then
-    divides by the world size, so it needs floating-point (or complex) leaves.
+    divides by the number of ranks combined, so it needs floating-point (or
+    complex) leaves. Under a layout with tensor parallelism the ranks of one
+    tensor-parallel group hold the same batch (and loss): each leaf is
+    combined over the data-parallel ranks only (``dist.data_world_size`` of
+    them), so a ``'sum'`` counts each batch once.
 
     Args:
         dist: This process's state.
@@ -328,6 +333,10 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
         >>> reduce(faccel.detect({}), {"loss": torch.tensor(2.0)}, op="sum")
         {'loss': tensor(2.)}
     """
+    return _reduce(dist, tree, op, data_only=True)
+
+
+def _reduce(dist: DistState, tree: Any, op: str, *, data_only: bool) -> Any:
     require_peers(dist, "reduce")
     if not dist.distributed:
         leaves, paths = _check_local(tree, "reduce")
@@ -348,12 +357,13 @@ def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(leaf.dtype, []).append(i)
     reduced: list[Any] = [None] * len(leaves)
+    group, count = (data_group(dist), dist.data_world_size) if data_only else (None, dist.world_size)
     for indices in by_dtype.values():
         flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in indices])
         with peers_answer(dist, "reduce"):
-            tdist.all_reduce(flat, op=_OPS[op])
+            tdist.all_reduce(flat, op=_OPS[op], group=group)
         if op == "mean":
-            flat /= dist.world_size
+            flat /= count
         for i, piece in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
             reduced[i] = piece.view(leaves[i].shape).to(leaves[i].device)
     return rebuild(tree, reduced)
@@ -384,7 +394,8 @@ def any_rank(dist: DistState, flag: bool | torch.Tensor) -> bool:
         True
     """
     value = torch.tensor([1.0 if bool(flag) else 0.0], device=dist.device)
-    return bool(reduce(dist, value, op="max").item() > 0)
+    # Over every rank, tensor-parallel peers included: a flag need not be the same on them.
+    return bool(_reduce(dist, value, "max", data_only=False).item() > 0)
 
 
 def _check_op(op: str, leaves: list[torch.Tensor], paths: list[str]) -> None:

@@ -455,7 +455,11 @@ class PreparedLoader:
         # draws the same random numbers.
         s = self.sharding
         rank = s.rank if self._worker_seeds == "rank" else -1
-        where = (self.epoch, self.start, rank) if not self.consumed else (self.epoch, self.start, rank, self.consumed)
+        where = (
+            (self.epoch, self.start, rank)
+            if not self.consumed
+            else (self.epoch, self.start, rank, self.consumed)
+        )
         self._seeder.manual_seed(_seed_of(s.seed, *where))
         iterator: Iterator[Any] = iter(self.dataloader)
         if self.dataloader.persistent_workers:
@@ -557,8 +561,8 @@ def _plan(
     """The sharding of a map-style loader, and whether the loader batches samples itself."""
     batcher = loader.batch_sampler
     common: dict[str, Any] = {
-        "rank": dist.rank,
-        "world_size": dist.world_size,
+        "rank": dist.data_rank,
+        "world_size": dist.data_world_size,
         "even_batches": even_batches,
         "seed": dist.seed,
     }
@@ -585,14 +589,14 @@ def _plan(
         if batcher is None:
             msg = "split_batches=True needs a batch size to split, but this DataLoader has batch_size=None"
             raise PrepareError(msg)
-        if batch_size % dist.world_size:
+        if batch_size % dist.data_world_size:
             msg = (
-                f"split_batches=True gives each of the {dist.world_size} ranks an equal slice of every "
-                f"batch, but batch_size={batch_size} is not divisible by {dist.world_size}; pick a "
+                f"split_batches=True gives each of the {dist.data_world_size} ranks an equal slice of every "
+                f"batch, but batch_size={batch_size} is not divisible by {dist.data_world_size}; pick a "
                 f"multiple of the world size, or split_batches=False for {batch_size} a rank"
             )
             raise PrepareError(msg)
-        batch_size //= dist.world_size
+        batch_size //= dist.data_world_size
     shuffle = _plain_shuffle(sampler)
     if shuffle is not None:
         n = len(loader.dataset)  # type: ignore[arg-type]
@@ -650,19 +654,19 @@ def prepare_loader(
         batched = batcher is not None
         batch_size, drop_last = (batcher.batch_size, batcher.drop_last) if batched else (1, False)
         if split_batches:
-            if not batched or batch_size % dist.world_size:
+            if not batched or batch_size % dist.data_world_size:
                 msg = (
-                    f"split_batches=True gives each of the {dist.world_size} ranks an equal slice of "
+                    f"split_batches=True gives each of the {dist.data_world_size} ranks an equal slice of "
                     "every batch, which needs a batch size divisible by the world size, got "
                     f"{batch_size if batched else None}"
                 )
                 raise PrepareError(msg)
-            batch_size //= dist.world_size
+            batch_size //= dist.data_world_size
         sharding = Sharding(
             num_samples=_length_or_zero(dataset),
             batch_size=batch_size,
-            rank=dist.rank,
-            world_size=dist.world_size,
+            rank=dist.data_rank,  # the ranks of a tensor-parallel group read the same batches
+            world_size=dist.data_world_size,
             drop_last=drop_last,
             even_batches=even_batches,
             seed=dist.seed,

@@ -114,6 +114,7 @@ def _state_fields(state: DistState) -> dict[str, Any]:
         "precision": state.precision,
         "accumulation_steps": state.accumulation_steps,
         "strategy": state.strategy,
+        "layout": str(state.parallel),
         "timeout_seconds": state.timeout.total_seconds(),
         "master_addr": state.master_addr,
         "master_port": state.master_port,

@@ -225,7 +225,34 @@ def _gather_columns(dist: DistState, columns: list[list[Any]], call: str) -> lis
     if not dist.distributed:
         return columns
     peers = _exchange(dist, {"call": call, "columns": columns})
+    if dist.data_world_size != dist.world_size:
+        peers = [peers[rank] for rank in _data_ranks(dist)]  # as the tensors' rows were kept
     return [[row for peer in peers for row in peer["columns"][i]] for i in range(len(columns))]
+
+
+def _one_per_data_rank(dist: DistState, gathered: Any, sizes: list[list[int]]) -> tuple[Any, list[list[int]]]:
+    """Keep the rows of the first rank of each tensor-parallel group: the others repeat its batch.
+
+    Those ranks (tensor coordinate 0) are ``0, T, 2T, ...``, data-parallel
+    ranks ``0, 1, 2, ...`` in that order, which is the order the loader's plan expects.
+    """
+    keep = _data_ranks(dist)
+    leaves, _, _ = flatten_with_paths(gathered)
+    picked = []
+    for i, leaf in enumerate(leaves):
+        starts = [0]
+        for rank_sizes in sizes:
+            starts.append(starts[-1] + rank_sizes[i])
+        rows = [torch.arange(starts[r], starts[r + 1]) for r in keep]
+        index = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+        picked.append(leaf.index_select(0, index.to(leaf.device)))
+    return rebuild(gathered, picked), [sizes[r] for r in keep]
+
+
+def _data_ranks(dist: DistState) -> list[int]:
+    """The first rank of each tensor-parallel group (tensor coordinate 0), in data-parallel order."""
+    layout = dist.parallel
+    return [rank for rank in range(dist.world_size) if layout.coordinates(rank)[2] == 0]
 
 
 def gather_for_metrics(
@@ -249,7 +276,9 @@ def gather_for_metrics(
     objects -- generated text, ids -- is a column: one object per row, gathered
     and cut exactly like the tensors (sent as JSON, so strings, numbers, lists
     and dicts; no pickle). With a batch sampler a padding batch is dropped whole;
-    with ``batch_size=None`` call it per batch (``batch=k``). Under ``even_batches=False``
+    with ``batch_size=None`` call it per batch (``batch=k``). Under a layout with
+    tensor parallelism, the ranks of one tensor-parallel group read the same
+    batches: one copy of their rows is kept. Under ``even_batches=False``
     ranks may have different numbers of batches: call it once with
     ``batch=None`` at the end, or pass empty tensors (zero rows, the same other
     dims) on ranks without batch ``k``.
@@ -306,6 +335,8 @@ def gather_for_metrics(
     columns: list[list[Any]] = []
     tensors = _split_columns(tree, columns)
     gathered, sizes = gather_sizes(dist, tensors, call=call)
+    if dist.data_world_size != dist.world_size:
+        gathered, sizes = _one_per_data_rank(dist, gathered, sizes)
     sharding = loader.sharding
     counts = []
     leaves, paths, _ = flatten_with_paths(gathered)

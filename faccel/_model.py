@@ -15,11 +15,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._mesh import data_mesh
+from faccel._parallel import apply_plan
 from faccel._state import DistState
 from faccel._tree import map_tensors
 from faccel.errors import DistributedError, PrepareError
 
-__all__ = ["Autocast", "default_shard_policy", "is_sharded", "prepare_module", "unwrap_model"]
+__all__ = ["Autocast", "default_shard_policy", "is_sharded", "prepare_module", "unwrap_model", "uses_mesh"]
 
 
 def float32_outputs(tree: Any) -> Any:
@@ -84,10 +86,11 @@ def _check_prepared(dist: DistState, model: nn.Module) -> nn.Module:
     is_ddp = isinstance(model, DistributedDataParallel)
     inner = model.module if is_ddp else model
     dtype = inner.dtype if isinstance(inner, Autocast) else None
-    if is_ddp != dist.distributed or dtype != dist.autocast_dtype:
+    wants_ddp = dist.distributed and not uses_mesh(dist)
+    if is_ddp != wants_ddp or dtype != dist.autocast_dtype:
         msg = (
             f"this model was prepared under another DistState (DDP: {is_ddp}, autocast: {dtype}); "
-            f"this one wants DDP: {dist.distributed}, autocast: {dist.autocast_dtype}. "
+            f"this one wants DDP: {wants_ddp}, autocast: {dist.autocast_dtype}. "
             "Prepare the unwrapped model (faccel.unwrap_model(model)) instead"
         )
         raise PrepareError(msg)
@@ -95,10 +98,28 @@ def _check_prepared(dist: DistState, model: nn.Module) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2's ``fully_shard`` was applied to ``model`` (without importing FSDP)."""
+    """Whether ``model``'s parameters are DTensors faccel made: FSDP2's ``fully_shard`` or tensor parallelism.
+
+    Such a model is saved and restored through the whole-state collectives,
+    not its own ``state_dict`` (which holds each rank's pieces).
+    """
     # Looked up on the class: Module.__getattr__ would build an error message per miss.
     kind = type(model)
-    return hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard")
+    return (hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard")) or (
+        _TENSOR_PARALLEL in model.__dict__
+    )
+
+
+def uses_mesh(dist: DistState) -> bool:
+    """Whether ``dist``'s layout needs the DeviceMesh: tensor parallelism, or FSDP2 with replicas (HSDP).
+
+    The layouts every strategy had before layouts existed (DDP over all
+    ranks, FSDP2 over all ranks) keep their own path.
+    """
+    layout = dist.layout
+    if layout is None:
+        return False
+    return layout.tensor > 1 or (dist.strategy == "fsdp" and layout.replicate > 1)
 
 
 ShardPolicy = Callable[[nn.Module], bool]
@@ -146,24 +167,24 @@ def _fix_bucket_layout(ddp: DistributedDataParallel) -> None:
     ddp.reducer._rebuild_buckets()
 
 
-def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any], mesh: Any = None) -> nn.Module:
     if not dist.distributed:
         return _wrap_ddp(dist, model, options)  # one process: nothing to shard over
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = dist.autocast_dtype
     # FSDP2 casts parameters itself (and all-reduces in float32), so no autocast layer.
-    policy = MixedPrecisionPolicy(
-        param_dtype=dtype,
-        reduce_dtype=torch.float32 if dtype is not None else None,
-        output_dtype=torch.float32 if dtype is not None else None,
-    )
+    reduce_dtype = torch.float32 if dtype is not None else None
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    # Float32 outputs from the root only: a block that returned float32 would hand the root's
+    # own layers (a read-out after the blocks, in low precision) an input of another dtype.
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=reduce_dtype)
     should_shard = options.get("shard_policy") or default_shard_policy(model)
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
         if module is not model and should_shard(module):
-            fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=inner)
+    fully_shard(model, mesh=mesh, mp_policy=root)
     _check_in_before_eval_forwards(dist, model)
     return model
 
@@ -204,6 +225,25 @@ def _check_in_before_eval_forwards(dist: DistState, model: nn.Module) -> None:
     model.register_forward_pre_hook(check_in, prepend=True)
 
 
+def _wrap_layout(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    """Tensor parallelism from the plan first, then FSDP2 over the data-parallel part of the mesh.
+
+    That order is PyTorch's (and torchtitan's): ``fully_shard`` then shards
+    the TP DTensors again over the data-parallel dimensions (2-D parameters).
+    """
+    layout = dist.parallel
+    if layout.tensor > 1:
+        apply_plan(dist, model, options.get("tp_plan"))
+    if layout.data_size > 1:
+        return _wrap_fsdp(dist, model, options, mesh=data_mesh(dist))
+    # Tensor parallelism alone: no data-parallel ranks to shard over or average with.
+    object.__setattr__(model, _TENSOR_PARALLEL, True)
+    _check_in_before_eval_forwards(dist, model)
+    if dist.autocast_dtype is not None:
+        return Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
+    return model
+
+
 # How each strategy wraps a model that has been moved to its device.
 _STRATEGIES: Mapping[str, Callable[[DistState, nn.Module, Mapping[str, Any]], nn.Module]] = {
     "ddp": _wrap_ddp,
@@ -219,8 +259,6 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
     """
     if isinstance(model, DistributedDataParallel | Autocast):
         return _check_prepared(dist, model)
-    if is_sharded(model):
-        return model
     # The same module prepared again gets the wrapper it got the first time: a second DDP
     # around it would reduce its gradients twice. (A copy of the module carries the weak
     # reference too, hence the check that the wrapper holds this very module.)
@@ -228,8 +266,11 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
     wrapper = earlier() if earlier is not None else None
     if wrapper is not None and unwrap_model(wrapper) is model:
         return _check_prepared(dist, wrapper)
+    if is_sharded(model):  # after the wrapper: tensor parallelism alone may wear an Autocast
+        return model
     model.to(dist.device)  # in place: the optimizer's parameter references stay valid
-    wrapped = _STRATEGIES[dist.strategy](dist, model, options)
+    wrap = _wrap_layout if dist.distributed and uses_mesh(dist) else _STRATEGIES[dist.strategy]
+    wrapped = wrap(dist, model, options)
     if wrapped is not model:
         # object.__setattr__: nn.Module's own would register the wrapper as a submodule.
         object.__setattr__(model, _WRAPPED_AS, weakref.ref(wrapped))
@@ -237,3 +278,6 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
 
 
 _WRAPPED_AS = "_faccel_wrapped_as"
+# Set on a module whose layers faccel split over the "tensor" dimension without FSDP2
+# (tensor parallelism alone): its parameters are DTensors all the same.
+_TENSOR_PARALLEL = "_faccel_tensor_parallel"

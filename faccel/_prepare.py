@@ -65,8 +65,8 @@ def _replaceable(param: torch.Tensor) -> bool:
 def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
     # The optimizer holds the same Parameter objects the model moved, so it needs no
     # wrapper; state loaded earlier (on another device) follows its parameter.
-    if not _rebind(optimizer) and dist.strategy == "fsdp" and dist.distributed:
-        # Prepared before its model (an earlier prepare call): the model's sharding will
+    if not _rebind(optimizer) and dist.distributed and (dist.strategy == "fsdp" or dist.parallel.tensor > 1):
+        # Prepared before its model (an earlier prepare call): the model's sharding (or plan) will
         # replace these parameters, so look again just before the first step.
         def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             _rebind(opt)
@@ -93,14 +93,14 @@ def _loader(dist: DistState, loader: Any, options: _Options) -> Any:
 def _prepared_loader(dist: DistState, loader: Any, options: _Options) -> Any:
     s = loader.sharding
     if (s.rank, s.world_size, s.seed, loader.device) != (
-        dist.rank,
-        dist.world_size,
+        dist.data_rank,
+        dist.data_world_size,
         dist.seed,
         dist.device,
     ):
         msg = (
             f"this loader was prepared for rank {s.rank} of {s.world_size} (seed {s.seed}, "
-            f"{loader.device}), not for rank {dist.rank} of {dist.world_size} (seed {dist.seed}, "
+            f"{loader.device}), not for rank {dist.data_rank} of {dist.data_world_size} (seed {dist.seed}, "
             f"{dist.device}); prepare the original DataLoader (loader.dataloader is the rebuilt one)"
         )
         raise PrepareError(msg)
@@ -173,6 +173,7 @@ def prepare(
     shard_policy: Callable[[nn.Module], bool] | None = None,
     split_batches: bool = False,
     worker_seeds: str = "rank",
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -224,6 +225,13 @@ def prepare(
             the same as the straight one; ``'shared'``: the same without the
             rank (every rank draws the same numbers); ``'torch'``: only the
             DataLoader's own per-worker seeding, from ``(dist.seed, epoch, start)``.
+        tp_plan: Under a layout with tensor parallelism (``dist.parallel.tensor
+            > 1``): how to split the model's layers, as PyTorch's
+            ``parallelize_module`` takes it: ``{"mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}``, keys as in ``named_modules()``
+            with ``*`` for any one name. Applied first, then FSDP2 shards over
+            the data-parallel ranks (docs/parallelism.md). Unused when the
+            layout has no tensor parallelism, so one script runs on any layout.
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -232,7 +240,9 @@ def prepare(
         PrepareError: A loader faccel cannot shard (a ``DistributedSampler``, a
             sampler with hidden state, ``split_batches`` with a batch size the
             world size does not divide), an object prepared for another
-            ``DistState``, or one of the refused objects above.
+            ``DistState``, one of the refused objects above, or a layout with
+            tensor parallelism and no ``tp_plan`` (or a plan key that names no
+            submodule).
         ArgumentValueError: ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
 
     Example:
@@ -252,6 +262,7 @@ def prepare(
         "shard_policy": shard_policy,
         "split_batches": split_batches,
         "worker_seeds": worker_seeds,
+        "tp_plan": tp_plan,
     }
     # Modules first, whatever the order given: preparing one may replace its parameters,
     # and optimizers in the same call must see the replacements.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from faccel._layout import Layout
 from faccel._state import DistState, state_from_env
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FaccelError
@@ -52,6 +53,7 @@ def detect(
     strategy: str | None = None,
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
+    layout: Layout | str | None = None,
     start: bool = True,
 ) -> DistState:
     """Read the launcher, the hardware and the options into a :class:`DistState`.
@@ -77,6 +79,9 @@ def detect(
             with a :class:`~faccel.errors.DistributedError` naming it; default
             ``$FACCEL_TIMEOUT`` seconds, else 5 minutes. Raise it when one rank
             legitimately works alone longer (a download in ``main_process_first``).
+        layout: How the ranks split into replicas, shards and tensor-parallel
+            groups: a :class:`Layout` or its text (``'shard=2,tensor=2'``);
+            default ``$FACCEL_LAYOUT``, else the strategy's (docs/parallelism.md).
         start: Start the process group when the world has more than one process.
 
     Returns:
@@ -85,7 +90,9 @@ def detect(
     Raises:
         LaunchError: Malformed environment (names the variable and its value,
             ``FACCEL_TIMEOUT=abc`` say),
-            an unknown strategy, or a device or backend that cannot serve this process.
+            an unknown strategy, a layout whose sizes do not multiply to the world
+            size or that contradicts the strategy, or a device or backend that
+            cannot serve this process.
         PrecisionError: Unknown precision.
         ArgumentError: An argument of the wrong type (``seed="0"``).
         DistributedError: The process group could not be started, or a running
@@ -107,6 +114,7 @@ def detect(
         strategy=strategy,
         seed=seed,
         timeout=timeout,
+        layout=layout,
     )
     if start and state.distributed:
         start_process_group(state)

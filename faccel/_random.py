@@ -29,10 +29,13 @@ def set_seed(dist: DistState, seed: int, *, per_rank: bool = False) -> int:
     Args:
         dist: This process's state.
         seed: The seed, in ``[0, 2**32)`` (NumPy's range).
-        per_rank: Seed with ``seed + dist.rank``, so that ranks draw different
+        per_rank: Seed with ``seed + dist.data_rank``, so that ranks draw different
             numbers (e.g. dropout masks or augmentations that should differ per
             rank). By default every rank draws the same numbers (e.g. for
-            identical initial weights).
+            identical initial weights). The data-parallel rank, not the rank:
+            under tensor parallelism the ranks of one tensor-parallel group
+            compute on one batch together and must draw the same noise (without
+            a layout the two are the same).
 
     Returns:
         The seed used.
@@ -47,10 +50,14 @@ def set_seed(dist: DistState, seed: int, *, per_rank: bool = False) -> int:
         10
         >>> a = torch.rand(2); _ = set_seed(dist, 7, per_rank=True); torch.equal(a, torch.rand(2))
         True
+        >>> layout = faccel.Layout(shard=2, tensor=2)
+        >>> tensor_parallel = faccel.DistState.simulated(rank=3, world_size=4, layout=layout)
+        >>> set_seed(tensor_parallel, 7, per_rank=True)   # rank 3 reads data-parallel share 1
+        8
     """
-    value = seed + dist.rank if per_rank else seed
+    value = seed + dist.data_rank if per_rank else seed
     if not 0 <= value < 2**32:
-        shown = f"seed + rank = {seed} + {dist.rank}" if per_rank else f"seed {seed}"
+        shown = f"seed + rank = {seed} + {dist.data_rank}" if per_rank else f"seed {seed}"
         msg = f"the seed must be in [0, 2**32) (NumPy's range), got {shown} = {value}; pick a smaller seed"
         raise ArgumentValueError(msg)
     import numpy  # torch imports it already; imported here so faccel's own import stays lean

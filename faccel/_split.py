@@ -70,6 +70,9 @@ def split_between_processes(
     the slices are ``items``. A dict's values (lists, tuples or tensors of equal
     length, e.g. ``{"prompt": [...], "id": [...]}``) are split alike. Works with
     a simulated ``DistState`` too: it reads only the rank and world size.
+    Under a layout with tensor parallelism the shares go to the data-parallel
+    ranks (``dist.data_rank`` of ``dist.data_world_size``): the ranks of one
+    tensor-parallel group compute each forward together, so they get one share.
 
     Args:
         dist: This process's state.
@@ -96,6 +99,10 @@ def split_between_processes(
         [['a', 'b', 'c'], ['d', 'e']]
         >>> split_between_processes(faccel.DistState.simulated(rank=1, world_size=2), prompts, pad=True)
         ['d', 'e', 'e']
+        >>> layout = faccel.Layout(shard=2, tensor=2)   # ranks 2 and 3: data-parallel rank 1
+        >>> [split_between_processes(faccel.DistState.simulated(rank=r, world_size=4, layout=layout), prompts)
+        ...  for r in range(4)]
+        [['a', 'b', 'c'], ['a', 'b', 'c'], ['d', 'e'], ['d', 'e']]
     """
     named = dict(items) if isinstance(items, Mapping) else {None: items}
     lengths = {
@@ -108,9 +115,10 @@ def split_between_processes(
         )
         raise ArgumentValueError(msg)
     length = next(iter(lengths.values()), 0)
-    start, end = split_bounds(length, dist.rank, dist.world_size)
+    # Over the data-parallel ranks: a tensor-parallel group runs each forward together, on one share.
+    start, end = split_bounds(length, dist.data_rank, dist.data_world_size)
     # Pad to the longest share, ceil(length / world), with the last item (none if there is none).
-    missing = -(-length // dist.world_size) - (end - start) if pad and length else 0
+    missing = -(-length // dist.data_world_size) - (end - start) if pad and length else 0
     split = {key: _split_one(value, start, end, missing) for key, value in named.items()}
     if not isinstance(items, Mapping):
         return split[None]

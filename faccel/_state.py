@@ -15,8 +15,9 @@ import attrs
 import torch
 
 from faccel._launch import OPTION_VARIABLES, parse_launch, read_int
+from faccel._layout import Layout, default_layout, layout_problem, parse_layout, strategy_for
 from faccel._typecheck import setup_checked
-from faccel.errors import LaunchError, PrecisionError
+from faccel.errors import ArgumentValueError, LaunchError, PrecisionError
 
 __all__ = ["DEFAULT_TIMEOUT", "PRECISIONS", "DistState", "state_from_env"]
 
@@ -88,6 +89,10 @@ class DistState:
         master_addr: Rendezvous host, for more than one process.
         master_port: Rendezvous port, for more than one process.
         external_store: Whether the rendezvous store is hosted by the launcher.
+        layout: How the ranks split into replicas, shards and tensor-parallel
+            groups (:class:`Layout`); None: as ``strategy`` says (DDP
+            replicates over every rank, FSDP shards over them). The one in
+            effect is :attr:`parallel`.
 
     Example:
         >>> import attrs
@@ -112,8 +117,13 @@ class DistState:
     master_addr: str | None = None
     master_port: int | None = None
     external_store: bool = False
+    layout: Layout | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.layout is not None:
+            problem = layout_problem(self.layout, self.world_size, self.strategy)
+            if problem:
+                raise LaunchError(problem)
         if not 0 <= self.rank < self.world_size:
             msg = f"rank must be in [0, {self.world_size}), got {self.rank!r}"
             raise LaunchError(msg)
@@ -137,6 +147,23 @@ class DistState:
         return self.world_size > 1 and self.launcher != "simulated"
 
     @property
+    def parallel(self) -> Layout:
+        """The layout in effect: ``layout``, else the one ``strategy`` implies."""
+        if self.layout is not None:
+            return self.layout
+        return default_layout(self.strategy, self.world_size)
+
+    @property
+    def data_rank(self) -> int:
+        """This process's data-parallel rank: which share of each epoch its loaders read."""
+        return self.rank if self.layout is None else self.layout.data_rank(self.rank)
+
+    @property
+    def data_world_size(self) -> int:
+        """Data-parallel ranks: how many ways the loaders deal each epoch (world size over tensor size)."""
+        return self.world_size if self.layout is None else self.layout.data_size
+
+    @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype of ``precision``, or None for full precision."""
         return PRECISIONS[self.precision]
@@ -151,8 +178,9 @@ class DistState:
         device: str | torch.device = "cpu",
         precision: str = "no",
         accumulation_steps: int = 1,
-        strategy: str = "ddp",
+        strategy: str | None = None,
         seed: int = 0,
+        layout: Layout | None = None,
     ) -> DistState:
         """A record for rank ``rank`` of a ``world_size`` job, with no process group.
 
@@ -164,6 +192,9 @@ class DistState:
             >>> s = DistState.simulated(rank=3, world_size=8)
             >>> (s.rank, s.world_size, s.is_main_process, s.distributed)
             (3, 8, False, False)
+            >>> s = DistState.simulated(rank=3, world_size=4, layout=Layout(shard=2, tensor=2))
+            >>> (s.strategy, s.data_rank, s.data_world_size)
+            ('fsdp', 1, 2)
         """
         lws = world_size if local_world_size is None else local_world_size
         return cls(
@@ -176,9 +207,10 @@ class DistState:
             backend=_BACKENDS.get(torch.device(device).type, "gloo"),
             precision=precision,
             accumulation_steps=accumulation_steps,
-            strategy=strategy,
+            strategy=strategy if strategy is not None else (strategy_for(layout) if layout else "ddp"),
             seed=seed,
             launcher="simulated",
+            layout=layout,
         )
 
 
@@ -227,6 +259,19 @@ def _env_choice(
     return value
 
 
+def _env_layout(env: Mapping[str, str], given: Layout | str | None) -> Layout | None:
+    name = OPTION_VARIABLES["layout"]
+    text = given if given is not None else env.get(name)
+    if text is None or isinstance(text, Layout):
+        return text
+    try:
+        return parse_layout(text)
+    except ArgumentValueError as error:
+        where = "layout=" if given is not None else f"{name}="
+        msg = f"{where}{text!r}: {error}"
+        raise LaunchError(msg) from None
+
+
 def _env_timeout(env: Mapping[str, str]) -> datetime.timedelta:
     name = OPTION_VARIABLES["timeout"]
     if name not in env:
@@ -257,12 +302,14 @@ def state_from_env(
     strategy: str | None = None,
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
+    layout: Layout | str | None = None,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
     Options override the environment: ``precision`` over ``FACCEL_PRECISION``,
     ``accumulation_steps`` over ``FACCEL_ACCUMULATION_STEPS``, ``strategy``
-    over ``FACCEL_STRATEGY``, ``timeout`` over ``FACCEL_TIMEOUT`` (seconds)
+    over ``FACCEL_STRATEGY``, ``timeout`` over ``FACCEL_TIMEOUT`` (seconds),
+    ``layout`` over ``FACCEL_LAYOUT``
     (``faccel._launch.OPTION_VARIABLES``). Looks up
     no variable outside ``faccel._launch.ENV_VARIABLES``.
 
@@ -278,11 +325,15 @@ def state_from_env(
         seed: Seed of the data order.
         timeout: How long collectives wait for the other ranks; default
             ``$FACCEL_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT` (5 minutes).
+        layout: A :class:`Layout` or its text (``'shard=2,tensor=2'``); default
+            ``$FACCEL_LAYOUT``, else None (the strategy's). Without a strategy
+            given, a layout with shards or tensor parallelism selects ``'fsdp'``.
 
     Raises:
         LaunchError: The environment is malformed (``FACCEL_TIMEOUT`` not a
-            positive number of seconds, say), the strategy is unknown, or
-            the device or backend cannot serve this process.
+            positive number of seconds, say), the strategy is unknown, the
+            layout is malformed, does not span the world size or contradicts the
+            strategy, or the device or backend cannot serve this process.
         PrecisionError: Unknown precision.
         ArgumentError: An argument of the wrong type.
 
@@ -293,6 +344,18 @@ def state_from_env(
         (1, 2, 'cpu', 'gloo', 'bf16')
     """
     info = parse_launch(env)
+    chosen_layout = _env_layout(env, layout)
+    chosen_strategy = strategy
+    if chosen_strategy is None and OPTION_VARIABLES["strategy"] not in env and chosen_layout is not None:
+        chosen_strategy = strategy_for(chosen_layout)
+    chosen_strategy = _env_choice(env, OPTION_VARIABLES["strategy"], chosen_strategy, "ddp", STRATEGIES)
+    if chosen_layout is not None and chosen_strategy in STRATEGIES:
+        problem = layout_problem(chosen_layout, info.world_size, chosen_strategy)
+        if problem:  # named here, where it is known whether the variable or the argument said it
+            name = OPTION_VARIABLES["layout"]
+            said = f"layout={str(layout)!r}" if layout is not None else f"{name}={env[name]!r}"
+            msg = f"{said}: {problem}"
+            raise LaunchError(msg)
     chosen = _choose_device(device, info.local_rank, cuda_count, mps_available)
     if chosen.type == "mps" and info.world_size > 1:
         msg = f"MPS supports one process only, got WORLD_SIZE={info.world_size}; pass device='cpu'"
@@ -314,11 +377,12 @@ def state_from_env(
         backend=chosen_backend,
         precision=_env_choice(env, OPTION_VARIABLES["precision"], precision, "no", PRECISIONS),
         accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
-        strategy=_env_choice(env, OPTION_VARIABLES["strategy"], strategy, "ddp", STRATEGIES),
+        strategy=chosen_strategy,
         seed=seed,
         timeout=timeout if timeout is not None else _env_timeout(env),
         launcher=info.launcher,
         master_addr=info.master_addr,
         master_port=info.master_port,
         external_store=info.external_store,
+        layout=chosen_layout,
     )

@@ -352,3 +352,14 @@ def interrupted_epochs(draw: st.DrawFn, *, max_samples: int = 3000, max_world: i
             )
         ),
     }
+
+
+@st.composite
+def layout_sizes(draw: st.DrawFn, *, max_world: int = 96) -> tuple[int, int, int]:
+    """``(replicate, shard, tensor)``: any factorisation of a world of up to ``max_world`` ranks."""
+    world = draw(st.integers(min_value=1, max_value=max_world))
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    tensor = draw(st.sampled_from(divisors))
+    rest = world // tensor
+    shard = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
+    return (rest // shard, shard, tensor)

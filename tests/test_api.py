@@ -71,6 +71,9 @@ PINNED: dict[str, list[str]] = {
         "load_model",
         "restore",
         "save_model",
+        # N-D parallelism: the layout of the ranks and the DeviceMesh built from it
+        "Layout",
+        "device_mesh",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers
     "faccel.func": [

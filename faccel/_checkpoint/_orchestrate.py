@@ -125,6 +125,8 @@ def _commit(
         "epoch": content["epoch"],
         "position": content["position"],
         "world_size": dist.world_size,
+        # Only when a layout deals the data over fewer ranks (tensor parallelism).
+        **({"data_world_size": dist.data_world_size} if dist.data_world_size != dist.world_size else {}),
         "torch_version": torch.__version__,
         "files": {
             name: {"size": records[name].size, "sha256": records[name].sha256}

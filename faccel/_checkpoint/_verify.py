@@ -45,6 +45,27 @@ from faccel.errors import CheckpointError
 __all__ = ["Loadable", "check", "check_manifest", "check_rng"]
 
 
+def _check_data_world(manifest: dict[str, Any], world: int, dist: DistState, where: str) -> None:
+    """Refuse a position inside an epoch that counts batches of another number of data-parallel ranks.
+
+    Under a layout with tensor parallelism the loaders deal over fewer ranks
+    than the world has (``dist.data_world_size``); the manifest records that
+    number when it differs from the world size. (Another world size is
+    checked with the rest of the state, by the restore.)
+    """
+    data_world = manifest.get("data_world_size", world)
+    position = manifest.get("position")
+    if world == dist.world_size and data_world != dist.data_world_size and position not in (0, None):
+        msg = (
+            f"{where}: written with {data_world} data-parallel ranks at batch {position} of epoch "
+            f"{manifest.get('epoch')}, restored with {dist.data_world_size} (layout {dist.parallel}): "
+            "a position inside an epoch counts batches of the data-parallel ranks that wrote it, so it "
+            "cannot be carried over exactly. Resume in a layout with as many data-parallel ranks "
+            "(replicate x shard), or from a checkpoint written at an epoch boundary"
+        )
+        raise CheckpointError(msg)
+
+
 def check_manifest(
     manifest: Any, dist: DistState, model: nn.Module, *, where: str
 ) -> tuple[dict[str, FileRecord], int]:
@@ -66,6 +87,7 @@ def check_manifest(
     if type(world) is not int or world < 1:
         msg = f"{where}: world_size should be a positive int, got {world!r}"
         raise CheckpointError(msg)
+    _check_data_world(manifest, world, dist, where)
     files = manifest.get("files")
     if not isinstance(files, dict):
         files = {}
