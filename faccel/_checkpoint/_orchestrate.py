@@ -61,18 +61,30 @@ from faccel._checkpoint._format import (
     MODEL,
     MODEL_METADATA,
     OPTIMIZER,
+    PAGE_RANKS,
     STATE,
     VERSION,
+    VERSION_SHARDED,
     checkpoint_name,
     expected_files,
+    page_name,
     replaced_name,
     rng_name,
+    shard_name,
     temporary_name,
     trash_name,
 )
 from faccel._checkpoint._load import load
 from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
-from faccel._checkpoint._sharded_state import full_state
+from faccel._checkpoint._sharded_files import (
+    exchange_records,
+    page_content,
+    plan_pieces,
+    read_tensors,
+    row_split,
+)
+from faccel._checkpoint._sharded_state import full_state, sharded_state
+from faccel._checkpoint._shards import write_shard
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
 from faccel._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._model import is_sharded, unwrap_model
@@ -80,6 +92,9 @@ from faccel._state import DistState
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError, CheckpointWarning
+
+# Files the sharded format's rank 0 writes besides the manifest: state.json and extras.safetensors.
+_RANK0_FILES = 2
 
 __all__ = ["checkpoint", "latest_checkpoint", "restore"]
 
@@ -102,34 +117,42 @@ def _write_rank0(
     return records
 
 
+def _rng_records(dist: DistState, temporary: Path, records: dict[str, FileRecord]) -> None:
+    """Version 1: the other ranks' generator files, written on the shared file system, hashed here."""
+    for rank in range(dist.world_size):
+        name = rng_name(rank)
+        if name not in records:
+            records[name] = read_verified(temporary / name, None, where=str(temporary / name))[1]
+
+
 def _commit(
     dist: DistState,
     root: Path,
     temporary: Path,
     final: Path,
-    records: dict[str, FileRecord],
+    listed: dict[str, FileRecord],
     content: dict[str, Any],
     keep: int | None,
     lock: RootLock,
+    *,
+    version: int = VERSION,
+    present: Mapping[str, FileRecord] | None = None,
 ) -> None:
-    for rank in range(dist.world_size):
-        name = rng_name(rank)
-        if name not in records:  # written by another rank on the shared file system
-            records[name] = read_verified(temporary / name, None, where=str(temporary / name))[1]
+    """Write the manifest of ``listed`` files, check every file (``present`` too), rename: the commit."""
     manifest = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": version,
         "step": content["step"],
         "epoch": content["epoch"],
         "position": content["position"],
         "world_size": dist.world_size,
         "torch_version": torch.__version__,
         "files": {
-            name: {"size": records[name].size, "sha256": records[name].sha256}
-            for name in expected_files(dist.world_size)
+            name: {"size": listed[name].size, "sha256": listed[name].sha256}
+            for name in expected_files(dist.world_size, version)
         },
     }
-    written = {name: records[name] for name in expected_files(dist.world_size)}
+    written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
     written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
     what = f"the checkpoint of step {content['step']}"
@@ -161,6 +184,16 @@ def _commit(
         rotate(root, keep, content["step"])
 
 
+def _write_pages(temporary: Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
+    """Version 2: the rank pages, each listing the shard and generator records of ``PAGE_RANKS`` ranks."""
+    pages = {}
+    for page in range(-(-len(ranks) // PAGE_RANKS)):
+        first = page * PAGE_RANKS
+        content = page_content(first, ranks[first : first + PAGE_RANKS])
+        pages[page_name(page)] = write_durably(temporary / page_name(page), [_json_bytes(content)])
+    return pages
+
+
 @setup_checked
 def checkpoint(
     dist: DistState,
@@ -170,6 +203,7 @@ def checkpoint(
     keep: int | None = None,
     replace: bool = False,
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
+    sharded: bool | None = None,
 ) -> Path:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
@@ -204,12 +238,21 @@ def checkpoint(
             while replacing leaves the old one or the new one, whole).
         arrival_timeout: How long the ranks that called ``checkpoint`` wait
             for the others to call it too, before raising.
+        sharded: Write the sharded format (version 2): every rank writes the
+            tensors it owns (an FSDP2 model's own shards; replicated tensors
+            split between the ranks, balanced by bytes) to its own file, so no
+            rank gathers the whole state, and ``restore`` at any world size
+            reads only the rows each rank needs. None (the default): sharded
+            for an FSDP2 model split by rows over all ranks, whole tensors
+            (version 1, a Hugging Face ``model.safetensors`` inside) otherwise.
 
     Returns:
         The new checkpoint's folder.
 
     Raises:
-        ArgumentValueError: ``keep`` < 1, or a simulated DistState of several ranks.
+        ArgumentValueError: ``keep`` < 1, a simulated DistState of several
+            ranks, or ``sharded=True`` for a model sharded otherwise than by
+            rows over all ranks (HSDP, tensor parallelism).
         CheckpointError: A checkpoint of this step exists (and not
             ``replace``); ``path`` or a parent is a file; the ranks pass
             different steps or different extras; a rank did not call
@@ -253,9 +296,16 @@ def checkpoint(
     _agree(dist, root, train_state, replace=replace)
 
     model = unwrap_model(train_state.model)
-    # FSDP2: every rank takes part in gathering whole tensors onto rank 0, which then
-    # writes them exactly as an unsharded model's (so any world size can restore them).
-    whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
+    fsdp = is_sharded(model)
+    shards = _use_shards(model, dist, fsdp=fsdp, sharded=sharded)
+    if shards:
+        _checkpoint_sharded(
+            dist, train_state, root, final, temporary, rng, keep=keep, replace=replace, fsdp=fsdp
+        )
+        return final
+    # FSDP2 in the whole-tensor format: every rank takes part in gathering whole tensors onto
+    # rank 0, which then writes them exactly as an unsharded model's (any world size restores them).
+    whole = full_state(model, train_state.optimizer) if fsdp else None
 
     # The writing rank holds the root's lock from before its leftovers are removed until the commit
     # (or failure) is over; the OS releases it if the process dies.
@@ -265,13 +315,7 @@ def checkpoint(
             if not dist.is_main_process:
                 return None
             captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
-            root.mkdir(parents=True, exist_ok=True)
-            lock = held.enter_context(hold_lock(root))
-            remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
-            if not replace and manifest_step(final) is not None:  # written since _agree, by another run
-                raise CheckpointError(_exists_message(final, step))
-            temporary.mkdir()
-            return (*captured, lock)
+            return (*captured, _open_temporary(held, root, final, temporary, step, replace=replace))
 
         prepared = together(
             dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
@@ -289,10 +333,116 @@ def checkpoint(
 
         def commit() -> None:
             if prepared is not None:
+                _rng_records(dist, temporary, records)
                 _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
 
         together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
     return final
+
+
+def _use_shards(model: nn.Module, dist: DistState, *, fsdp: bool, sharded: bool | None) -> bool:
+    """Whether to write the sharded format: asked for, or by default for an FSDP2 model split by rows."""
+    split = all(row_split(p, dist.world_size) for p in model.parameters()) if fsdp else True
+    if sharded and not split:
+        msg = (
+            "checkpoint(..., sharded=True): the model's parameters are not all split by rows over "
+            f"all {dist.world_size} ranks (HSDP or tensor parallelism?); the sharded format needs "
+            "that layout. Pass sharded=False (whole tensors, gathered on rank 0)"
+        )
+        raise ArgumentValueError(msg)
+    return split and fsdp if sharded is None else sharded
+
+
+def _open_temporary(
+    held: contextlib.ExitStack, root: Path, final: Path, temporary: Path, step: int, *, replace: bool
+) -> RootLock:
+    """On the writing rank: the root's lock taken, leftovers removed, the temporary folder made."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock = held.enter_context(hold_lock(root))
+    remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
+    if not replace and manifest_step(final) is not None:  # written since _agree, by another run
+        raise CheckpointError(_exists_message(final, step))
+    temporary.mkdir()
+    return lock
+
+
+def _checkpoint_sharded(
+    dist: DistState,
+    train_state: TrainState,
+    root: Path,
+    final: Path,
+    temporary: Path,
+    rng: dict[str, Any],
+    *,
+    keep: int | None,
+    replace: bool,
+    fsdp: bool,
+) -> None:
+    """The sharded format (version 2): every rank writes its own chunks; rank 0 the rest and the commit."""
+    step = train_state.step
+    model = unwrap_model(train_state.model)
+    own = sharded_state(model, train_state.optimizer) if fsdp else None
+
+    def planned() -> tuple[
+        dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]
+    ]:
+        content, files = capture(dist, train_state, own, shards=True)  # refuses unstorable values first
+        index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size)
+        content["tensors"] = {
+            group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()
+        }
+        return content, files, pieces, placed
+
+    content, files, pieces, placed = together(
+        dist, planned, what=f"planning the checkpoint of step {step}", raises=CheckpointError
+    )
+    with contextlib.ExitStack() as held:
+
+        def prepare() -> RootLock | None:
+            if not dist.is_main_process:
+                return None
+            return _open_temporary(held, root, final, temporary, step, replace=replace)
+
+        lock = together(
+            dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+        )
+
+        def write() -> dict[str, FileRecord]:
+            rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
+            tasks: list[Callable[[], FileRecord]] = [
+                lambda: write_durably(rng_file, [_json_bytes(rng)]),
+                lambda: write_shard(shard_file, pieces, placed),
+            ]
+            if lock is not None:
+                tasks.append(lambda: write_durably(temporary / STATE, [_json_bytes(content)]))
+                tasks.append(lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS])))
+            done = in_parallel(tasks)
+            names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
+            return dict(zip(names, done, strict=True))
+
+        records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
+        ranks = exchange_records(dist, records[shard_name(dist.rank)], records[rng_name(dist.rank)])
+
+        def commit() -> None:
+            if lock is None:
+                return
+            present = {shard_name(r): s for r, (s, _) in enumerate(ranks)}
+            present |= {rng_name(r): g for r, (_, g) in enumerate(ranks)}
+            listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | _write_pages(temporary, ranks)
+            _commit(
+                dist,
+                root,
+                temporary,
+                final,
+                listed,
+                content,
+                keep,
+                lock,
+                version=VERSION_SHARDED,
+                present=present,
+            )
+
+        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
 
 
 def _digest(value: Any) -> int:
@@ -370,7 +520,9 @@ class _BrokenError(CheckpointError):
     """
 
 
-def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
+def _read_manifest(
+    directory: Path, dist: DistState, model: nn.Module
+) -> tuple[dict[str, FileRecord], int, int]:
     where = f"{directory}/{MANIFEST}"
     try:
         buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
@@ -383,30 +535,42 @@ def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[
 def _read_checkpoint(
     dist: DistState, state: TrainState, directory: Path
 ) -> tuple[Loadable, dict[str, Any] | None]:
-    records, world = _read_manifest(directory, dist, state.model)
+    records, world, version = _read_manifest(directory, dist, state.model)
     # A rank beyond the writers' (resharding to more ranks) has no generators saved.
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
-    def read(name: str) -> Callable[[], torch.Tensor]:
+    def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
         limit = MAX_JSON if name.endswith(".json") else None
         return lambda: read_verified(
-            directory / name, records[name], where=f"{directory}/{name}", limit=limit
+            directory / name, record or records[name], where=f"{directory}/{name}", limit=limit
         )[0]
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
-    names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])
+    whole = [MODEL, OPTIMIZER] if version == VERSION else []
+    names = [*whole, EXTRAS, STATE]
     try:
         buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
     except CheckpointError as error:
         raise _BrokenError(str(error)) from None
     tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for name in (MODEL, OPTIMIZER, EXTRAS):
+    for name in (*whole, EXTRAS):
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
         tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
     content = parse_json(buffers[STATE].numpy().tobytes(), state_where)
+    try:
+        if version == VERSION_SHARDED:
+            # Only the rows this rank's target holds, from the shard files that hold them.
+            shards, pages = read_tensors(directory, records, world, state, content, where=str(directory))
+            tensors |= shards
+            rng_record = pages.of(dist.rank)[1] if rng_file else None
+        else:
+            rng_record = records[rng_file] if rng_file else None
+        rng_buffer = read(rng_file, rng_record)() if rng_file else None
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
     rng_where = f"{directory}/{rng_file}"
-    rng_content = parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
+    rng_content = parse_json(rng_buffer.numpy().tobytes(), rng_where) if rng_buffer is not None else None
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
         rng = check_rng(dist, state, rng_content, where=rng_where) if rng_file else None
