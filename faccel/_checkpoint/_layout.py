@@ -161,7 +161,7 @@ def assign(
         >>> import torch
         >>> specs = {"a": (torch.float32, (8, 2)), "b": (torch.float32, (2,)), "c": (torch.float32, (3,))}
         >>> {k: (p.block, p.first) for k, p in assign(specs, [], 2).items()}
-        {'a': (4, 0), 'b': (2, 0), 'c': (3, 1)}
+        {'a': (4, 0), 'b': (2, 1), 'c': (3, 0)}
     """
     shard = set(sharded)
     placed: dict[str, Placed] = {}

@@ -93,9 +93,6 @@ from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError, CheckpointWarning
 
-# Files the sharded format's rank 0 writes besides the manifest: state.json and extras.safetensors.
-_RANK0_FILES = 2
-
 __all__ = ["checkpoint", "latest_checkpoint", "restore"]
 
 
@@ -139,19 +136,7 @@ def _commit(
     present: Mapping[str, FileRecord] | None = None,
 ) -> None:
     """Write the manifest of ``listed`` files, check every file (``present`` too), rename: the commit."""
-    manifest = {
-        "format": FORMAT,
-        "version": version,
-        "step": content["step"],
-        "epoch": content["epoch"],
-        "position": content["position"],
-        "world_size": dist.world_size,
-        "torch_version": torch.__version__,
-        "files": {
-            name: {"size": listed[name].size, "sha256": listed[name].sha256}
-            for name in expected_files(dist.world_size, version)
-        },
-    }
+    manifest = manifest_content(content, dist.world_size, listed, version)
     written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
     written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
@@ -184,7 +169,36 @@ def _commit(
         rotate(root, keep, content["step"])
 
 
-def _write_pages(temporary: Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
+def manifest_content(
+    content: Mapping[str, Any], world: int, listed: Mapping[str, FileRecord], version: int
+) -> dict[str, Any]:
+    """``manifest.json``'s content: ``listed`` holds the records of ``expected_files(world, version)``.
+
+    Version 2 lists one rank page per ``PAGE_RANKS`` ranks: about 100 bytes per 1,024 ranks.
+
+    Example:
+        >>> from faccel._checkpoint._durable import FileRecord
+        >>> record = FileRecord(size=1, sha256="00")
+        >>> listed = {name: record for name in ("state.json", "extras.safetensors", "ranks-00000.json")}
+        >>> sorted(manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"])
+        ['extras.safetensors', 'ranks-00000.json', 'state.json']
+    """
+    return {
+        "format": FORMAT,
+        "version": version,
+        "step": content["step"],
+        "epoch": content["epoch"],
+        "position": content["position"],
+        "world_size": world,
+        "torch_version": torch.__version__,
+        "files": {
+            name: {"size": listed[name].size, "sha256": listed[name].sha256}
+            for name in expected_files(world, version)
+        },
+    }
+
+
+def write_pages(temporary: Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
     """Version 2: the rank pages, each listing the shard and generator records of ``PAGE_RANKS`` ranks."""
     pages = {}
     for page in range(-(-len(ranks) // PAGE_RANKS)):
@@ -428,7 +442,7 @@ def _checkpoint_sharded(
                 return
             present = {shard_name(r): s for r, (s, _) in enumerate(ranks)}
             present |= {rng_name(r): g for r, (_, g) in enumerate(ranks)}
-            listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | _write_pages(temporary, ranks)
+            listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | write_pages(temporary, ranks)
             _commit(
                 dist,
                 root,
