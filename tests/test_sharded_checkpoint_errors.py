@@ -96,3 +96,10 @@ def test_damaged_sharded_checkpoints_raise_naming_the_file_and_modify_nothing(
         faccel.restore(faccel.detect({}), target, folder)
     assert file in str(error.value) and words in str(error.value), str(error.value)
     cw.assert_same(cw.observe(target), before)
+
+
+def test_load_model_on_a_sharded_checkpoint_points_to_consolidate(saved: tuple[Path, str]) -> None:
+    import faccel
+
+    with pytest.raises(faccel.errors.CheckpointError, match="python -m faccel consolidate"):
+        faccel.load_model(faccel.detect({}), _state(1).model, saved[0])
