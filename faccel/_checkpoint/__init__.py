@@ -10,6 +10,7 @@ The modules, from the flow down to the bytes:
 - ``_load``: checked content into the live objects.
 - ``_weights``: a model's tensors, tied weights stored once, compared on load.
 - ``_sharded_state``: FSDP2 state dicts: each rank's shards, or whole ones gathered and scattered.
+- ``_background``: ``checkpoint(..., blocking=False)``: the write and commit on a thread.
 - ``_sharded_files``, ``_layout``, ``_shards``: the sharded format (version 2): what each rank
   writes, the chunk rule, and a rank's shard file with a checksum per hash block.
 - ``_tagged_json``: the Python values of ``state.json``, as JSON without pickle.

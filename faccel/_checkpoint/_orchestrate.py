@@ -28,9 +28,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
+from faccel._checkpoint import _background as background
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
 from faccel._checkpoint._durable import (
     MAX_JSON,
@@ -218,6 +220,7 @@ def checkpoint(
     replace: bool = False,
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
     sharded: bool | None = None,
+    blocking: bool = True,
 ) -> Path:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
@@ -259,6 +262,14 @@ def checkpoint(
             reads only the rows each rank needs. None (the default): sharded
             for an FSDP2 model split by rows over all ranks, whole tensors
             (version 1, a Hugging Face ``model.safetensors`` inside) otherwise.
+        blocking: False: copy the state to host memory, return, and write and
+            commit on a background thread (the same files, checks and atomic
+            commit; the ranks meet through the process group's store, never
+            its backend, which training keeps using). The returned folder
+            exists once that is done: the next ``checkpoint``, ``restore`` or
+            :func:`faccel.shutdown` waits for it, and raises its failure as a
+            ``CheckpointError`` (nothing of a failed one is committed). Costs
+            a host copy of the state (this rank's shards, when sharded).
 
     Returns:
         The new checkpoint's folder.
@@ -280,7 +291,8 @@ def checkpoint(
             naming the holder's host and pid); the folder being written
             changed under the writer (``path`` deleted during the write: the
             files are checked against the manifest before and after the commit
-            rename). Earlier checkpoints are untouched.
+            rename); a background checkpoint (``blocking=False``) before this
+            one failed. Earlier checkpoints are untouched.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -301,6 +313,7 @@ def checkpoint(
             "or with a one-process DistState"
         )
         raise ArgumentValueError(msg)
+    background.wait()  # the previous non-blocking checkpoint is committed first (or its error raised)
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
@@ -312,46 +325,144 @@ def checkpoint(
     model = unwrap_model(train_state.model)
     fsdp = is_sharded(model)
     shards = _use_shards(model, dist, fsdp=fsdp, sharded=sharded)
-    if shards:
-        _checkpoint_sharded(
-            dist, train_state, root, final, temporary, rng, keep=keep, replace=replace, fsdp=fsdp
-        )
-        return final
-    # FSDP2 in the whole-tensor format: every rank takes part in gathering whole tensors onto
-    # rank 0, which then writes them exactly as an unsharded model's (any world size restores them).
-    whole = full_state(model, train_state.optimizer) if fsdp else None
-
     # The writing rank holds the root's lock from before its leftovers are removed until the commit
     # (or failure) is over; the OS releases it if the process dies.
-    with contextlib.ExitStack() as held:
-
-        def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
-            if not dist.is_main_process:
-                return None
-            captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
-            return (*captured, _open_temporary(held, root, final, temporary, step, replace=replace))
-
-        prepared = together(
-            dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+    held = contextlib.ExitStack()
+    try:
+        plan_job = _sharded_job if shards else _whole_job
+        job = plan_job(
+            dist, train_state, final, temporary, rng, held, replace=replace, keep=keep, copy=not blocking
         )
-
-        def write() -> dict[str, FileRecord]:
-            records = {
-                rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])
-            }
-            if prepared is not None:
-                records |= _write_rank0(temporary, prepared[0], prepared[1])
-            return records
-
-        records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
-
-        def commit() -> None:
-            if prepared is not None:
-                _rng_records(dist, temporary, records)
-                _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
-
-        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+    except BaseException:
+        held.close()
+        raise
+    if blocking:
+        with held:
+            _run(dist, job)
+    else:
+        background.start(step, functools.partial(_run_in_background, dist, job))
     return final
+
+
+@attrs.frozen(kw_only=True)
+class _Job:
+    """A checkpoint planned (state captured, folder made): its writing and its commit are left.
+
+    ``write`` writes this rank's files and returns their records; ``commit``
+    (rank 0, which holds ``held``'s lock) takes those and, in the sharded
+    format, every rank's ``(shard, rng)`` records.
+    """
+
+    step: int
+    sharded: bool
+    write: Callable[[], dict[str, FileRecord]]
+    commit: Callable[[dict[str, FileRecord], list[tuple[FileRecord, FileRecord]]], None]
+    held: contextlib.ExitStack
+
+
+def _run(dist: DistState, job: _Job) -> None:
+    """A job to the end in this thread: the ranks meet through the process group (``together``)."""
+    step = job.step
+    records = together(dist, job.write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
+    ranks = []
+    if job.sharded:
+        ranks = exchange_records(dist, records[shard_name(dist.rank)], records[rng_name(dist.rank)])
+
+    def commit() -> None:
+        if dist.is_main_process:
+            job.commit(records, ranks)
+
+    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+
+
+def _run_in_background(dist: DistState, job: _Job) -> None:
+    """A job to the end on the background thread: the ranks meet through the store, not the backend."""
+    with job.held:
+        if not dist.distributed:
+            own = job.write()
+            job.commit(own, [(own[shard_name(0)], own[rng_name(0)])] if job.sharded else [])
+            return
+        meeting = background.Meeting(dist, dist.timeout)
+        what = f"writing the checkpoint of step {job.step}"
+        records: dict[str, FileRecord] = {}
+        try:
+            records = job.write()
+            payload = b"".join(
+                bytes(_record_bytes(records[name]))
+                for name in (shard_name(dist.rank), rng_name(dist.rank))
+                if job.sharded
+            )
+            error = None
+        except Exception as failure:  # published, so that every rank raises
+            payload, error = None, f"{what} failed on rank {dist.rank}: {failure}"
+        gathered = meeting.gather(payload, error, what=what)
+        ranks = [(_record_of(raw[:40]), _record_of(raw[40:80])) for raw in gathered] if job.sharded else []
+        failure_text = None
+        if dist.is_main_process:
+            try:
+                job.commit(records, ranks)
+            except Exception as failure:  # published to the other ranks, then raised here
+                failure_text = f"committing the checkpoint of step {job.step}: {failure}"
+        meeting.decide(failure_text, what=f"committing the checkpoint of step {job.step}")
+
+
+def _record_bytes(record: FileRecord) -> bytes:
+    return record.size.to_bytes(8, "little") + bytes.fromhex(record.sha256)
+
+
+def _record_of(raw: bytes) -> FileRecord:
+    return FileRecord(size=int.from_bytes(raw[:8], "little"), sha256=raw[8:40].hex())
+
+
+def _host_copy(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies in host memory: what a background write reads while training changes the originals."""
+    return background.staged(group, tensors)
+
+
+def _whole_job(
+    dist: DistState,
+    train_state: TrainState,
+    final: Path,
+    temporary: Path,
+    rng: dict[str, Any],
+    held: contextlib.ExitStack,
+    *,
+    replace: bool,
+    keep: int | None,
+    copy: bool,
+) -> _Job:
+    """The whole-tensor format (version 1): rank 0 writes the tensors; every rank its generators."""
+    step = train_state.step
+    root = final.parent
+    model = unwrap_model(train_state.model)
+    # FSDP2 in the whole-tensor format: every rank takes part in gathering whole tensors onto
+    # rank 0, which then writes them exactly as an unsharded model's (any world size restores them).
+    whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
+
+    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
+        if not dist.is_main_process:
+            return None
+        content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
+        if copy:
+            files = {name: _host_copy(name, tensors) for name, tensors in files.items()}
+        return content, files, _open_temporary(held, root, final, temporary, step, replace=replace)
+
+    prepared = together(
+        dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+    )
+
+    def write() -> dict[str, FileRecord]:
+        records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
+        if prepared is not None:
+            records |= _write_rank0(temporary, prepared[0], prepared[1])
+        return records
+
+    def commit(records: dict[str, FileRecord], ranks: list[tuple[FileRecord, FileRecord]]) -> None:
+        assert prepared is not None  # rank 0
+        _rng_records(dist, temporary, records)
+        _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
+
+    return _Job(step=step, sharded=False, write=write, commit=commit, held=held)
 
 
 def _use_shards(model: nn.Module, dist: DistState, *, fsdp: bool, sharded: bool | None) -> bool:
@@ -380,22 +491,23 @@ def _open_temporary(
     return lock
 
 
-def _checkpoint_sharded(
+def _sharded_job(
     dist: DistState,
     train_state: TrainState,
-    root: Path,
     final: Path,
     temporary: Path,
     rng: dict[str, Any],
+    held: contextlib.ExitStack,
     *,
-    keep: int | None,
     replace: bool,
-    fsdp: bool,
-) -> None:
+    keep: int | None,
+    copy: bool,
+) -> _Job:
     """The sharded format (version 2): every rank writes its own chunks; rank 0 the rest and the commit."""
     step = train_state.step
+    root = final.parent
     model = unwrap_model(train_state.model)
-    own = sharded_state(model, train_state.optimizer) if fsdp else None
+    own = sharded_state(model, train_state.optimizer) if is_sharded(model) else None
 
     def planned() -> tuple[
         dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]
@@ -405,58 +517,54 @@ def _checkpoint_sharded(
         content["tensors"] = {
             group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()
         }
+        if copy:
+            pieces = _host_copy("shards", pieces)
+            files = {EXTRAS: _host_copy(EXTRAS, files[EXTRAS])}
         return content, files, pieces, placed
 
     content, files, pieces, placed = together(
         dist, planned, what=f"planning the checkpoint of step {step}", raises=CheckpointError
     )
-    with contextlib.ExitStack() as held:
 
-        def prepare() -> RootLock | None:
-            if not dist.is_main_process:
-                return None
-            return _open_temporary(held, root, final, temporary, step, replace=replace)
+    def prepare() -> RootLock | None:
+        if not dist.is_main_process:
+            return None
+        return _open_temporary(held, root, final, temporary, step, replace=replace)
 
-        lock = together(
-            dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+    lock = together(dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError)
+
+    def write() -> dict[str, FileRecord]:
+        rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
+        tasks: list[Callable[[], FileRecord]] = [
+            lambda: write_durably(rng_file, [_json_bytes(rng)]),
+            lambda: write_shard(shard_file, pieces, placed),
+        ]
+        if lock is not None:
+            tasks.append(lambda: write_durably(temporary / STATE, [_json_bytes(content)]))
+            tasks.append(lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS])))
+        done = in_parallel(tasks)
+        names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
+        return dict(zip(names, done, strict=True))
+
+    def commit(records: dict[str, FileRecord], ranks: list[tuple[FileRecord, FileRecord]]) -> None:
+        assert lock is not None  # rank 0
+        present = {shard_name(r): s for r, (s, _) in enumerate(ranks)}
+        present |= {rng_name(r): g for r, (_, g) in enumerate(ranks)}
+        listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | write_pages(temporary, ranks)
+        _commit(
+            dist,
+            root,
+            temporary,
+            final,
+            listed,
+            content,
+            keep,
+            lock,
+            version=VERSION_SHARDED,
+            present=present,
         )
 
-        def write() -> dict[str, FileRecord]:
-            rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
-            tasks: list[Callable[[], FileRecord]] = [
-                lambda: write_durably(rng_file, [_json_bytes(rng)]),
-                lambda: write_shard(shard_file, pieces, placed),
-            ]
-            if lock is not None:
-                tasks.append(lambda: write_durably(temporary / STATE, [_json_bytes(content)]))
-                tasks.append(lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS])))
-            done = in_parallel(tasks)
-            names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
-            return dict(zip(names, done, strict=True))
-
-        records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
-        ranks = exchange_records(dist, records[shard_name(dist.rank)], records[rng_name(dist.rank)])
-
-        def commit() -> None:
-            if lock is None:
-                return
-            present = {shard_name(r): s for r, (s, _) in enumerate(ranks)}
-            present |= {rng_name(r): g for r, (_, g) in enumerate(ranks)}
-            listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | write_pages(temporary, ranks)
-            _commit(
-                dist,
-                root,
-                temporary,
-                final,
-                listed,
-                content,
-                keep,
-                lock,
-                version=VERSION_SHARDED,
-                present=present,
-            )
-
-        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+    return _Job(step=step, sharded=True, write=write, commit=commit, held=held)
 
 
 def _digest(value: Any) -> int:
@@ -680,6 +788,7 @@ def restore(
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
+    background.wait()  # a non-blocking checkpoint still being written is committed first
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError

@@ -139,3 +139,32 @@ def corrupt_and_load(root: str, victim: int, key: str = "model/inp.weight") -> d
             handle.write(bytes([byte[0] ^ 0xFF]))
     torch.distributed.barrier()
     return load(root)
+
+
+def background_save(root: str, fail_on: int | None = None) -> dict[str, Any]:
+    """checkpoint(..., blocking=False), then 3 more FSDP2 steps (collectives) while it is written;
+    then a restore into fresh objects (which waits for it). ``fail_on``: that rank's shard write fails."""
+    import attrs
+
+    import faccel
+    from faccel._checkpoint import _orchestrate
+
+    dist = faccel.detect(strategy="fsdp")
+    model, optimizer = _trained(dist, 3)
+    saved = global_state(model, optimizer)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer)
+    if dist.rank == fail_on:
+
+        def full_disk(*args: object, **kwargs: object) -> Any:
+            raise OSError(28, "No space left on device")
+
+        _orchestrate.write_shard = full_disk  # type: ignore[assignment]  # this child process only
+    faccel.checkpoint(dist, attrs.evolve(state, step=3, epoch=1), root, blocking=False)
+    x, y = seed_task(n=48)
+    for _ in range(3):  # training goes on, with FSDP2's collectives, while the checkpoint is written
+        optimizer.zero_grad()
+        faccel.backward(dist, torch.nn.functional.mse_loss(model(x[:8]), y[:8]))
+        optimizer.step()
+    after = global_state(model, optimizer)
+    loaded = load(root)
+    return {"saved": saved, "after": after, "loaded": loaded}

@@ -133,3 +133,18 @@ def test_consolidate_writes_the_hugging_face_layout_without_a_process_group(tmp_
         assert state == expected
     # A second run into the same folder is refused, not mixed in.
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 1
+
+
+def test_a_background_checkpoint_commits_the_state_of_the_call_while_fsdp_trains_on(tmp_path: Path) -> None:
+    results = harness.run(sw.background_save, world_size=2, root=str(tmp_path))
+    for r in results:
+        assert r["after"] != r["saved"]  # training went on during the write
+        assert r["loaded"]["state"] == r["saved"] and r["loaded"]["step"] == 3
+
+
+def test_a_background_failure_on_one_rank_is_raised_on_every_rank_by_the_next_call(tmp_path: Path) -> None:
+    results = harness.run(sw.background_save, world_size=2, root=str(tmp_path), fail_on=1)
+    errors = [r["loaded"]["error"] for r in results]
+    assert all("background checkpoint of step 3" in e for e in errors)
+    assert "No space left on device" in errors[1] and "failed on rank(s) [1]" in errors[0]
+    assert not list(tmp_path.glob("step-*"))  # nothing committed
