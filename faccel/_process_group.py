@@ -212,12 +212,12 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     try:
         for hook in list(_AT_SHUTDOWN):  # a non-blocking checkpoint commits (or raises) first
             hook()
-    finally:
+    finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
-    if dist.distributed and tdist.is_initialized():
-        tdist.destroy_process_group()
-        atexit.unregister(_stop_at_exit)
+        if dist.distributed and tdist.is_initialized():
+            tdist.destroy_process_group()
+            atexit.unregister(_stop_at_exit)
 
 
 def require_group(dist: DistState, name: str) -> None:
