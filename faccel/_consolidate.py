@@ -99,13 +99,15 @@ def _specs_and_reader(
 
     def read(name: str) -> torch.Tensor:
         placed = model[name]
+        for chunk in chunks(placed, world):  # sizes checked against the files before anything is allocated
+            if chunk.rank not in opened:
+                path = folder / shard_name(chunk.rank)
+                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path))
+            opened[chunk.rank].info(f"model/{name}", placed, chunk)
         out = empty_rows(placed, 0, rows_of(placed.shape))
         view = byte_view(out)
         width = len(view) // max(1, rows_of(placed.shape))
         for chunk in chunks(placed, world):
-            if chunk.rank not in opened:
-                path = folder / shard_name(chunk.rank)
-                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path))
             part = view[chunk.start * width : chunk.stop * width]
             opened[chunk.rank].read(f"model/{name}", placed, chunk, part, [])
         return out

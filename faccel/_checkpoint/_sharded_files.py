@@ -113,7 +113,7 @@ def plan_pieces(
             if local.shape[0] != min(rows_of(spot.shape), start + spot.block) - start:
                 msg = f"{name}: rank {rank}'s shard has {local.shape[0]} rows, not those of an even split"
                 raise CheckpointError(msg)
-            if local.numel():
+            if local.shape[0]:  # a rank past the last row holds no chunk
                 pieces[name] = local.detach()
             continue
         for chunk in overlaps(spot, world, 0, rows_of(spot.shape)):
@@ -314,13 +314,16 @@ def read_tensors(
             def read() -> torch.Tensor:
                 if live is None:
                     return torch.empty(placed.shape, dtype=placed.dtype, device="meta")
+                found = overlaps(placed, world, start, stop)
+                for chunk in found:  # sizes checked against the files before anything is allocated
+                    opened[chunk.rank].info(f"{group}/{key}", placed, chunk)
                 out = empty_rows(placed, start, stop)
                 view = byte_view(out)
                 width = len(view) // max(1, stop - start) if placed.shape else len(view)
                 scratch = getattr(local, "scratch", None)
                 if scratch is None:
                     scratch = local.scratch = []
-                for chunk in overlaps(placed, world, start, stop):
+                for chunk in found:
                     part = view[(chunk.use_start - start) * width : (chunk.use_stop - start) * width]
                     opened[chunk.rank].read(f"{group}/{key}", placed, chunk, part, scratch)
                 return _as_target(out, live, placed)

@@ -51,7 +51,7 @@ def test_fsdp_writes_one_shard_per_rank_and_reshards_2_to_1_and_2_to_3(tmp_path:
     assert plain["state"] == saved[0]["state"] and plain["step"] == 3
 
 
-def test_fsdp_reshards_1_to_2_and_the_same_world_size(tmp_path: Path) -> None:
+def test_fsdp_reshards_1_to_2_3_to_2_and_the_same_world_size(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     # One process prepares no FSDP2 (nothing to shard over): sharded=True asks for the format.
     saved = harness.run(sw.save, world_size=1, root=str(one), sharded=True)
@@ -60,6 +60,11 @@ def test_fsdp_reshards_1_to_2_and_the_same_world_size(tmp_path: Path) -> None:
     assert all(r["state"] == saved[0]["state"] for r in loaded)
     saved = harness.run(sw.save, world_size=2, root=str(two))
     loaded = harness.run(sw.load, world_size=2, root=str(two))
+    assert all(r["state"] == saved[0]["state"] for r in loaded)
+    # 3 -> 2: rows 6, 6, 4 read as 8, 8: each reader takes part of a writer's chunk.
+    three = tmp_path / "three"
+    saved = harness.run(sw.save, world_size=3, root=str(three))
+    loaded = harness.run(sw.load, world_size=2, root=str(three))
     assert all(r["state"] == saved[0]["state"] for r in loaded)
 
 
