@@ -103,3 +103,33 @@ def test_load_model_on_a_sharded_checkpoint_points_to_consolidate(saved: tuple[P
 
     with pytest.raises(faccel.errors.CheckpointError, match="python -m faccel consolidate"):
         faccel.load_model(faccel.detect({}), _state(1).model, saved[0])
+
+
+def _claim_huge(folder: Path) -> None:
+    """state.json (rehashed in the manifest: consistent, not corrupted) claims an optimizer tensor of
+    2^40 rows: what a reader would allocate if it trusted the index before the files."""
+    import hashlib
+    import json
+
+    content = json.loads((folder / "state.json").read_text())
+    entry = content["tensors"]["optimizer"]["state.0.exp_avg"]
+    entry["shape"] = [2**40, *entry["shape"][1:]]
+    entry["block"] = 2**40
+    data = json.dumps(content).encode()
+    (folder / "state.json").write_bytes(data)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_index_claiming_a_huge_tensor_is_refused_before_anything_is_allocated(folder: Path) -> None:
+    import faccel
+
+    _claim_huge(folder)
+    target = _state(1)
+    before = cw.observe(target)
+    # The shard file's entry is checked first (a 2^40-row buffer, 2^40 x 5 x 4 bytes, would have
+    # failed with a RuntimeError of the allocator instead).
+    with pytest.raises(faccel.errors.CheckpointError, match="shard-00000.safetensors.*should hold rows"):
+        faccel.restore(faccel.detect({}), target, folder)
+    cw.assert_same(cw.observe(target), before)
