@@ -130,6 +130,6 @@ def test_an_index_claiming_a_huge_tensor_is_refused_before_anything_is_allocated
     before = cw.observe(target)
     # The shard file's entry is checked first (a 2^40-row buffer, 2^40 x 5 x 4 bytes, would have
     # failed with a RuntimeError of the allocator instead).
-    with pytest.raises(faccel.errors.CheckpointError, match="shard-00000.safetensors.*should hold rows"):
+    with pytest.raises(faccel.errors.CheckpointError, match=r"shard-00000\.safetensors.*should hold rows"):
         faccel.restore(faccel.detect({}), target, folder)
     cw.assert_same(cw.observe(target), before)
