@@ -749,6 +749,9 @@ def restore(
     Then the model, optimizer, scheduler and scaler are loaded in place,
     objects among the extras through ``load_state_dict``, and this rank's
     Python, NumPy, torch (and CUDA) random generators are set as they were.
+    From a sharded checkpoint each rank reads only the rows its target holds
+    (its own shard of an FSDP2 model, at any world size), each hash block it
+    reads checked against its SHA-256.
 
     Resume the data where it stopped with
     ``loader.at(epoch=state.epoch, start=state.position)``: the batches an
