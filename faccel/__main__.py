@@ -1,4 +1,5 @@
-"""The command line: ``python -m faccel env [--json]``, ``convert SOURCE TARGET``, ``plot RUN``.
+"""The command line: ``python -m faccel env [--json]``, ``convert SOURCE TARGET``, ``plot RUN``,
+``consolidate CKPT OUT``.
 
 Exit status: 0 on success, 1 when ``env``'s report found a problem (each is
 printed with its fix) or a command failed with a faccel error, 2 for a usage error.
@@ -29,6 +30,14 @@ def _convert(args: argparse.Namespace) -> int:
     from faccel._save_model import convert_weights
 
     out = convert_weights(args.source, args.target, max_shard_size=args.max_shard_size)
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from faccel._consolidate import consolidate
+
+    out = consolidate(args.checkpoint, args.out, max_shard_size=args.max_shard_size)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 
@@ -69,6 +78,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert.add_argument("source", help="folder with pytorch_model.bin or its index")
     convert.add_argument("target", help="folder to write model.safetensors (or shards) into")
     convert.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="write a checkpoint's model weights in the Hugging Face layout (model.safetensors)",
+        description="Read CKPT's model tensors one at a time (any world size wrote it, sharded or "
+        "not; every byte checked against its checksum) and write them to OUT as save_model does: "
+        "model.safetensors, or shards and model.safetensors.index.json. No process group; peak "
+        "memory about the largest tensor.",
+    )
+    consolidate.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNNNNNN) or a root of them")
+    consolidate.add_argument("out", help="a new folder to write model.safetensors (or shards) into")
+    consolidate.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
     plot = commands.add_parser(
         "plot",
         help="draw a run's logged metrics (faccel.init_tracker's jsonl) to a PNG",
@@ -84,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "env": _env,
         "convert": _convert,
+        "consolidate": _consolidate,
         "plot": _plot,
     }
     try:

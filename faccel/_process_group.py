@@ -14,7 +14,7 @@ import atexit
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FaccelError
 
 __all__ = [
+    "at_shutdown",
     "comm_device",
     "detect",
     "main_process_first",
@@ -176,6 +177,22 @@ def start_process_group(dist: DistState) -> None:
         torch.cuda.set_device(dist.device)
 
 
+# What shutdown runs first (a non-blocking checkpoint's wait): registered by the modules that need it,
+# so that this module imports none of them.
+_AT_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def at_shutdown(hook: Callable[[], None]) -> None:
+    """Have :func:`shutdown` call ``hook`` first (once, however often it is registered).
+
+    Example:
+        >>> at_shutdown(print)
+        >>> _AT_SHUTDOWN.remove(print)
+    """
+    if hook not in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.append(hook)
+
+
 def _stop_at_exit() -> None:
     if tdist.is_initialized():
         tdist.destroy_process_group()
@@ -192,17 +209,23 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
 
     Raises:
         ArgumentError: ``dist`` is not a :class:`DistState`.
+        CheckpointError: A non-blocking checkpoint (``checkpoint(...,
+            blocking=False)``), which this waits for, failed.
 
     Example:
         >>> import tempfile, faccel
         >>> dist = faccel.detect({})
         >>> faccel.shutdown(dist, trackers=[faccel.init_tracker(dist, tempfile.mkdtemp())])
     """
-    for tracker in trackers:
-        tracker.__exit__(None, None, None)
-    if dist.distributed and tdist.is_initialized():
-        tdist.destroy_process_group()
-        atexit.unregister(_stop_at_exit)
+    try:
+        for hook in list(_AT_SHUTDOWN):  # a non-blocking checkpoint commits (or raises) first
+            hook()
+    finally:  # its failure is raised once the trackers are closed and the group is stopped
+        for tracker in trackers:
+            tracker.__exit__(None, None, None)
+        if dist.distributed and tdist.is_initialized():
+            tdist.destroy_process_group()
+            atexit.unregister(_stop_at_exit)
 
 
 def require_group(dist: DistState, name: str) -> None:

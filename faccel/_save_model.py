@@ -43,7 +43,7 @@ from faccel._checkpoint._durable import (
     write_durably,
 )
 from faccel._checkpoint._folders import blocking_file
-from faccel._checkpoint._format import MODEL, MODEL_METADATA
+from faccel._checkpoint._format import MODEL, MODEL_METADATA, shard_name
 from faccel._checkpoint._safetensors import TensorInfo, plan, read_header, read_tensors
 from faccel._checkpoint._sharded_state import full_state
 from faccel._checkpoint._weights import alias_groups, compare_tensors, model_tensors
@@ -407,6 +407,12 @@ def _layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ..
         f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
         f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
     )
+    if os.path.lexists(directory / shard_name(0)):  # a sharded checkpoint (version 2)
+        msg = (
+            f"{directory}: a sharded checkpoint (each rank's shard-RANK.safetensors): its weights are "
+            "not one model.safetensors; write them in the Hugging Face layout with "
+            f"python -m faccel consolidate {directory} OUT, then load OUT"
+        )
     raise CheckpointError(msg)
 
 

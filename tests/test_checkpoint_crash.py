@@ -63,9 +63,10 @@ def test_sigkill_at_random_moments_leaves_the_previous_or_the_new_checkpoint(
     _crash_loop(tmp_path, trials=TRIALS, replace=replace, seed=1234)
 
 
-def test_sigkill_at_every_file_operation_of_a_commit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharded", [False, True])
+def test_sigkill_at_every_file_operation_of_a_commit(tmp_path: Path, sharded: bool) -> None:
     (root := tmp_path / "root").mkdir()
-    (result,) = harness.run(cw.kill_at_every_operation, world_size=1, root=str(root))
+    (result,) = harness.run(cw.kill_at_every_operation, world_size=1, root=str(root), sharded=sharded)
     restored = result["restored"]
     assert result["operations"] > 20 and len(restored) == result["operations"]
     # Before the rename: the previous checkpoint (step 2); from the rename on: the new one (3).

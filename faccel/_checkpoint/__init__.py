@@ -9,7 +9,10 @@ The modules, from the flow down to the bytes:
 - ``_verify``: every check, made before anything is loaded.
 - ``_load``: checked content into the live objects.
 - ``_weights``: a model's tensors, tied weights stored once, compared on load.
-- ``_sharded_state``: whole state dicts of FSDP2 models, gathered and scattered.
+- ``_sharded_state``: FSDP2 state dicts: each rank's shards, or whole ones gathered and scattered.
+- ``_background``: ``checkpoint(..., blocking=False)``: the write and commit on a thread.
+- ``_sharded_files``, ``_layout``, ``_shards``: the sharded format (version 2): what each rank
+  writes, the chunk rule, and a rank's shard file with a checksum per hash block.
 - ``_tagged_json``: the Python values of ``state.json``, as JSON without pickle.
 - ``_safetensors``: the safetensors format and its dtype table.
 - ``_durable``: files written, hashed and fsynced; read back and checked.

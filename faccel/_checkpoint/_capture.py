@@ -55,19 +55,22 @@ def capture(
     dist: DistState,
     state: TrainState,
     whole: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None,
+    *,
+    shards: bool = False,
 ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """``state.json``'s content and each safetensors file's tensors, for ``state``.
 
     Tensors are the live ones (no copy): write them before training goes on.
     ``whole``: an FSDP2 model's gathered model and optimizer state dicts, which
-    are stored exactly as an unsharded model's would be.
+    are stored exactly as an unsharded model's would be; with ``shards``, its
+    sharded ones (DTensors), for the sharded format.
     """
     model_state = None if whole is None else whole[0]
     optimizer_state: Any = whole[1] if whole is not None else None
     if whole is None and state.optimizer is not None:
         optimizer_state = state.optimizer.state_dict()
-    stored, aliases = model_tensors(state.model, model_state)
-    optimizer_sink = TensorSink(file=OPTIMIZER)
+    stored, aliases = model_tensors(state.model, model_state, shards=shards)
+    optimizer_sink = TensorSink(file=OPTIMIZER, shards=shards)
     extras_sink = TensorSink(file=EXTRAS)
     scheduler = state.scheduler
     scaler = state.scaler

@@ -32,16 +32,21 @@ __all__ = [
     "MODEL",
     "MODEL_METADATA",
     "OPTIMIZER",
+    "PAGE_RANKS",
+    "RANKS_FORMAT",
     "REPLACED",
     "RNG_FORMAT",
     "STATE",
     "STATE_FORMAT",
     "STEP_FOLDER",
     "VERSION",
+    "VERSION_SHARDED",
     "checkpoint_name",
     "expected_files",
+    "page_name",
     "replaced_name",
     "rng_name",
+    "shard_name",
     "temporary_name",
     "trash_name",
 ]
@@ -49,9 +54,14 @@ __all__ = [
 # The manifest's "format" and "version": what restore accepts.
 FORMAT = "faccel.checkpoint"
 VERSION = 1
+# The sharded format: every rank writes its own shard file; rank pages list them (docs/checkpoints.md).
+VERSION_SHARDED = 2
 # The "format" of state.json and of each rank's generator file.
 STATE_FORMAT = "faccel.checkpoint.state"
 RNG_FORMAT = "faccel.checkpoint.rng"
+# The "format" of a rank page (version 2), and how many ranks one page lists.
+RANKS_FORMAT = "faccel.checkpoint.ranks"
+PAGE_RANKS = 1024
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -119,12 +129,39 @@ def rng_name(rank: int) -> str:
     return f"rng-{rank:05d}.json"
 
 
-def expected_files(world_size: int) -> list[str]:
-    """Every file a checkpoint of ``world_size`` ranks holds, besides the manifest.
+def shard_name(rank: int) -> str:
+    """The file holding the tensor chunks rank ``rank`` wrote (version 2).
+
+    Example:
+        >>> shard_name(3)
+        'shard-00003.safetensors'
+    """
+    return f"shard-{rank:05d}.safetensors"
+
+
+def page_name(page: int) -> str:
+    """The rank page listing ranks ``page * PAGE_RANKS`` on (version 2).
+
+    Example:
+        >>> page_name(0)
+        'ranks-00000.json'
+    """
+    return f"ranks-{page:05d}.json"
+
+
+def expected_files(world_size: int, version: int = VERSION) -> list[str]:
+    """The files a checkpoint of ``world_size`` ranks lists in its manifest.
+
+    Version 2 lists one rank page per ``PAGE_RANKS`` ranks, which list the
+    ranks' own files (``shard-RANK.safetensors``, ``rng-RANK.json``).
 
     Example:
         >>> expected_files(2)  # doctest: +NORMALIZE_WHITESPACE
         ['state.json', 'model.safetensors', 'optimizer.safetensors', 'extras.safetensors',
          'rng-00000.json', 'rng-00001.json']
+        >>> expected_files(2000, version=2)
+        ['state.json', 'extras.safetensors', 'ranks-00000.json', 'ranks-00001.json']
     """
+    if version == VERSION_SHARDED:
+        return [STATE, EXTRAS, *(page_name(page) for page in range(-(-world_size // PAGE_RANKS)))]
     return [STATE, MODEL, OPTIMIZER, EXTRAS, *(rng_name(rank) for rank in range(world_size))]

@@ -89,10 +89,10 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     if state.scheduler is not None and loadable.scheduler is not None:
         _into(where, "scheduler", state.scheduler, dict(loadable.scheduler))
     model = unwrap_model(state.model)
-    if is_sharded(model):
-        # A collective: every rank scatters the whole tensors into its own shards.
+    if is_sharded(model) and not any(type(t).__name__ == "DTensor" for t in loadable.model.values()):
+        # Whole tensors (version 1). A collective: every rank scatters them into its own shards.
         load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
-    else:
+    else:  # plain tensors, or (version 2 into FSDP2) DTensors holding this rank's rows
         if state.optimizer is not None:
             _into(where, "optimizer", state.optimizer, dict(loadable.optimizer))
         _into(where, "model", model, dict(loadable.model))  # strict: every key, checked

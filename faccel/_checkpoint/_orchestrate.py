@@ -8,7 +8,11 @@ calls ``checkpoint``; the ranks first check in (``arrive``: a call made on
 some ranks only fails within ``arrival_timeout``) and agree on the step, that
 it is new (or ``replace=True``) and that their extras are equal; rank 0 writes
 everything but the other ranks' RNG files, and the ranks meet three times
-(prepare, write, commit). All ranks must see one shared file system.
+(prepare, write, commit). In the sharded format (version 2, the default for
+FSDP2) every rank writes its own chunks (``_sharded_files``), and rank 0
+commits once every rank's records have reached it. ``blocking=False`` runs the
+write and the commit on a thread (``_background``). All ranks must see one
+shared file system.
 ``restore`` checks everything (``_verify``) before anything is loaded
 (``_load``). At another world size a position inside an epoch becomes a
 global one (``_check_world_change``), and what cannot be carried over exactly
@@ -33,6 +37,7 @@ import attrs
 import torch
 from torch import nn
 
+from faccel._checkpoint import _background as background
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
 from faccel._checkpoint._durable import (
     MAX_JSON,
@@ -63,18 +68,30 @@ from faccel._checkpoint._format import (
     MODEL,
     MODEL_METADATA,
     OPTIMIZER,
+    PAGE_RANKS,
     STATE,
     VERSION,
+    VERSION_SHARDED,
     checkpoint_name,
     expected_files,
+    page_name,
     replaced_name,
     rng_name,
+    shard_name,
     temporary_name,
     trash_name,
 )
 from faccel._checkpoint._load import load
 from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
-from faccel._checkpoint._sharded_state import full_state
+from faccel._checkpoint._sharded_files import (
+    exchange_records,
+    page_content,
+    plan_pieces,
+    read_tensors,
+    row_split,
+)
+from faccel._checkpoint._sharded_state import full_state, sharded_state
+from faccel._checkpoint._shards import write_shard
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
 from faccel._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._model import is_sharded, unwrap_model
@@ -104,36 +121,30 @@ def _write_rank0(
     return records
 
 
+def _rng_records(dist: DistState, temporary: Path, records: dict[str, FileRecord]) -> None:
+    """Version 1: the other ranks' generator files, written on the shared file system, hashed here."""
+    for rank in range(dist.world_size):
+        name = rng_name(rank)
+        if name not in records:
+            records[name] = read_verified(temporary / name, None, where=str(temporary / name))[1]
+
+
 def _commit(
     dist: DistState,
     root: Path,
     temporary: Path,
     final: Path,
-    records: dict[str, FileRecord],
+    listed: dict[str, FileRecord],
     content: dict[str, Any],
     keep: int | None,
     lock: RootLock,
+    *,
+    version: int = VERSION,
+    present: Mapping[str, FileRecord] | None = None,
 ) -> None:
-    for rank in range(dist.world_size):
-        name = rng_name(rank)
-        if name not in records:  # written by another rank on the shared file system
-            records[name] = read_verified(temporary / name, None, where=str(temporary / name))[1]
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": content["step"],
-        "epoch": content["epoch"],
-        "position": content["position"],
-        "world_size": dist.world_size,
-        # Only when a layout deals the data over fewer ranks (tensor parallelism).
-        **({"data_world_size": dist.data_world_size} if dist.data_world_size != dist.world_size else {}),
-        "torch_version": torch.__version__,
-        "files": {
-            name: {"size": records[name].size, "sha256": records[name].sha256}
-            for name in expected_files(dist.world_size)
-        },
-    }
-    written = {name: records[name] for name in expected_files(dist.world_size)}
+    """Write the manifest of ``listed`` files, check every file (``present`` too), rename: the commit."""
+    manifest = manifest_content(content, dist.world_size, listed, version, dist.data_world_size)
+    written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
     written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
     fsync_dir(temporary)
     what = f"the checkpoint of step {content['step']}"
@@ -165,6 +176,51 @@ def _commit(
         rotate(root, keep, content["step"])
 
 
+def manifest_content(
+    content: Mapping[str, Any],
+    world: int,
+    listed: Mapping[str, FileRecord],
+    version: int,
+    data_world: int | None = None,
+) -> dict[str, Any]:
+    """``manifest.json``'s content: ``listed`` holds the records of ``expected_files(world, version)``.
+
+    Version 2 lists one rank page per ``PAGE_RANKS`` ranks: about 100 bytes per 1,024 ranks.
+
+    Example:
+        >>> from faccel._checkpoint._durable import FileRecord
+        >>> record = FileRecord(size=1, sha256="00")
+        >>> listed = {name: record for name in ("state.json", "extras.safetensors", "ranks-00000.json")}
+        >>> sorted(manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"])
+        ['extras.safetensors', 'ranks-00000.json', 'state.json']
+    """
+    return {
+        "format": FORMAT,
+        "version": version,
+        "step": content["step"],
+        "epoch": content["epoch"],
+        "position": content["position"],
+        "world_size": world,
+        # Only when a layout deals the data over fewer ranks (tensor parallelism).
+        **({"data_world_size": data_world} if data_world not in (None, world) else {}),
+        "torch_version": torch.__version__,
+        "files": {
+            name: {"size": listed[name].size, "sha256": listed[name].sha256}
+            for name in expected_files(world, version)
+        },
+    }
+
+
+def write_pages(temporary: Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
+    """Version 2: the rank pages, each listing the shard and generator records of ``PAGE_RANKS`` ranks."""
+    pages = {}
+    for page in range(-(-len(ranks) // PAGE_RANKS)):
+        first = page * PAGE_RANKS
+        content = page_content(first, ranks[first : first + PAGE_RANKS])
+        pages[page_name(page)] = write_durably(temporary / page_name(page), [_json_bytes(content)])
+    return pages
+
+
 @setup_checked
 def checkpoint(
     dist: DistState,
@@ -174,6 +230,8 @@ def checkpoint(
     keep: int | None = None,
     replace: bool = False,
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
+    sharded: bool | None = None,
+    blocking: bool = True,
 ) -> Path:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
@@ -210,12 +268,29 @@ def checkpoint(
             while replacing leaves the old one or the new one, whole).
         arrival_timeout: How long the ranks that called ``checkpoint`` wait
             for the others to call it too, before raising.
+        sharded: Write the sharded format (version 2): every rank writes the
+            tensors it owns (an FSDP2 model's own shards; replicated tensors
+            split between the ranks, balanced by bytes) to its own file, so no
+            rank gathers the whole state, and ``restore`` at any world size
+            reads only the rows each rank needs. None (the default): sharded
+            for an FSDP2 model split by rows over all ranks, whole tensors
+            (version 1, a Hugging Face ``model.safetensors`` inside) otherwise.
+        blocking: False: copy the state to host memory, return, and write and
+            commit on a background thread (the same files, checks and atomic
+            commit; the ranks meet through the process group's store, never
+            its backend, which training keeps using). The returned folder
+            exists once that is done: the next ``checkpoint``, ``restore`` or
+            :func:`faccel.shutdown` waits for it, and raises its failure as a
+            ``CheckpointError`` (nothing of a failed one is committed). Costs
+            a host copy of the state (this rank's shards, when sharded).
 
     Returns:
         The new checkpoint's folder.
 
     Raises:
-        ArgumentValueError: ``keep`` < 1, or a simulated DistState of several ranks.
+        ArgumentValueError: ``keep`` < 1, a simulated DistState of several
+            ranks, or ``sharded=True`` for a model sharded otherwise than by
+            rows over all ranks (HSDP, tensor parallelism).
         CheckpointError: A checkpoint of this step exists (and not
             ``replace``); ``path`` or a parent is a file; the ranks pass
             different steps or different extras; a rank did not call
@@ -229,7 +304,8 @@ def checkpoint(
             naming the holder's host and pid); the folder being written
             changed under the writer (``path`` deleted during the write: the
             files are checked against the manifest before and after the commit
-            rename). Earlier checkpoints are untouched.
+            rename); a background checkpoint (``blocking=False``) before this
+            one failed. Earlier checkpoints are untouched.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -250,6 +326,7 @@ def checkpoint(
             "or with a one-process DistState"
         )
         raise ArgumentValueError(msg)
+    background.wait()  # the previous non-blocking checkpoint is committed first (or its error raised)
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
@@ -259,46 +336,248 @@ def checkpoint(
     _agree(dist, root, train_state, replace=replace)
 
     model = unwrap_model(train_state.model)
-    # FSDP2: every rank takes part in gathering whole tensors onto rank 0, which then
-    # writes them exactly as an unsharded model's (so any world size can restore them).
-    whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
-
+    fsdp = is_sharded(model)
+    shards = _use_shards(model, dist, fsdp=fsdp, sharded=sharded)
     # The writing rank holds the root's lock from before its leftovers are removed until the commit
     # (or failure) is over; the OS releases it if the process dies.
-    with contextlib.ExitStack() as held:
+    held = contextlib.ExitStack()
+    try:
+        plan_job = _sharded_job if shards else _whole_job
+        job = plan_job(
+            dist, train_state, final, temporary, rng, held, replace=replace, keep=keep, copy=not blocking
+        )
+    except BaseException:
+        held.close()
+        raise
+    if blocking:
+        with held:
+            _run(dist, job)
+    else:
+        background.start(step, functools.partial(_run_in_background, dist, job))
+    return final
 
-        def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
-            if not dist.is_main_process:
-                return None
-            captured = capture(dist, train_state, whole)  # refuses unstorable values before any file exists
-            root.mkdir(parents=True, exist_ok=True)
-            lock = held.enter_context(hold_lock(root))
-            remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
-            if not replace and manifest_step(final) is not None:  # written since _agree, by another run
-                raise CheckpointError(_exists_message(final, step))
-            temporary.mkdir()
-            return (*captured, lock)
 
-        prepared = together(
-            dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+@attrs.frozen(kw_only=True)
+class _Job:
+    """A checkpoint planned (state captured, folder made): its writing and its commit are left.
+
+    ``write`` writes this rank's files and returns their records; ``commit``
+    (rank 0, which holds ``held``'s lock) takes those and, in the sharded
+    format, every rank's ``(shard, rng)`` records.
+    """
+
+    step: int
+    sharded: bool
+    write: Callable[[], dict[str, FileRecord]]
+    commit: Callable[[dict[str, FileRecord], list[tuple[FileRecord, FileRecord]]], None]
+    held: contextlib.ExitStack
+
+
+def _run(dist: DistState, job: _Job) -> None:
+    """A job to the end in this thread: the ranks meet through the process group (``together``)."""
+    step = job.step
+    records = together(dist, job.write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
+    ranks = []
+    if job.sharded:
+        ranks = exchange_records(dist, records[shard_name(dist.rank)], records[rng_name(dist.rank)])
+
+    def commit() -> None:
+        if dist.is_main_process:
+            job.commit(records, ranks)
+
+    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+
+
+def _run_in_background(dist: DistState, job: _Job) -> None:
+    """A job to the end on the background thread: the ranks meet through the store, not the backend."""
+    with job.held:
+        if not dist.distributed:
+            own = job.write()
+            job.commit(own, [(own[shard_name(0)], own[rng_name(0)])] if job.sharded else [])
+            return
+        meeting = background.Meeting(dist, dist.timeout)
+        what = f"writing the checkpoint of step {job.step}"
+        records: dict[str, FileRecord] = {}
+        try:
+            records = job.write()
+            payload = b"".join(
+                bytes(_record_bytes(records[name]))
+                for name in (shard_name(dist.rank), rng_name(dist.rank))
+                if job.sharded
+            )
+            error = None
+        except Exception as failure:  # published, so that every rank raises
+            payload, error = None, f"{what} failed on rank {dist.rank}: {failure}"
+        gathered = meeting.gather(payload, error, what=what)
+        ranks = [(_record_of(raw[:40]), _record_of(raw[40:80])) for raw in gathered] if job.sharded else []
+        failure_text = None
+        if dist.is_main_process:
+            try:
+                job.commit(records, ranks)
+            except Exception as failure:  # published to the other ranks, then raised here
+                failure_text = f"committing the checkpoint of step {job.step}: {failure}"
+        meeting.decide(failure_text, what=f"committing the checkpoint of step {job.step}")
+
+
+def _record_bytes(record: FileRecord) -> bytes:
+    return record.size.to_bytes(8, "little") + bytes.fromhex(record.sha256)
+
+
+def _record_of(raw: bytes) -> FileRecord:
+    return FileRecord(size=int.from_bytes(raw[:8], "little"), sha256=raw[8:40].hex())
+
+
+def _host_copy(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies in host memory: what a background write reads while training changes the originals."""
+    return background.staged(group, tensors)
+
+
+def _whole_job(
+    dist: DistState,
+    train_state: TrainState,
+    final: Path,
+    temporary: Path,
+    rng: dict[str, Any],
+    held: contextlib.ExitStack,
+    *,
+    replace: bool,
+    keep: int | None,
+    copy: bool,
+) -> _Job:
+    """The whole-tensor format (version 1): rank 0 writes the tensors; every rank its generators."""
+    step = train_state.step
+    root = final.parent
+    model = unwrap_model(train_state.model)
+    # FSDP2 in the whole-tensor format: every rank takes part in gathering whole tensors onto
+    # rank 0, which then writes them exactly as an unsharded model's (any world size restores them).
+    whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
+
+    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
+        if not dist.is_main_process:
+            return None
+        content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
+        if copy:
+            files = {name: _host_copy(name, tensors) for name, tensors in files.items()}
+        return content, files, _open_temporary(held, root, final, temporary, step, replace=replace)
+
+    prepared = together(
+        dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
+    )
+
+    def write() -> dict[str, FileRecord]:
+        records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
+        if prepared is not None:
+            records |= _write_rank0(temporary, prepared[0], prepared[1])
+        return records
+
+    def commit(records: dict[str, FileRecord], ranks: list[tuple[FileRecord, FileRecord]]) -> None:
+        assert prepared is not None  # rank 0
+        _rng_records(dist, temporary, records)
+        _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
+
+    return _Job(step=step, sharded=False, write=write, commit=commit, held=held)
+
+
+def _use_shards(model: nn.Module, dist: DistState, *, fsdp: bool, sharded: bool | None) -> bool:
+    """Whether to write the sharded format: asked for, or by default for an FSDP2 model split by rows."""
+    split = all(row_split(p, dist.world_size) for p in model.parameters()) if fsdp else True
+    if sharded and not split:
+        msg = (
+            "checkpoint(..., sharded=True): the model's parameters are not all split by rows over "
+            f"all {dist.world_size} ranks (HSDP or tensor parallelism?); the sharded format needs "
+            "that layout. Pass sharded=False (whole tensors, gathered on rank 0)"
+        )
+        raise ArgumentValueError(msg)
+    return split and fsdp if sharded is None else sharded
+
+
+def _open_temporary(
+    held: contextlib.ExitStack, root: Path, final: Path, temporary: Path, step: int, *, replace: bool
+) -> RootLock:
+    """On the writing rank: the root's lock taken, leftovers removed, the temporary folder made."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock = held.enter_context(hold_lock(root))
+    remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
+    if not replace and manifest_step(final) is not None:  # written since _agree, by another run
+        raise CheckpointError(_exists_message(final, step))
+    temporary.mkdir()
+    return lock
+
+
+def _sharded_job(
+    dist: DistState,
+    train_state: TrainState,
+    final: Path,
+    temporary: Path,
+    rng: dict[str, Any],
+    held: contextlib.ExitStack,
+    *,
+    replace: bool,
+    keep: int | None,
+    copy: bool,
+) -> _Job:
+    """The sharded format (version 2): every rank writes its own chunks; rank 0 the rest and the commit."""
+    step = train_state.step
+    root = final.parent
+    model = unwrap_model(train_state.model)
+    own = sharded_state(model, train_state.optimizer) if is_sharded(model) else None
+
+    def planned() -> tuple[
+        dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]
+    ]:
+        content, files = capture(dist, train_state, own, shards=True)  # refuses unstorable values first
+        index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size)
+        content["tensors"] = {
+            group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()
+        }
+        if copy:
+            pieces = _host_copy("shards", pieces)
+            files = {EXTRAS: _host_copy(EXTRAS, files[EXTRAS])}
+        return content, files, pieces, placed
+
+    content, files, pieces, placed = together(
+        dist, planned, what=f"planning the checkpoint of step {step}", raises=CheckpointError
+    )
+
+    def prepare() -> RootLock | None:
+        if not dist.is_main_process:
+            return None
+        return _open_temporary(held, root, final, temporary, step, replace=replace)
+
+    lock = together(dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError)
+
+    def write() -> dict[str, FileRecord]:
+        rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
+        tasks: list[Callable[[], FileRecord]] = [
+            lambda: write_durably(rng_file, [_json_bytes(rng)]),
+            lambda: write_shard(shard_file, pieces, placed),
+        ]
+        if lock is not None:
+            tasks.append(lambda: write_durably(temporary / STATE, [_json_bytes(content)]))
+            tasks.append(lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS])))
+        done = in_parallel(tasks)
+        names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
+        return dict(zip(names, done, strict=True))
+
+    def commit(records: dict[str, FileRecord], ranks: list[tuple[FileRecord, FileRecord]]) -> None:
+        assert lock is not None  # rank 0
+        present = {shard_name(r): s for r, (s, _) in enumerate(ranks)}
+        present |= {rng_name(r): g for r, (_, g) in enumerate(ranks)}
+        listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | write_pages(temporary, ranks)
+        _commit(
+            dist,
+            root,
+            temporary,
+            final,
+            listed,
+            content,
+            keep,
+            lock,
+            version=VERSION_SHARDED,
+            present=present,
         )
 
-        def write() -> dict[str, FileRecord]:
-            records = {
-                rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])
-            }
-            if prepared is not None:
-                records |= _write_rank0(temporary, prepared[0], prepared[1])
-            return records
-
-        records = together(dist, write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
-
-        def commit() -> None:
-            if prepared is not None:
-                _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
-
-        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
-    return final
+    return _Job(step=step, sharded=True, write=write, commit=commit, held=held)
 
 
 def _digest(value: Any) -> int:
@@ -376,7 +655,9 @@ class _BrokenError(CheckpointError):
     """
 
 
-def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[dict[str, FileRecord], int]:
+def _read_manifest(
+    directory: Path, dist: DistState, model: nn.Module
+) -> tuple[dict[str, FileRecord], int, int]:
     where = f"{directory}/{MANIFEST}"
     try:
         buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
@@ -389,30 +670,42 @@ def _read_manifest(directory: Path, dist: DistState, model: nn.Module) -> tuple[
 def _read_checkpoint(
     dist: DistState, state: TrainState, directory: Path
 ) -> tuple[Loadable, dict[str, Any] | None]:
-    records, world = _read_manifest(directory, dist, state.model)
+    records, world, version = _read_manifest(directory, dist, state.model)
     # A rank beyond the writers' (resharding to more ranks) has no generators saved.
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
-    def read(name: str) -> Callable[[], torch.Tensor]:
+    def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
         limit = MAX_JSON if name.endswith(".json") else None
         return lambda: read_verified(
-            directory / name, records[name], where=f"{directory}/{name}", limit=limit
+            directory / name, record or records[name], where=f"{directory}/{name}", limit=limit
         )[0]
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
-    names = [MODEL, OPTIMIZER, EXTRAS, STATE] + ([rng_file] if rng_file else [])
+    whole = [MODEL, OPTIMIZER] if version == VERSION else []
+    names = [*whole, EXTRAS, STATE]
     try:
         buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
     except CheckpointError as error:
         raise _BrokenError(str(error)) from None
     tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for name in (MODEL, OPTIMIZER, EXTRAS):
+    for name in (*whole, EXTRAS):
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
         tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
     content = parse_json(buffers[STATE].numpy().tobytes(), state_where)
+    try:
+        if version == VERSION_SHARDED:
+            # Only the rows this rank's target holds, from the shard files that hold them.
+            shards, pages = read_tensors(directory, records, world, state, content, where=str(directory))
+            tensors |= shards
+            rng_record = pages.of(dist.rank)[1] if rng_file else None
+        else:
+            rng_record = records[rng_file] if rng_file else None
+        rng_buffer = read(rng_file, rng_record)() if rng_file else None
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
     rng_where = f"{directory}/{rng_file}"
-    rng_content = parse_json(buffers[rng_file].numpy().tobytes(), rng_where) if rng_file else None
+    rng_content = parse_json(rng_buffer.numpy().tobytes(), rng_where) if rng_buffer is not None else None
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
         # A rank beyond the writers' gets generators seeded from (seed, step, rank): see _load.
@@ -500,6 +793,9 @@ def restore(
     Then the model, optimizer, scheduler and scaler are loaded in place,
     objects among the extras through ``load_state_dict``, and this rank's
     Python, NumPy, torch (and CUDA) random generators are set as they were.
+    From a sharded checkpoint each rank reads only the rows its target holds
+    (its own shard of an FSDP2 model, at any world size), each hash block it
+    reads checked against its SHA-256.
 
     Resume the data where it stopped with ``loader.resume(state)``: the
     batches an uninterrupted run would have read next, without reading the
@@ -549,6 +845,7 @@ def restore(
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
+    background.wait()  # a non-blocking checkpoint still being written is committed first
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError

@@ -1,12 +1,11 @@
-"""Whole state dicts of FSDP2-sharded models: gathered to save, scattered to load.
+"""State dicts of FSDP2-sharded models: each rank's shards, or whole tensors gathered and scattered.
 
-A checkpoint of a sharded model is written in exactly the format of an
-unsharded one (whole tensors, the optimizer state keyed by parameter index as
-``torch.optim.Optimizer.state_dict`` keys it). That is what makes resharding
-free: a checkpoint written by N ranks loads into M ranks, or into a plain
-model in one process. The price is that rank 0 holds the whole model and
-optimizer state in host memory while saving (``cpu_offload``); models larger
-than one host's memory need a sharded format, which faccel does not write.
+The sharded format (version 2) takes each rank's own shards
+(:func:`sharded_state`: DTensors, the optimizer state keyed by parameter index
+as ``torch.optim.Optimizer.state_dict`` keys it); nothing crosses ranks. The
+whole-tensor format (version 1, and older checkpoints) is written from
+:func:`full_state`, which gathers the whole model and optimizer state on
+rank 0 (``cpu_offload``), and read back through :func:`load_full_state`.
 
 Gathering and scattering go through ``torch.distributed.checkpoint.state_dict``
 (``get_state_dict`` / ``set_state_dict``), PyTorch's own API for FSDP2.
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full_state", "load_full_state"]
+__all__ = ["full_state", "load_full_state", "sharded_state"]
 
 
 def _options(**kwargs: Any) -> Any:
@@ -69,6 +68,23 @@ def full_state(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     options = _options(cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=options), None
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    return model_state, (_by_index(optimizer_state) if optimizer_state else {})
+
+
+def sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This rank's shards of the model (and optimizer) state: DTensors, no copy, no communication
+    beyond what ``get_state_dict`` itself needs. The optimizer state is keyed by parameter index.
+
+    A collective: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    options = StateDictOptions(full_state_dict=False)
     if optimizer is None:
         return get_model_state_dict(model, options=options), None
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)

@@ -69,6 +69,8 @@ class TensorSink:
 
     file: str
     tensors: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    # The sharded format's sinks take DTensors: each rank writes its own rows of them.
+    shards: bool = False
 
     def add(self, path: str, tensor: torch.Tensor) -> str:
         key = path or "tensor"
@@ -171,7 +173,7 @@ def _encode_numpy(value: np.ndarray | np.generic, path: str) -> dict[str, Any]:
 
 
 def _encode_tensor(value: torch.Tensor, sink: TensorSink | None, path: str) -> dict[str, Any]:
-    if type(value).__name__ == "DTensor":
+    if type(value).__name__ == "DTensor" and not (sink is not None and sink.shards):
         # A sharded (FSDP2/TP) tensor holds only this rank's piece: saving it as a
         # whole tensor would be wrong, so refuse rather than write a partial state.
         msg = f"{path or 'the value'} is a DTensor (sharded); faccel checkpoints hold whole tensors"

@@ -27,10 +27,12 @@ from faccel._checkpoint._format import (
     FORMAT,
     MODEL,
     OPTIMIZER,
+    PAGE_RANKS,
     RNG_FORMAT,
     STATE,
     STATE_FORMAT,
     VERSION,
+    VERSION_SHARDED,
     expected_files,
 )
 from faccel._checkpoint._stage import refusal, stand_ins
@@ -68,19 +70,21 @@ def _check_data_world(manifest: dict[str, Any], world: int, dist: DistState, whe
 
 def check_manifest(
     manifest: Any, dist: DistState, model: nn.Module, *, where: str
-) -> tuple[dict[str, FileRecord], int]:
+) -> tuple[dict[str, FileRecord], int, int]:
     """Check a parsed manifest against this faccel and run: format, version, world size, files.
 
     Returns each listed file's record (size and SHA-256, checked as the file
-    is read) and the world size that wrote the checkpoint.
+    is read), the world size that wrote the checkpoint, and its format version
+    (1: whole tensors; 2: sharded).
     """
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
         raise CheckpointError(msg)
-    if manifest.get("version") != VERSION:
+    version = manifest.get("version")
+    if version not in (VERSION, VERSION_SHARDED) or type(version) is not int:
         msg = (
-            f"{where}: format version {manifest.get('version')!r}, but this faccel reads version {VERSION}; "
-            "restore it with the faccel that wrote it"
+            f"{where}: format version {manifest.get('version')!r}, but this faccel reads versions {VERSION} "
+            f"and {VERSION_SHARDED}; restore it with the faccel that wrote it"
         )
         raise CheckpointError(msg)
     world = manifest.get("world_size")
@@ -92,10 +96,13 @@ def check_manifest(
     if not isinstance(files, dict):
         files = {}
     listed = set(files)
-    if world > len(listed):  # bounds world_size by what the manifest lists, before naming the files
-        msg = f"{where}: world_size {world}, but it lists {len(listed)} files (one generator file per rank)"
+    # Bounds world_size by what the manifest lists, before naming the files.
+    room = len(listed) if version == VERSION else (len(listed) - 2) * PAGE_RANKS
+    if world > room:
+        per = "one generator file per rank" if version == VERSION else f"one rank page per {PAGE_RANKS} ranks"
+        msg = f"{where}: world_size {world}, but it lists {len(listed)} files ({per})"
         raise CheckpointError(msg)
-    expected = set(expected_files(world))
+    expected = set(expected_files(world, version))
     if listed != expected:
         msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
         raise CheckpointError(msg)
@@ -109,7 +116,7 @@ def check_manifest(
             msg = f"{where}: the entry of {name} needs an int size and a sha256 string"
             raise CheckpointError(msg)
         records[name] = FileRecord(size=entry["size"], sha256=entry["sha256"])
-    return records, world
+    return records, world, version
 
 
 # Built-in optimizers whose non-scalar state tensors have their parameter's shape and dtype.

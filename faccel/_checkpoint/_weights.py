@@ -56,15 +56,16 @@ def alias_groups(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def model_tensors(
-    model: nn.Module, whole: Mapping[str, torch.Tensor] | None = None
+    model: nn.Module, whole: Mapping[str, torch.Tensor] | None = None, *, shards: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The unwrapped model's tensors to store (each once) and its aliases ``{later: first}``.
 
-    ``whole``: the gathered state dict of an FSDP2 model (see ``_sharded_state``).
+    ``whole``: the gathered state dict of an FSDP2 model, or with ``shards``
+    its sharded one (DTensors, for the sharded format; see ``_sharded_state``).
     """
     state = dict(unwrap_model(model).state_dict()) if whole is None else dict(whole)
     sharded = [name for name, tensor in state.items() if type(tensor).__name__ == "DTensor"]
-    if sharded:
+    if sharded and not shards:
         msg = (
             f"the model's tensors are sharded (DTensor: {sharded[:3]}...) but were not gathered; "
             "prepare FSDP2 models with faccel.prepare (strategy='fsdp') so faccel recognises them"

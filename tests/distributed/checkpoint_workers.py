@@ -556,7 +556,7 @@ def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: b
     return {"outcomes": outcomes}
 
 
-def kill_at_every_operation(root: str, replace: bool = False) -> dict:
+def kill_at_every_operation(root: str, replace: bool = False, sharded: bool = False) -> dict:
     """Checkpoint step 3 over steps 1 and 2 (keep=2), SIGKILLed at its 1st, 2nd, ... file operation.
 
     Operations: ``os.open``, ``os.write``, ``os.fsync``, ``os.mkdir``,
@@ -566,6 +566,7 @@ def kill_at_every_operation(root: str, replace: bool = False) -> dict:
     ``replace``: instead, step 2 alone (mark 2) is replaced by step 2 mark 102 with
     ``keep=1, replace=True``; after each kill the mark restored is reported, and the
     write is retried (what a restarted job does) and must give mark 102.
+    ``sharded``: every checkpoint in the sharded format (version 2).
     """
     import shutil
     import signal
@@ -574,7 +575,7 @@ def kill_at_every_operation(root: str, replace: bool = False) -> dict:
 
     dist = faccel.detect({})
     state = crash_state(0)
-    faccel.checkpoint(dist, state, os.path.join(root, ".warmup"))
+    faccel.checkpoint(dist, state, os.path.join(root, ".warmup"), sharded=sharded)
 
     def reset() -> None:
         for name in os.listdir(root):
@@ -583,13 +584,13 @@ def kill_at_every_operation(root: str, replace: bool = False) -> dict:
             elif name != ".warmup":
                 shutil.rmtree(os.path.join(root, name))
         for step in (2,) if replace else (1, 2):
-            faccel.checkpoint(dist, at_step(state, step), root)
+            faccel.checkpoint(dist, at_step(state, step), root, sharded=sharded)
 
     def write() -> None:
         if replace:
-            faccel.checkpoint(dist, at_step(state, 2, mark=102), root, keep=1, replace=True)
+            faccel.checkpoint(dist, at_step(state, 2, mark=102), root, keep=1, replace=True, sharded=sharded)
         else:
-            faccel.checkpoint(dist, at_step(state, 3), root, keep=2)
+            faccel.checkpoint(dist, at_step(state, 3), root, keep=2, sharded=sharded)
 
     def write_and_die_at(kill_at: int) -> None:
         patched = [(os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "open"), (os, "write")]

@@ -1,0 +1,169 @@
+"""Non-blocking checkpoints: the write and the commit on a background thread, one at a time.
+
+``checkpoint(..., blocking=False)`` copies the state to host memory, then
+hands the writing and the commit to :func:`start`, which runs them on a
+thread and returns. At most one runs per process: the next ``checkpoint``,
+``restore`` and ``faccel.shutdown`` first :func:`wait` for it, and a failure
+on the thread is raised there, by the next call, as a :class:`CheckpointError`
+naming the step (nothing of a failed checkpoint is committed: the commit is
+the same rename, after the same checks).
+
+The thread never touches the process group's backend, which the training
+thread keeps using (two threads issuing collectives on one group could pair
+them differently on different ranks). The ranks meet through the group's
+store instead (:class:`Meeting`): every rank publishes its files' records or
+its error under a key of this checkpoint, rank 0 commits once all are in,
+and publishes the outcome that the other ranks wait for.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Mapping
+
+import attrs
+import torch
+import torch.distributed as tdist
+
+from faccel._process_group import at_shutdown
+from faccel._state import DistState
+from faccel.errors import CheckpointError
+
+__all__ = ["Meeting", "release", "staged", "start", "wait"]
+
+
+@attrs.define
+class _Pending:
+    """The one background checkpoint of this process: its thread, and its error once it failed."""
+
+    step: int
+    thread: threading.Thread
+    error: BaseException | None = None
+
+
+# This process's background checkpoint, if any (at most one: start waits for the previous one).
+_PENDING: list[_Pending] = []
+# Host buffers of the last non-blocking checkpoint, by group and key, reused by the next one: a copy
+# into memory already mapped runs at memory speed (5x faster here than into fresh pages).
+_STAGING: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def staged(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors`` (contiguous), in the buffers of the previous call where they fit.
+
+    Only called once the previous background checkpoint is done (``checkpoint`` waits first), so
+    no thread still reads the buffers it overwrites.
+
+    Example:
+        >>> import torch
+        >>> staged("doc", {"w": torch.ones(2)})["w"].tolist()
+        [1.0, 1.0]
+    """
+    old = _STAGING.get(group, {})
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        buffer = old.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        with torch.no_grad():
+            buffer.copy_(tensor.detach())
+        out[key] = buffer
+    _STAGING[group] = out
+    return out
+
+
+def release() -> None:
+    """Wait for the background checkpoint (raising its failure) and free the staging buffers.
+
+    Example:
+        >>> release()
+    """
+    try:
+        wait()
+    finally:
+        _STAGING.clear()
+
+
+class Meeting:
+    """The ranks of one background checkpoint, meeting through the process group's store."""
+
+    def __init__(self, dist: DistState, timeout: datetime.timedelta) -> None:
+        self.dist = dist
+        self.timeout = timeout
+        self.store = tdist.distributed_c10d._get_default_store()
+        # This rank's n-th background checkpoint: the same n on every rank (a collective call).
+        number = self.store.add(f"faccel/background/calls/rank{dist.rank}", 1)
+        self.key = f"faccel/background/{number}"
+
+    def _wait(self, keys: list[str], what: str) -> None:
+        try:
+            self.store.wait(keys, self.timeout)
+        except RuntimeError:  # the store's timeout: a rank died or hangs
+            msg = (
+                f"{what}: the other ranks did not report within the process group's timeout "
+                f"({self.timeout}); a rank died or hangs, and nothing was committed"
+            )
+            raise CheckpointError(msg) from None
+
+    def gather(self, payload: bytes | None, error: str | None, *, what: str) -> list[bytes]:
+        """Publish this rank's payload (or its error); every rank's payloads, or raise if any failed."""
+        mine = "-" + error if error is not None else "+" + (payload or b"").hex()
+        self.store.set(f"{self.key}/rank{self.dist.rank}", mine)
+        keys = [f"{self.key}/rank{rank}" for rank in range(self.dist.world_size)]
+        self._wait(keys, what)
+        values = [self.store.get(key).decode(errors="replace") for key in keys]
+        failed = [rank for rank, value in enumerate(values) if value[:1] != "+"]
+        if error is not None:
+            raise CheckpointError(error)
+        if failed:
+            msg = f"{what} failed on rank(s) {failed}: {values[failed[0]][1:]}"
+            raise CheckpointError(msg)
+        return [bytes.fromhex(value[1:]) for value in values]
+
+    def decide(self, error: str | None, *, what: str) -> None:
+        """Rank 0 publishes the commit's outcome; the other ranks wait for it (and raise its error)."""
+        result = f"{self.key}/result"
+        if self.dist.rank == 0:
+            self.store.set(result, "-" + error if error is not None else "+")
+            if error is not None:
+                raise CheckpointError(error)
+            return
+        self._wait([result], what)
+        value = self.store.get(result)
+        if value[:1] != b"+":
+            msg = f"{what} failed on rank 0: {value[1:].decode(errors='replace')}"
+            raise CheckpointError(msg)
+
+
+def wait() -> None:
+    """Wait for this process's background checkpoint, if any; raise its failure as a CheckpointError.
+
+    Example:
+        >>> wait()  # none running: returns at once
+    """
+    while _PENDING:
+        pending = _PENDING.pop()
+        pending.thread.join()
+        if pending.error is not None:
+            msg = (
+                f"the background checkpoint of step {pending.step} (checkpoint(..., blocking=False)) "
+                f"failed, and nothing of it was committed: {pending.error}"
+            )
+            raise CheckpointError(msg) from pending.error
+
+
+def start(step: int, task: Callable[[], None]) -> None:
+    """Run ``task`` (a checkpoint's write and commit) on a background thread; see :func:`wait`."""
+    wait()
+    at_shutdown(release)
+
+    def run() -> None:
+        try:
+            task()
+        except BaseException as error:  # kept for the next call to raise
+            pending.error = error
+
+    pending = _Pending(step=step, thread=threading.Thread(target=run, name="faccel-checkpoint", daemon=False))
+    _PENDING.append(pending)
+    pending.thread.start()

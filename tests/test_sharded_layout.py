@@ -1,0 +1,127 @@
+"""The sharded format's pure parts: the chunk rule, shard files read in part, and metadata that
+stays small at 100,000 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from faccel._checkpoint._durable import FileRecord, write_durably
+from faccel._checkpoint._folders import latest_checkpoint
+from faccel._checkpoint._format import PAGE_RANKS, checkpoint_name
+from faccel._checkpoint._layout import Placed, assign, chunks, hash_rows, overlaps, rows_of
+from faccel._checkpoint._orchestrate import manifest_content, write_pages
+from faccel._checkpoint._sharded_files import Pages
+from faccel._checkpoint._shards import ShardFile, byte_view, empty_rows, write_shard
+from faccel.errors import CheckpointError
+
+_SHAPES = st.lists(
+    st.tuples(st.integers(0, 40), st.integers(1, 3)).map(lambda rc: rc if rc[1] > 1 else rc[:1]),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=_SHAPES, world=st.integers(1, 9), data=st.data())
+def test_every_row_is_in_exactly_one_chunk_and_overlaps_cover_any_range(
+    shapes: list[tuple[int, ...]], world: int, data: st.DataObject
+) -> None:
+    specs = {f"t{i}": (torch.float32, shape) for i, shape in enumerate(shapes)}
+    sharded = data.draw(st.sets(st.sampled_from(sorted(specs))))
+    placed = assign(specs, sharded, world)
+    for key, spot in placed.items():
+        rows = rows_of(spot.shape)
+        found = chunks(spot, world)
+        assert len(found) <= world and all(0 <= c.rank < world for c in found)
+        assert [r for c in found for r in range(c.start, c.stop)] == list(range(rows))
+        if key in sharded:  # as torch.chunk (and so DTensor Shard(0)) splits it
+            assert (spot.block, spot.first) == (max(1, math.ceil(rows / world)), 0)
+        start = data.draw(st.integers(0, rows))
+        stop = data.draw(st.integers(start, rows))
+        used = [r for c in overlaps(spot, world, start, stop) for r in range(c.use_start, c.use_stop)]
+        assert used == list(range(start, stop))
+
+
+def test_replicated_tensors_are_balanced_by_bytes() -> None:
+    specs = {f"w{i}": (torch.float32, (100 + i, 10)) for i in range(12)} | {"s": (torch.float32, ())}
+    placed = assign(specs, [], 4)
+    loads = [0] * 4
+    for spot in placed.values():
+        for c in chunks(spot, 4):
+            loads[c.rank] += (c.stop - c.start) * 10 * 4
+    assert max(loads) / min(loads) < 1.2
+
+
+def _shard(tmp_path: Path, rows: int, cols: int) -> tuple[Path, FileRecord, Placed, torch.Tensor]:
+    tensor = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    placed = Placed(dtype=torch.float32, shape=(rows, cols), block=rows, first=0)
+    path = tmp_path / "shard-00000.safetensors"
+    return path, write_shard(path, {"model/w": tensor}, {"model/w": placed}), placed, tensor
+
+
+def test_a_partial_read_checks_only_the_hash_blocks_it_touches(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    path, record, placed, tensor = _shard(tmp_path, 3000, 1024)  # 12 MB: three 4 MiB hash blocks
+    per = hash_rows(placed)
+    assert per == 1024 and torch.equal(load_file(path)["model/w"], tensor)  # standard safetensors
+    shard = ShardFile(path, record, where=str(path))
+    try:
+        (chunk,) = overlaps(placed, 1, 1000, 1100)  # across the first block boundary
+        out = empty_rows(placed, 1000, 1100)
+        shard.read("model/w", placed, chunk, byte_view(out), [])
+        assert torch.equal(out, tensor[1000:1100])
+    finally:
+        shard.close()
+    # A flipped byte in the last block: a read of rows 0..100 never sees it; one of the last rows does.
+    data_start = path.stat().st_size - tensor.numel() * 4
+    with open(path, "r+b") as handle:
+        handle.seek(data_start + 2900 * 1024 * 4)
+        handle.write(b"\xff")
+    shard = ShardFile(path, record, where=str(path))
+    try:
+        (chunk,) = overlaps(placed, 1, 0, 100)
+        shard.read("model/w", placed, chunk, byte_view(empty_rows(placed, 0, 100)), [])
+        (chunk,) = overlaps(placed, 1, 2999, 3000)
+        with pytest.raises(CheckpointError, match=r"rows 2048:3000: the sha256 checksum differs"):
+            shard.read("model/w", placed, chunk, byte_view(empty_rows(placed, 2999, 3000)), [])
+    finally:
+        shard.close()
+
+
+def test_an_altered_header_is_refused_by_its_record(tmp_path: Path) -> None:
+    path, record, _, _ = _shard(tmp_path, 4, 2)
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b'"shape":[4,2]') + 9] = ord("3")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="header's sha256 checksum differs"):
+        ShardFile(path, record, where=str(path))
+
+
+def test_a_100000_rank_manifest_stays_small_and_is_found(tmp_path: Path) -> None:
+    world = 100_000
+    folder = tmp_path / checkpoint_name(5)
+    folder.mkdir()
+    ranks = [
+        (FileRecord(size=10**9 + r, sha256=f"{r:064x}"), FileRecord(size=5000, sha256=f"{r + 1:064x}"))
+        for r in range(world)
+    ]
+    record = write_durably(folder / "state.json", [b"{}"])
+    listed = {"state.json": record, "extras.safetensors": record} | write_pages(folder, ranks)
+    manifest = manifest_content({"step": 5, "epoch": 1, "position": 0}, world, listed, 2)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    # What every rank reads at start: the manifest, about 100 bytes per 1,024 ranks, far under 1 MiB.
+    assert (folder / "manifest.json").stat().st_size < 16 * 1024
+    assert len(manifest["files"]) == 2 + math.ceil(world / PAGE_RANKS)
+    assert latest_checkpoint(tmp_path) == folder
+    # A rank's own records: one page of 1,024 ranks read, checked against the manifest.
+    pages = Pages(folder, {k: FileRecord(**v) for k, v in manifest["files"].items()}, world)
+    assert pages.of(99_999) == ranks[99_999] and list(pages.pages) == [99_999 // PAGE_RANKS]
+    assert max(p.stat().st_size for p in folder.glob("ranks-*.json")) < 256 * 1024
