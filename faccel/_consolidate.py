@@ -17,10 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,7 +43,7 @@ from faccel._checkpoint._format import (
     shard_name,
 )
 from faccel._checkpoint._layout import Placed, chunks, parse_index, rows_of
-from faccel._checkpoint._safetensors import DTYPE_CODES, read_header, read_tensors
+from faccel._checkpoint._safetensors import header_bytes, read_header, read_tensors
 from faccel._checkpoint._sharded_files import Pages
 from faccel._checkpoint._shards import ShardFile, byte_view, empty_rows
 from faccel._save_model import INDEX_NAME, parse_size, shard_names, split_shards
@@ -145,20 +143,7 @@ def _header(
 ) -> tuple[bytes, list[str]]:
     """A safetensors header for ``names`` (largest element size first, as faccel writes) and the order."""
     order = sorted(names, key=lambda name: -specs[name][0].itemsize)
-    header: dict[str, Any] = {"__metadata__": dict(MODEL_METADATA)}
-    offset = 0
-    for name in order:
-        dtype, shape = specs[name]
-        size = dtype.itemsize * int(torch.Size(shape).numel())
-        header[name] = {
-            "dtype": DTYPE_CODES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, order
+    return header_bytes(specs, order, MODEL_METADATA), order
 
 
 def _write_file(path: Path, header: bytes, order: list[str], read: Callable[[str], torch.Tensor]) -> None:

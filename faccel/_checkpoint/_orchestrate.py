@@ -37,7 +37,10 @@ import attrs
 import torch
 from torch import nn
 
-from faccel._checkpoint import _background as background
+from faccel._checkpoint._background import Meeting
+from faccel._checkpoint._background import staged as host_copies
+from faccel._checkpoint._background import start as start_in_background
+from faccel._checkpoint._background import wait as wait_for_background
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
 from faccel._checkpoint._durable import (
     MAX_JSON,
@@ -326,7 +329,7 @@ def checkpoint(
             "or with a one-process DistState"
         )
         raise ArgumentValueError(msg)
-    background.wait()  # the previous non-blocking checkpoint is committed first (or its error raised)
+    wait_for_background()  # the previous non-blocking checkpoint is committed first (or its error raised)
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
@@ -353,7 +356,7 @@ def checkpoint(
         with held:
             _run(dist, job)
     else:
-        background.start(step, functools.partial(_run_in_background, dist, job))
+        start_in_background(step, functools.partial(_run_in_background, dist, job))
     return final
 
 
@@ -395,7 +398,7 @@ def _run_in_background(dist: DistState, job: _Job) -> None:
             own = job.write()
             job.commit(own, [(own[shard_name(0)], own[rng_name(0)])] if job.sharded else [])
             return
-        meeting = background.Meeting(dist, dist.timeout)
+        meeting = Meeting(dist, dist.timeout)
         what = f"writing the checkpoint of step {job.step}"
         records: dict[str, FileRecord] = {}
         try:
@@ -427,11 +430,6 @@ def _record_of(raw: bytes) -> FileRecord:
     return FileRecord(size=int.from_bytes(raw[:8], "little"), sha256=raw[8:40].hex())
 
 
-def _host_copy(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies in host memory: what a background write reads while training changes the originals."""
-    return background.staged(group, tensors)
-
-
 def _whole_job(
     dist: DistState,
     train_state: TrainState,
@@ -457,7 +455,7 @@ def _whole_job(
             return None
         content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
         if copy:
-            files = {name: _host_copy(name, tensors) for name, tensors in files.items()}
+            files = {name: host_copies(name, tensors) for name, tensors in files.items()}
         return content, files, _open_temporary(held, root, final, temporary, step, replace=replace)
 
     prepared = together(
@@ -531,8 +529,8 @@ def _sharded_job(
             group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()
         }
         if copy:
-            pieces = _host_copy("shards", pieces)
-            files = {EXTRAS: _host_copy(EXTRAS, files[EXTRAS])}
+            pieces = host_copies("shards", pieces)
+            files = {EXTRAS: host_copies(EXTRAS, files[EXTRAS])}
         return content, files, pieces, placed
 
     content, files, pieces, placed = together(
@@ -845,7 +843,7 @@ def restore(
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
-    background.wait()  # a non-blocking checkpoint still being written is committed first
+    wait_for_background()  # a non-blocking checkpoint still being written is committed first
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError

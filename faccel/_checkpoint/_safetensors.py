@@ -120,7 +120,7 @@ class Header:
     data_start: int
 
 
-def _raw(tensor: torch.Tensor) -> Any:
+def raw_bytes(tensor: torch.Tensor) -> Any:
     """The tensor's bytes as a NumPy view (a copy only when it is not contiguous CPU memory)."""
     flat = tensor.detach()
     if flat.device.type != "cpu":
@@ -138,27 +138,46 @@ def plan(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | N
         msg = "faccel writes safetensors (little-endian) only on little-endian machines"
         raise CheckpointError(msg)
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    specs = {name: (tensors[name].dtype, tuple(tensors[name].shape)) for name in order}
+    chunks: list[Any] = [header_bytes(specs, order, metadata)]
+    chunks.extend(raw_bytes(tensors[name]) for name in order if tensors[name].numel())
+    return chunks
+
+
+def header_bytes(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    order: list[str],
+    metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """A safetensors header (length prefix included) for tensors of ``specs``, laid out in ``order``.
+
+    Raises :class:`CheckpointError` for a dtype the format cannot hold.
+
+    Example:
+        >>> import torch
+        >>> head = header_bytes({"w": (torch.float32, (2, 3))}, ["w"])
+        >>> int.from_bytes(head[:8], "little") == len(head) - 8, len(head) % 8
+        (True, 0)
+    """
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
     for name in order:
-        tensor = tensors[name]
-        if tensor.dtype not in DTYPE_CODES:
-            msg = f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
+        dtype, shape = specs[name]
+        if dtype not in DTYPE_CODES:
+            msg = f"tensor {name!r} has dtype {dtype}, which safetensors cannot store"
             raise CheckpointError(msg)
-        size = tensor.numel() * tensor.element_size()
+        size = dtype.itemsize * int(torch.Size(shape).numel())
         header[name] = {
-            "dtype": DTYPE_CODES[tensor.dtype],
-            "shape": list(tensor.shape),
+            "dtype": DTYPE_CODES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    chunks: list[Any] = [struct.pack("<Q", len(text)) + text]
-    chunks.extend(_raw(tensors[name]) for name in order if tensors[name].numel())
-    return chunks
+    return struct.pack("<Q", len(text)) + text
 
 
 def _bad(where: str, what: str) -> CheckpointError:

@@ -34,7 +34,14 @@ import torch
 
 from faccel._checkpoint._durable import FileRecord, open_regular, parse_json
 from faccel._checkpoint._layout import Chunk, Placed, hash_rows, row_bytes, rows_of
-from faccel._checkpoint._safetensors import DTYPE_CODES, Header, TensorInfo, parse_header
+from faccel._checkpoint._safetensors import (
+    DTYPE_CODES,
+    Header,
+    TensorInfo,
+    header_bytes,
+    parse_header,
+    raw_bytes,
+)
 from faccel.errors import CheckpointError
 
 __all__ = ["ShardFile", "write_shard"]
@@ -46,39 +53,15 @@ _WRITE_CHUNK = 1 << 30
 _MAX_HEADER = 100_000_000
 
 
-def _bytes_of(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as a flat NumPy uint8 view (a copy only off the CPU or non-contiguous)."""
-    flat = tensor.detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy()
-
-
 def _header(
     pieces: Mapping[str, torch.Tensor],
     order: list[str],
     hashes: Mapping[str, list[str]],
     per: Mapping[str, int],
 ) -> bytes:
-    header: dict[str, Any] = {
-        "__metadata__": {
-            _META: json.dumps({"hash_rows": dict(per), "sha256": dict(hashes)}, separators=(",", ":"))
-        }
-    }
-    offset = 0
-    for name in order:
-        tensor = pieces[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": DTYPE_CODES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+    meta = json.dumps({"hash_rows": dict(per), "sha256": dict(hashes)}, separators=(",", ":"))
+    specs = {name: (pieces[name].dtype, tuple(pieces[name].shape)) for name in order}
+    return header_bytes(specs, order, {_META: meta})
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -123,7 +106,7 @@ def write_shard(path: Path, pieces: Mapping[str, torch.Tensor], placed: Mapping[
                 tensor = pieces[name]
                 if not tensor.numel():
                     continue
-                data = memoryview(_bytes_of(tensor)).cast("B")
+                data = memoryview(raw_bytes(tensor)).cast("B")
                 step = per[name] * (len(data) // rows_of(tuple(tensor.shape)))
                 for start in range(0, len(data), step):
                     block = data[start : start + step]
