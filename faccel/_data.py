@@ -555,6 +555,22 @@ def _plain_shuffle(sampler: object) -> bool | None:
     return None
 
 
+def _split_size(dist: DistState, batch_size: int | None) -> int:
+    """Each rank's slice of a global batch of ``batch_size`` under ``split_batches=True``."""
+    if batch_size is None:
+        msg = "split_batches=True needs a batch size to split, but this DataLoader has batch_size=None"
+        raise PrepareError(msg)
+    w = dist.data_world_size
+    if batch_size % w:
+        msg = (
+            f"split_batches=True gives each of the {w} ranks an equal slice of every batch, but "
+            f"batch_size={batch_size} is not divisible by {w}; pick a multiple of the world size, "
+            f"or split_batches=False for {batch_size} a rank"
+        )
+        raise PrepareError(msg)
+    return batch_size // w
+
+
 def _plan(
     dist: DistState, loader: DataLoader, even_batches: bool, split_batches: bool
 ) -> tuple[Sharding, bool]:  # type: ignore[type-arg]
@@ -586,17 +602,7 @@ def _plan(
     _refuse_distributed_sampler(sampler)
     batch_size, drop_last = (1, False) if batcher is None else (batcher.batch_size, batcher.drop_last)
     if split_batches:
-        if batcher is None:
-            msg = "split_batches=True needs a batch size to split, but this DataLoader has batch_size=None"
-            raise PrepareError(msg)
-        if batch_size % dist.data_world_size:
-            msg = (
-                f"split_batches=True gives each of the {dist.data_world_size} ranks an equal slice of every "
-                f"batch, but batch_size={batch_size} is not divisible by {dist.data_world_size}; pick a "
-                f"multiple of the world size, or split_batches=False for {batch_size} a rank"
-            )
-            raise PrepareError(msg)
-        batch_size //= dist.data_world_size
+        batch_size = _split_size(dist, batch_size if batcher is not None else None)
     shuffle = _plain_shuffle(sampler)
     if shuffle is not None:
         n = len(loader.dataset)  # type: ignore[arg-type]
@@ -654,14 +660,7 @@ def prepare_loader(
         batched = batcher is not None
         batch_size, drop_last = (batcher.batch_size, batcher.drop_last) if batched else (1, False)
         if split_batches:
-            if not batched or batch_size % dist.data_world_size:
-                msg = (
-                    f"split_batches=True gives each of the {dist.data_world_size} ranks an equal slice of "
-                    "every batch, which needs a batch size divisible by the world size, got "
-                    f"{batch_size if batched else None}"
-                )
-                raise PrepareError(msg)
-            batch_size //= dist.data_world_size
+            batch_size = _split_size(dist, batch_size if batched else None)
         sharding = Sharding(
             num_samples=_length_or_zero(dataset),
             batch_size=batch_size,
