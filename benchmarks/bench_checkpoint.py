@@ -14,8 +14,9 @@ optimizer state. Subjects, in interleaved rounds:
 Restore: ``faccel.restore`` (every file read and hashed, everything checked,
 then loaded into the objects) vs ``torch.load(weights_only=True)`` of the two
 files plus ``load_state_dict`` into the same objects, beside a plain read of
-the same number of bytes (all three from the page cache: the files were just
-written).
+the same number of bytes (all three from the page cache: faccel drops its
+files' pages once they are durable, so its warm-up round reads them from the
+disk, and the timed rounds find them cached, as the others').
 
     python benchmarks/bench_checkpoint.py            # 50M parameters, 7 rounds
     python benchmarks/bench_checkpoint.py --quick    # ~4M parameters, 3 rounds

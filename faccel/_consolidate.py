@@ -26,6 +26,7 @@ from faccel._checkpoint._durable import (
     MAX_JSON,
     MAX_MANIFEST,
     FileRecord,
+    SyncedWriter,
     fsync_dir,
     open_regular,
     parse_json,
@@ -149,19 +150,13 @@ def _header(
 def _write_file(path: Path, header: bytes, order: list[str], read: Callable[[str], torch.Tensor]) -> None:
     temporary = path.with_name(f".tmp-{path.name}")
     temporary.unlink(missing_ok=True)
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, header)
+    with SyncedWriter(temporary) as out:
+        out.write(header)
         for name in order:
             tensor = read(name)  # one tensor in memory at a time
-            view = memoryview(byte_view(tensor)).cast("B")
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done : done + (1 << 30)])
-            del tensor, view
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            out.write(byte_view(tensor))
+            del tensor
+        out.close()
     os.replace(temporary, path)
 
 

@@ -363,3 +363,7 @@ def layout_sizes(draw: st.DrawFn, *, max_world: int = 96) -> tuple[int, int, int
     rest = world // tensor
     shard = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
     return (rest // shard, shard, tensor)
+
+
+# Writes of any sizes, empty ones included: what a writer is handed, one call each.
+byte_chunks = st.lists(st.binary(min_size=0, max_size=300), max_size=12)

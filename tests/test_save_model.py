@@ -278,17 +278,18 @@ def test_a_full_disk_fails_the_save_leaves_the_earlier_one_and_no_temporary_file
     faccel.save_model(dist, _versioned(1), tmp_path, max_shard_size=shard_size)
     before = sorted(os.listdir(tmp_path))
     writes = 0
-    original = _durable._write_all
+    original = _durable.SyncedWriter.write
 
-    def full(fd: int, view: memoryview) -> None:
+    def full(self: _durable.SyncedWriter, chunk: Any) -> None:
         nonlocal writes
         writes += 1
         if writes > fail_after:
-            os.write(fd, view[: len(view) // 2])  # part of it, as a filling disk does
+            view = memoryview(chunk).cast("B")
+            os.write(self.fd, view[: len(view) // 2])  # part of it, as a filling disk does
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        original(fd, view)
+        original(self, chunk)
 
-    monkeypatch.setattr(_durable, "_write_all", full)
+    monkeypatch.setattr(_durable.SyncedWriter, "write", full)
     with pytest.raises(faccel.errors.StorageError, match="save_model failed"):
         faccel.save_model(dist, _versioned(2), tmp_path, max_shard_size=5000)
     assert sorted(os.listdir(tmp_path)) == before  # no .tmp-*, no shard of the failed save

@@ -14,6 +14,13 @@ before a byte is allocated. JSON is parsed by :func:`parse_json`, which turns
 every way hostile text can fail (too deep, too long a number) into one
 :class:`CheckpointError` naming the file.
 
+Large files are written through :class:`SyncedWriter`, which calls
+``fdatasync`` on a helper thread after every 64 MiB: the disk starts early, in
+step with the writing, and the dirty pages stay too few for the kernel to
+throttle the writer, so the closing fsync has only the tail left. Pages made
+durable are dropped from the page cache, so a checkpoint of any size holds
+about 128 MiB of it while it is written.
+
 POSIX durability needs three fsyncs: the file (its data), the directory that
 holds it (its name), and, after a rename, the directory the name moved into.
 """
@@ -39,6 +46,7 @@ __all__ = [
     "MAX_JSON",
     "MAX_MANIFEST",
     "FileRecord",
+    "SyncedWriter",
     "atomic_write",
     "check_written",
     "fsync_dir",
@@ -55,8 +63,9 @@ HASH = "sha256"
 # Below this many bytes a second thread costs more than it saves.
 _THREAD_BYTES = 1 << 20
 _READ_CHUNK = 64 << 20
-# One write() moves at most this much on Linux; larger views are written in pieces.
-_WRITE_CHUNK = 1 << 30
+# Written bytes between two early fdatasyncs (measured here: a 600 MB file is written and
+# fsynced in about half the time of one write and one closing fsync).
+_SYNC_BYTES = 64 << 20
 # The largest JSON file read back: state, generators, a weights index (a few MB in practice).
 MAX_JSON = 256 << 20
 # A manifest lists about 100 bytes per rank: 32 MiB is room for 300,000 ranks.
@@ -121,10 +130,82 @@ class _Hasher:
         return self.hash.hexdigest()
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    offset, size = 0, len(view)
-    while offset < size:
-        offset += os.write(fd, view[offset : offset + _WRITE_CHUNK])
+class SyncedWriter:
+    """Writes bytes to a new file, starting its writeback early; :meth:`close` fsyncs and closes it.
+
+    After every ``_SYNC_BYTES`` written an ``fdatasync`` runs on a helper
+    thread (one at a time; the writer never waits for it), so the disk works
+    while the writer goes on. The pages it made durable are then dropped from
+    the page cache: a checkpoint is read back rarely, and its gigabytes would
+    otherwise push out the cache the training reads from (and count against a
+    container's memory limit); new writes reuse the freed pages. A file
+    smaller than ``_SYNC_BYTES`` stays cached. ``with SyncedWriter(path) as
+    out:`` closes the descriptor on an error too, without the fsync.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._written = 0
+        self._next_sync = _SYNC_BYTES
+        self._syncing: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def __enter__(self) -> SyncedWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._wait()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _sync(self, upto: int) -> None:
+        try:
+            os.fdatasync(self.fd)
+            _drop_cached(self.fd, upto)
+        except OSError as error:  # raised by close()
+            self._error = error
+
+    def _wait(self) -> None:
+        if self._syncing is not None:
+            self._syncing.join()
+            self._syncing = None
+
+    def write(self, chunk: Any) -> None:
+        """Append ``chunk`` (bytes-like) to the file."""
+        view = memoryview(chunk).cast("B")
+        offset = 0
+        while offset < len(view):
+            done = os.write(self.fd, view[offset : offset + self._next_sync - self._written])
+            offset += done
+            self._written += done
+            if self._written >= self._next_sync:
+                self._next_sync = self._written + _SYNC_BYTES
+                if self._syncing is None or not self._syncing.is_alive():
+                    upto = self._written
+                    self._syncing = threading.Thread(
+                        target=self._sync, args=(upto,), name="faccel-sync", daemon=True
+                    )
+                    self._syncing.start()
+
+    def close(self) -> int:
+        """fsync the file (data and size), close it and return its size in bytes."""
+        self._wait()
+        if self._error is not None:
+            raise self._error
+        os.fsync(self.fd)
+        size = os.fstat(self.fd).st_size
+        if size >= _SYNC_BYTES:
+            _drop_cached(self.fd, size)
+        os.close(self.fd)
+        self.fd = -1
+        return size
+
+
+def _drop_cached(fd: int, upto: int) -> None:
+    """Drop the file's first ``upto`` bytes from the page cache (they are durable: clean pages)."""
+    if hasattr(os, "posix_fadvise"):  # not on macOS: there the pages stay cached
+        os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
 
 
 def write_durably(path: Path, chunks: Sequence[Any]) -> FileRecord:
@@ -135,14 +216,13 @@ def write_durably(path: Path, chunks: Sequence[Any]) -> FileRecord:
     views = [memoryview(chunk).cast("B") for chunk in chunks]
     size = sum(len(view) for view in views)
     hasher = _Hasher(threaded=size >= _THREAD_BYTES)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        for view in views:
-            hasher.update(view)
-            _write_all(fd, view)
-        os.fsync(fd)
+        with SyncedWriter(path) as out:
+            for view in views:
+                hasher.update(view)
+                out.write(view)
+            out.close()
     finally:
-        os.close(fd)
         digest = hasher.finish()
     return FileRecord(size=size, sha256=digest)
 

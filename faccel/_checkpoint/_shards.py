@@ -9,7 +9,8 @@ file's size) goes to the checkpoint's rank pages, so the chain manifest ->
 page -> header -> block covers every byte a reader uses.
 
 Writing (:func:`write_shard`) streams each chunk from the tensor's own memory
-while a second thread hashes the blocks; the header, whose length does not
+(through ``SyncedWriter``, which starts the disk early) while a second thread
+hashes the blocks; the header, whose length does not
 depend on the hashes (fixed-width hex), is written first with placeholders and
 rewritten in place at the end. Reading (:class:`ShardFile`) checks the header
 against its record, then reads only the byte ranges of the rows asked for,
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from faccel._checkpoint._durable import FileRecord, open_regular, parse_json
+from faccel._checkpoint._durable import FileRecord, SyncedWriter, open_regular, parse_json
 from faccel._checkpoint._layout import Chunk, Placed, hash_rows, row_bytes, rows_of
 from faccel._checkpoint._safetensors import (
     DTYPE_CODES,
@@ -48,8 +49,8 @@ __all__ = ["ShardFile", "write_shard"]
 
 _META = "faccel"
 _PLACEHOLDER = "0" * 64
-# One write() moves at most this much on Linux.
-_WRITE_CHUNK = 1 << 30
+# One read() moves at most this much on Linux.
+_READ_CHUNK = 1 << 30
 _MAX_HEADER = 100_000_000
 
 
@@ -62,12 +63,6 @@ def _header(
     meta = json.dumps({"hash_rows": dict(per), "sha256": dict(hashes)}, separators=(",", ":"))
     specs = {name: (pieces[name].dtype, tuple(pieces[name].shape)) for name in order}
     return header_bytes(specs, order, {_META: meta})
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    offset = 0
-    while offset < len(view):
-        offset += os.write(fd, view[offset : offset + _WRITE_CHUNK])
 
 
 def _sha(view: Any) -> str:
@@ -98,30 +93,28 @@ def write_shard(path: Path, pieces: Mapping[str, torch.Tensor], placed: Mapping[
     }
     draft = _header(pieces, order, {name: [_PLACEHOLDER] * counts[name] for name in order}, per)
     futures: dict[str, list[Future[str]]] = {name: [] for name in order}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="faccel-hash") as hasher:
-            _write_all(fd, memoryview(draft))
-            for name in order:
-                tensor = pieces[name]
-                if not tensor.numel():
-                    continue
-                data = memoryview(raw_bytes(tensor)).cast("B")
-                step = per[name] * (len(data) // rows_of(tuple(tensor.shape)))
-                for start in range(0, len(data), step):
-                    block = data[start : start + step]
-                    futures[name].append(hasher.submit(_sha, block))  # hashed while written
-                    _write_all(fd, block)
-            hashes = {name: [future.result() for future in futures[name]] for name in order}
+    with (
+        SyncedWriter(path) as out,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="faccel-hash") as hasher,
+    ):
+        out.write(draft)
+        for name in order:
+            tensor = pieces[name]
+            if not tensor.numel():
+                continue
+            data = memoryview(raw_bytes(tensor)).cast("B")
+            step = per[name] * (len(data) // rows_of(tuple(tensor.shape)))
+            for start in range(0, len(data), step):
+                block = data[start : start + step]
+                futures[name].append(hasher.submit(_sha, block))  # hashed while written
+                out.write(block)
+        hashes = {name: [future.result() for future in futures[name]] for name in order}
         final = _header(pieces, order, hashes, per)
         if len(final) != len(draft):  # pragma: no cover - fixed-width hex cannot change the length
             msg = f"{path}: the shard header changed length"
             raise CheckpointError(msg)
-        os.pwrite(fd, final, 0)
-        os.fsync(fd)
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+        os.pwrite(out.fd, final, 0)
+        size = out.close()
     return FileRecord(size=size, sha256=hashlib.sha256(final).hexdigest())
 
 
@@ -225,7 +218,7 @@ class ShardFile:
         view = memoryview(target).cast("B")
         done = 0
         while done < len(view):
-            got = os.preadv(self.fd, [view[done : done + _WRITE_CHUNK]], offset + done)
+            got = os.preadv(self.fd, [view[done : done + _READ_CHUNK]], offset + done)
             if not got:
                 msg = f"{self.where}: the file shrank while it was read"
                 raise CheckpointError(msg)
