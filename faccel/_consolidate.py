@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -95,6 +96,7 @@ def _specs_and_reader(
     model: dict[str, Placed] = index.get("model", {})
     pages = Pages(folder, records, world)
     opened: dict[int, ShardFile] = {}
+    scratch: dict[str, Any] = {}  # one thread reads: its buffers kept from tensor to tensor
 
     def read(name: str) -> torch.Tensor:
         placed = model[name]
@@ -108,7 +110,7 @@ def _specs_and_reader(
         width = len(view) // max(1, rows_of(placed.shape))
         for chunk in chunks(placed, world):
             part = view[chunk.start * width : chunk.stop * width]
-            opened[chunk.rank].read(f"model/{name}", placed, chunk, part, [])
+            opened[chunk.rank].read(f"model/{name}", placed, chunk, part, scratch)
         return out
 
     def close() -> None:

@@ -3,9 +3,12 @@ stays small at 100,000 ranks."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,7 +79,7 @@ def test_a_partial_read_checks_only_the_hash_blocks_it_touches(tmp_path: Path) -
     try:
         (chunk,) = overlaps(placed, 1, 1000, 1100)  # across the first block boundary
         out = empty_rows(placed, 1000, 1100)
-        shard.read("model/w", placed, chunk, byte_view(out), [])
+        shard.read("model/w", placed, chunk, byte_view(out))
         assert torch.equal(out, tensor[1000:1100])
     finally:
         shard.close()
@@ -88,10 +91,10 @@ def test_a_partial_read_checks_only_the_hash_blocks_it_touches(tmp_path: Path) -
     shard = ShardFile(path, record, where=str(path))
     try:
         (chunk,) = overlaps(placed, 1, 0, 100)
-        shard.read("model/w", placed, chunk, byte_view(empty_rows(placed, 0, 100)), [])
+        shard.read("model/w", placed, chunk, byte_view(empty_rows(placed, 0, 100)))
         (chunk,) = overlaps(placed, 1, 2999, 3000)
         with pytest.raises(CheckpointError, match=r"rows 2048:3000: the sha256 checksum differs"):
-            shard.read("model/w", placed, chunk, byte_view(empty_rows(placed, 2999, 3000)), [])
+            shard.read("model/w", placed, chunk, byte_view(empty_rows(placed, 2999, 3000)))
     finally:
         shard.close()
 
@@ -125,3 +128,60 @@ def test_a_100000_rank_manifest_stays_small_and_is_found(tmp_path: Path) -> None
     pages = Pages(folder, {k: FileRecord(**v) for k, v in manifest["files"].items()}, world)
     assert pages.of(99_999) == ranks[99_999] and list(pages.pages) == [99_999 // PAGE_RANKS]
     assert max(p.stat().st_size for p in folder.glob("ranks-*.json")) < 256 * 1024
+
+
+def _refusing_direct_reads(shard: ShardFile) -> Any:
+    """os.preadv as a file system without O_DIRECT answers on the shard's direct descriptor."""
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if fd == shard.direct:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, buffers, offset)
+
+    return preadv
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 3000),
+    cols=st.integers(1, 700),
+    dtype=st.sampled_from([torch.float32, torch.int8, torch.float64, torch.bfloat16]),
+    cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    mode=st.sampled_from(["around the cache", "through the cache", "around refused"]),
+)
+def test_any_rows_read_back_exactly_around_the_page_cache_or_through_it(
+    tmp_path_factory: pytest.TempPathFactory,
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    cut: tuple[float, float],
+    mode: str,
+) -> None:
+    """Reads skip the page cache (O_DIRECT, aligned scratch) where the file system allows, else go
+    through it; a refusal mid-file switches over. Every mode gives the same rows, hash-checked."""
+    tensor = torch.randint(-100, 100, (rows, cols)).to(dtype)
+    placed = Placed(dtype=dtype, shape=(rows, cols), block=rows, first=0)
+    path = tmp_path_factory.mktemp("direct") / "shard-00000.safetensors"
+    record = write_shard(path, {"model/w": tensor}, {"model/w": placed})
+    start, stop = sorted(int(f * rows) for f in cut)
+    stop = max(stop, start + 1) if start < rows else rows
+    start = min(start, rows - 1)
+    shard = ShardFile(path, record, where=str(path))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            if mode == "through the cache":
+                patch.setattr(shard, "direct", -1)
+            elif mode == "around refused":
+                patch.setattr(os, "preadv", _refusing_direct_reads(shard))
+            (chunk,) = overlaps(placed, 1, start, stop)
+            out = empty_rows(placed, start, stop)
+            scratch: dict[str, Any] = {}
+            shard.read("model/w", placed, chunk, byte_view(out), scratch)
+            assert torch.equal(out, tensor[start:stop])
+            if mode == "around refused":
+                assert not shard.direct_works
+            elif mode == "around the cache" and shard.direct >= 0:  # -1: no O_DIRECT on this file system
+                assert shard.direct_works and "direct" in scratch and "buffered" not in scratch
+    finally:
+        shard.close()

@@ -111,7 +111,7 @@ def test_a_shard_file_written_across_sync_boundaries_reads_back_and_checks(
     shard = ShardFile(path, record, where=str(path))
     try:
         out = empty_rows(placed, 0, 3000)
-        shard.read("model/w", placed, chunk, byte_view(out), [])
+        shard.read("model/w", placed, chunk, byte_view(out))
     finally:
         shard.close()
     assert torch.equal(out, tensor)

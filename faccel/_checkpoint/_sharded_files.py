@@ -322,7 +322,7 @@ def read_tensors(
                 width = len(view) // max(1, stop - start) if placed.shape else len(view)
                 scratch = getattr(local, "scratch", None)
                 if scratch is None:
-                    scratch = local.scratch = []
+                    scratch = local.scratch = {}
                 for chunk in found:
                     part = view[(chunk.use_start - start) * width : (chunk.use_stop - start) * width]
                     opened[chunk.rank].read(f"{group}/{key}", placed, chunk, part, scratch)
