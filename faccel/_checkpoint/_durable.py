@@ -27,6 +27,7 @@ holds it (its name), and, after a rename, the directory the name moved into.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -203,9 +204,13 @@ class SyncedWriter:
 
 
 def _drop_cached(fd: int, upto: int) -> None:
-    """Drop the file's first ``upto`` bytes from the page cache (they are durable: clean pages)."""
-    if hasattr(os, "posix_fadvise"):  # not on macOS: there the pages stay cached
-        os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
+    """Drop the file's first ``upto`` bytes from the page cache (they are durable: clean pages).
+
+    Advice only: where it is missing (macOS) or refused, the pages stay cached and nothing else changes.
+    """
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
 
 
 def write_durably(path: Path, chunks: Sequence[Any]) -> FileRecord:
