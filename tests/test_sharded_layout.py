@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from faccel._checkpoint._durable import FileRecord, write_durably
 from faccel._checkpoint._folders import latest_checkpoint
-from faccel._checkpoint._format import PAGE_RANKS, checkpoint_name
+from faccel._checkpoint._format import MAX_SHARDED_WORLD, PAGE_RANKS, checkpoint_name, expected_files
 from faccel._checkpoint._layout import Placed, assign, chunks, hash_rows, overlaps, rows_of
 from faccel._checkpoint._orchestrate import manifest_content, write_pages
 from faccel._checkpoint._sharded_files import Pages
@@ -185,3 +185,30 @@ def test_any_rows_read_back_exactly_around_the_page_cache_or_through_it(
                 assert shard.direct_works and "direct" in scratch and "buffered" not in scratch
     finally:
         shard.close()
+
+
+def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tmp_path: Path) -> None:
+    """At the format's largest world (1,024 pages of 1,024 ranks) the manifest is still small; one
+    rank more is refused when writing and when reading, so what a rank reads at start stays bounded."""
+    import faccel
+    from faccel._checkpoint._orchestrate import _use_shards
+    from faccel._checkpoint._verify import check_manifest
+    from faccel.errors import ArgumentValueError
+
+    record = FileRecord(size=10**12, sha256="f" * 64)
+    listed = {name: record for name in expected_files(MAX_SHARDED_WORLD, 2)}
+    manifest = manifest_content({"step": 5, "epoch": 1, "position": 0}, MAX_SHARDED_WORLD, listed, 2)
+    assert len(manifest["files"]) == 2 + PAGE_RANKS
+    assert len(json.dumps(manifest)) < 128 * 1024
+    model = torch.nn.Linear(2, 2)
+    found, world, version = check_manifest(manifest, faccel.detect({}), model, where="m")
+    assert (world, version) == (MAX_SHARDED_WORLD, 2) and found == listed
+    manifest["world_size"] = MAX_SHARDED_WORLD + 1
+    with pytest.raises(CheckpointError, match=r"world_size 1048577 is over the sharded format's 1,048,576"):
+        check_manifest(manifest, faccel.detect({}), model, where="m")
+    huge = faccel.DistState.simulated(rank=0, world_size=MAX_SHARDED_WORLD + 1)
+    with pytest.raises(ArgumentValueError, match=r"holds up to 1,048,576 ranks.*sharded=False"):
+        _use_shards(model, huge, fsdp=False, sharded=True)
+    assert _use_shards(model, huge, fsdp=False, sharded=False) is False
+    fits = faccel.DistState.simulated(rank=0, world_size=MAX_SHARDED_WORLD)
+    assert _use_shards(model, fits, fsdp=False, sharded=True) is True

@@ -29,6 +29,7 @@ __all__ = [
     "FORMAT",
     "LEFTOVER",
     "MANIFEST",
+    "MAX_SHARDED_WORLD",
     "MODEL",
     "MODEL_METADATA",
     "OPTIMIZER",
@@ -62,6 +63,9 @@ RNG_FORMAT = "faccel.checkpoint.rng"
 # The "format" of a rank page (version 2), and how many ranks one page lists.
 RANKS_FORMAT = "faccel.checkpoint.ranks"
 PAGE_RANKS = 1024
+# The most ranks a sharded checkpoint holds: the manifest lists at most 1,024 rank pages, so what a
+# rank reads at start (the manifest, its own page) stays under a fixed bound at any world size.
+MAX_SHARDED_WORLD = PAGE_RANKS * PAGE_RANKS
 
 MANIFEST = "manifest.json"
 STATE = "state.json"

@@ -68,6 +68,7 @@ from faccel._checkpoint._format import (
     EXTRAS,
     FORMAT,
     MANIFEST,
+    MAX_SHARDED_WORLD,
     MODEL,
     MODEL_METADATA,
     OPTIMIZER,
@@ -188,7 +189,8 @@ def manifest_content(
 ) -> dict[str, Any]:
     """``manifest.json``'s content: ``listed`` holds the records of ``expected_files(world, version)``.
 
-    Version 2 lists one rank page per ``PAGE_RANKS`` ranks: about 100 bytes per 1,024 ranks.
+    Version 2 lists one rank page per ``PAGE_RANKS`` ranks: about 100 bytes per 1,024 ranks, at
+    most 1,024 pages (``MAX_SHARDED_WORLD`` ranks).
 
     Example:
         >>> from faccel._checkpoint._durable import FileRecord
@@ -486,7 +488,15 @@ def _use_shards(model: nn.Module, dist: DistState, *, fsdp: bool, sharded: bool 
             "that layout. Pass sharded=False (whole tensors, gathered on rank 0)"
         )
         raise ArgumentValueError(msg)
-    return split and fsdp if sharded is None else sharded
+    shards = split and fsdp if sharded is None else sharded
+    if shards and dist.world_size > MAX_SHARDED_WORLD:
+        msg = (
+            f"the sharded format holds up to {MAX_SHARDED_WORLD:,} ranks (1,024 rank pages of 1,024, so "
+            f"that what a rank reads at start stays bounded); this run has {dist.world_size:,}. Pass "
+            "sharded=False (whole tensors, gathered on rank 0)"
+        )
+        raise ArgumentValueError(msg)
+    return shards
 
 
 def _open_temporary(

@@ -25,6 +25,7 @@ from faccel._checkpoint._durable import FileRecord
 from faccel._checkpoint._format import (
     EXTRAS,
     FORMAT,
+    MAX_SHARDED_WORLD,
     MODEL,
     OPTIMIZER,
     PAGE_RANKS,
@@ -90,6 +91,9 @@ def check_manifest(
     world = manifest.get("world_size")
     if type(world) is not int or world < 1:
         msg = f"{where}: world_size should be a positive int, got {world!r}"
+        raise CheckpointError(msg)
+    if version == VERSION_SHARDED and world > MAX_SHARDED_WORLD:
+        msg = f"{where}: world_size {world} is over the sharded format's {MAX_SHARDED_WORLD:,} ranks"
         raise CheckpointError(msg)
     _check_data_world(manifest, world, dist, where)
     files = manifest.get("files")
