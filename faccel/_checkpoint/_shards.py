@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from faccel._checkpoint._durable import FileRecord, SyncedWriter, open_regular, parse_json
-from faccel._checkpoint._layout import Chunk, Placed, hash_rows, row_bytes, rows_of
+from faccel._checkpoint._layout import HASH_BYTES, Chunk, Placed, hash_rows, row_bytes, rows_of
 from faccel._checkpoint._safetensors import (
     DTYPE_CODES,
     Header,
@@ -62,8 +62,8 @@ _READ_CHUNK = 1 << 30
 _MAX_HEADER = 100_000_000
 # O_DIRECT reads: offsets, lengths and buffers aligned to this (a page; any block size up to it).
 _ALIGN = 4096
-# A thread's scratch: one hash block and its alignment.
-_SCRATCH = (4 << 20) + 2 * _ALIGN
+# A thread's scratch: one hash block (the layout's size) and its alignment.
+_SCRATCH = HASH_BYTES + 2 * _ALIGN
 
 
 def _header(
