@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 
 
 def _env(args: argparse.Namespace) -> int:
-    from faccel._env_report import collect_hardware, collect_versions, env_report, render_text, report_dict
+    from faccel._dist._env_report import (
+        collect_hardware,
+        collect_versions,
+        env_report,
+        render_text,
+        report_dict,
+    )
 
     report = env_report(os.environ, versions=collect_versions(), hardware=collect_hardware())
     if args.json:
@@ -27,7 +33,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from faccel._save_model import convert_weights
+    from faccel._hf._save_model import convert_weights
 
     out = convert_weights(args.source, args.target, max_shard_size=args.max_shard_size)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
@@ -35,7 +41,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from faccel._consolidate import consolidate
+    from faccel._hf._consolidate import consolidate
 
     out = consolidate(args.checkpoint, args.out, max_shard_size=args.max_shard_size)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
@@ -43,7 +49,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from faccel._tracking import plot
+    from faccel._report._tracking import plot
 
     print(f"wrote {plot(args.run, args.out)}")
     return 0

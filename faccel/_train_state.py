@@ -9,7 +9,7 @@ import attrs
 import torch
 from torch import nn
 
-from faccel._data import PreparedLoader
+from faccel._data._loader import PreparedLoader
 from faccel.errors import ArgumentError, ArgumentValueError
 
 __all__ = ["TrainState", "global_position"]

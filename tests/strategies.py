@@ -270,7 +270,7 @@ mixed_trees = st.recursive(
 )
 
 
-# --- hostile launcher environments (faccel._launch) ----------------------------------------------
+# --- hostile launcher environments (faccel._dist._launch) ----------------------------------------------
 
 # What ends up in a variable by accident or malice: digits of other scripts, Python's int()
 # extras, huge values, empty strings, and plausible small numbers so that valid jobs occur too.
@@ -287,7 +287,7 @@ _env_values = st.one_of(
 @st.composite
 def launcher_envs(draw: st.DrawFn) -> dict[str, str]:
     """Any subset of the variables faccel reads, each with any of the values above."""
-    from faccel._launch import ENV_VARIABLES
+    from faccel._dist._launch import ENV_VARIABLES
 
     names = sorted({name for group in ENV_VARIABLES.values() for name in group})
     chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=8))

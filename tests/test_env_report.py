@@ -58,7 +58,7 @@ envs = st.one_of(
 
 @st.composite
 def hardware(draw: st.DrawFn):  # type: ignore[no-untyped-def]
-    from faccel._env_report import Hardware
+    from faccel._dist._env_report import Hardware
 
     return Hardware(
         cuda_names=tuple(draw(st.lists(st.sampled_from(["H100", "A100", "T4"]), max_size=4))),
@@ -72,8 +72,8 @@ def hardware(draw: st.DrawFn):  # type: ignore[no-untyped-def]
 @given(envs, hardware())
 def test_the_report_is_what_detect_would_see(env: dict[str, str], hw) -> None:  # type: ignore[no-untyped-def]
     from faccel import state_from_env
-    from faccel._env_report import env_report
-    from faccel._launch import ENV_VARIABLES
+    from faccel._dist._env_report import env_report
+    from faccel._dist._launch import ENV_VARIABLES
     from faccel.errors import FaccelError
 
     report = env_report(env, versions={"torch": "2.13.0"}, hardware=hw)
@@ -105,7 +105,7 @@ def test_the_report_is_what_detect_would_see(env: dict[str, str], hw) -> None:  
 
 @given(envs, hardware())
 def test_both_renderings_carry_every_problem(env: dict[str, str], hw) -> None:  # type: ignore[no-untyped-def]
-    from faccel._env_report import env_report, render_text, report_dict
+    from faccel._dist._env_report import env_report, render_text, report_dict
 
     report = env_report(env, versions={"torch": "2.13.0", "numpy": None}, hardware=hw)
     data = report_dict(report)
@@ -119,7 +119,7 @@ def test_both_renderings_carry_every_problem(env: dict[str, str], hw) -> None:  
 
 
 def test_independent_problems_are_all_reported() -> None:
-    from faccel._env_report import Hardware, env_report
+    from faccel._dist._env_report import Hardware, env_report
 
     report = env_report(
         {"WORLD_SIZE": "2", "RANK": "0", "FACCEL_PRECISION": "fp8"}, versions={}, hardware=Hardware()
@@ -131,7 +131,7 @@ def test_independent_problems_are_all_reported() -> None:
 
 
 def test_a_missing_backend_and_a_second_launcher_are_explained() -> None:
-    from faccel._env_report import Hardware, env_report
+    from faccel._dist._env_report import Hardware, env_report
 
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
     env |= {"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}
@@ -274,7 +274,7 @@ def _reads(env: Mapping[str, str]) -> set[str]:
 
 
 def _table() -> set[str]:
-    from faccel._launch import ENV_VARIABLES
+    from faccel._dist._launch import ENV_VARIABLES
 
     return {name for names in ENV_VARIABLES.values() for name in names}
 
@@ -301,7 +301,7 @@ _any_values = st.one_of(_values, st.sampled_from(["True", "False", "node[01-04]"
 )
 def test_detect_reads_no_variable_outside_the_table(env: dict[str, str]) -> None:
     outside = _reads(env) - _table()
-    assert not outside, f"read but not in faccel._launch.ENV_VARIABLES: {sorted(outside)}"
+    assert not outside, f"read but not in faccel._dist._launch.ENV_VARIABLES: {sorted(outside)}"
 
 
 def test_every_variable_of_the_table_is_read_somewhere() -> None:
@@ -319,7 +319,7 @@ def test_every_variable_of_the_table_is_read_somewhere() -> None:
 
 
 def test_the_table_is_the_one_the_docs_and_the_report_show() -> None:
-    from faccel._env_report import Hardware, env_report
+    from faccel._dist._env_report import Hardware, env_report
 
     docs = (ROOT / "docs" / "distributed.md").read_text()
     section = docs.split("## Every environment variable faccel reads")[1].split("\n## ")[0]
@@ -339,7 +339,7 @@ def test_the_table_is_the_one_the_docs_and_the_report_show() -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_report_shows_the_strategy_from_the_environment(strategy: str) -> None:
-    from faccel._env_report import Hardware, env_report
+    from faccel._dist._env_report import Hardware, env_report
 
     report = env_report({"FACCEL_STRATEGY": strategy}, versions={}, hardware=Hardware())
     assert report.state is not None and report.state["strategy"] == strategy

@@ -396,7 +396,7 @@ def test_sync_grads_without_a_process_group_says_how_to_start_one() -> None:
     cap_kb=st.none() | st.integers(min_value=1, max_value=2),
 )
 def test_buckets_partition_the_tensors_by_dtype_within_the_cap(sizes: list, cap_kb: int | None) -> None:
-    from faccel._grad_sync import _buckets
+    from faccel._func._grad_sync import _buckets
 
     dtypes = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16}
     leaves: list[Any] = [torch.zeros(n, dtype=dtypes[d]) for n, d in sizes]
@@ -422,7 +422,7 @@ def test_grad_buckets_lay_every_tensor_out_once_in_order_in_its_dtypes_buffer(
     shapes: list, dtypes: list, cap_kb: int | None
 ) -> None:
     import faccel
-    from faccel._grad_sync import _buckets
+    from faccel._func._grad_sync import _buckets
 
     like = [torch.zeros(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=False)]
     cap_mb = None if cap_kb is None else cap_kb / 1024
@@ -580,7 +580,7 @@ def test_a_functional_state_checkpoints_and_restores_bitwise(tmp_path: Any) -> N
 
 
 def test_buckets_refuse_integer_tensors() -> None:
-    from faccel._grad_sync import _buckets
+    from faccel._func._grad_sync import _buckets
     from faccel.errors import FunctionalError
 
     with pytest.raises(FunctionalError, match=r"leaf 1 is a torch\.int64 tensor"):

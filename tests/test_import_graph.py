@@ -17,6 +17,7 @@ statement: it has no edges out, so it closes no cycle.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,15 +149,113 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_faccel_has_no_import_cycle() -> None:
     graph = import_graph(PACKAGE)
-    assert "faccel._state" in graph and "faccel._process_group" in graph
+    assert "faccel._dist._state" in graph and "faccel._dist._process_group" in graph
     cycles = find_cycles(graph)
     assert not cycles, "import cycles in faccel/:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_the_state_is_pure_and_the_process_group_builds_on_it() -> None:
     graph = import_graph(PACKAGE)
-    assert "faccel._state" in graph["faccel._process_group"]
-    assert "faccel._process_group" not in graph["faccel._state"]
+    assert "faccel._dist._state" in graph["faccel._dist._process_group"]
+    assert "faccel._dist._process_group" not in graph["faccel._dist._state"]
+
+
+def _layers() -> dict[str, int]:
+    """docs/architecture.md's layer table: top-level package or module -> its layer."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers: dict[str, int] = {}
+    for row in re.findall(r"^\| (\d+) \| (.+) \|$", section, flags=re.MULTILINE):
+        for name in re.findall(r"`([\w.]+)`", row[1]):
+            layers["faccel" if name == "faccel" else f"faccel.{name}"] = int(row[0])
+    return layers
+
+
+def _unit(module: str) -> str:
+    """The top-level package or module ``module`` belongs to: ``faccel._dist._mesh`` -> ``faccel._dist``."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_every_top_level_unit_has_a_layer() -> None:
+    layers = _layers()
+    units = {_unit(module) for module in import_graph(PACKAGE)}
+    assert units == set(layers), (
+        f"no layer in docs/architecture.md: {sorted(units - set(layers))}; "
+        f"gone: {sorted(set(layers) - units)}"
+    )
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    layers = _layers()
+    upward = [
+        f"{module} (layer {layers[_unit(module)]}) imports {target} (layer {layers[_unit(target)]})"
+        for module, targets in import_graph(PACKAGE).items()
+        for target in sorted(targets)
+        if _unit(target) != _unit(module) and layers[_unit(target)] > layers[_unit(module)]
+    ]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+# The modules docs/architecture.md calls pure, and the ones that start or talk to processes.
+PURE = (
+    "faccel._dist._state",
+    "faccel._dist._launch",
+    "faccel._dist._layout",
+    "faccel._data._sharding",
+    "faccel._data._split",
+    "faccel._data._samplers",
+)
+PROCESSES = (
+    "faccel._dist._process_group",
+    "faccel._dist._mesh",
+    "faccel._dist._collectives",
+    "faccel._dist._consensus",
+)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_a_pure_module_reaches_nothing_that_starts_processes(module: str) -> None:
+    graph = import_graph(PACKAGE)
+    assert module in graph
+    reached = _reachable(graph, module) & set(PROCESSES)
+    assert not reached, f"{module} imports, directly or not, {sorted(reached)}"
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path: Path) -> None:
+    """The check above can fail: a storage module importing the loop is caught."""
+    pkg = tmp_path / "faccel"
+    for relative, text in {
+        "__init__.py": "",
+        "_storage/__init__.py": "",
+        "_storage/_w.py": "from faccel._loop._model import unwrap_model\n",
+        "_loop/__init__.py": "",
+        "_loop/_model.py": "",
+    }.items():
+        (pkg / relative).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / relative).write_text(text)
+    layers = _layers()
+    graph = import_graph(pkg)
+    found = [
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if _unit(target) != _unit(module) and layers[_unit(target)] > layers[_unit(module)]
+    ]
+    assert sorted(found) == [
+        ("faccel._storage._w", "faccel._loop"),
+        ("faccel._storage._w", "faccel._loop._model"),
+    ]
 
 
 _CASES = {

@@ -44,7 +44,7 @@ def test_coordinates_and_groups_are_those_of_init_device_mesh(sizes: tuple[int, 
 
 @given(layout_sizes())
 def test_layout_text_round_trips(sizes: tuple[int, int, int]) -> None:
-    from faccel._layout import parse_layout
+    from faccel._dist._layout import parse_layout
 
     layout = __import__("faccel").Layout(*sizes)
     assert parse_layout(str(layout)) == layout
@@ -125,7 +125,7 @@ def test_a_tensor_parallel_layout_needs_a_plan_that_names_real_submodules() -> N
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import faccel
-    from faccel._parallel import apply_plan, plan_problem
+    from faccel._loop._parallel import apply_plan, plan_problem
 
     dist = faccel.DistState.simulated(rank=0, world_size=4, layout=faccel.Layout(tensor=4))
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))

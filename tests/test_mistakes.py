@@ -82,8 +82,8 @@ def test_the_first_mistakes_get_a_named_error_that_names_the_fix(
 
 
 def test_print_writes_on_the_main_process_only(capsys: pytest.CaptureFixture[str]) -> None:
-    from faccel._logging import print as faccel_print
-    from faccel._state import DistState
+    from faccel._dist._state import DistState
+    from faccel._report._logging import print as faccel_print
 
     faccel_print(DistState.simulated(rank=0, world_size=2), "loss", 0.5, sep="=")
     faccel_print(DistState.simulated(rank=1, world_size=2), "hidden")

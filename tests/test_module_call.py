@@ -1,4 +1,4 @@
-"""faccel._module_call: a bound call equals torch.func.functional_call and leaves the module as it was."""
+"""faccel._func._module_call: a bound call equals torch.func.functional_call, leaving the module as it was."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from faccel._module_call import ModuleCaller, bind
+from faccel._func._module_call import ModuleCaller, bind
 from tests import strategies as fst
 
 

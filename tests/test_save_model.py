@@ -272,7 +272,7 @@ def test_a_full_disk_fails_the_save_leaves_the_earlier_one_and_no_temporary_file
     import errno
 
     import faccel
-    from faccel._checkpoint import _durable
+    from faccel._storage import _durable
 
     dist = faccel.detect({})
     faccel.save_model(dist, _versioned(1), tmp_path, max_shard_size=shard_size)

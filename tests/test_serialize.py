@@ -70,7 +70,7 @@ trees = st.recursive(
 
 @given(value=trees, inline=st.booleans())
 def test_tagged_json_round_trips_every_value_exactly(value: Any, inline: bool) -> None:
-    from faccel._checkpoint._tagged_json import TensorSink, decode, encode
+    from faccel._storage._tagged_json import TensorSink, decode, encode
 
     sink = None if inline else TensorSink(file="t.safetensors")
     text = json.dumps(encode(value, sink=sink), allow_nan=False)  # strict JSON: no NaN literals
@@ -79,7 +79,7 @@ def test_tagged_json_round_trips_every_value_exactly(value: Any, inline: bool) -
 
 
 def test_tags_read_like_json_and_tag_like_keys_survive() -> None:
-    from faccel._checkpoint._tagged_json import decode, encode
+    from faccel._storage._tagged_json import decode, encode
 
     value = {"__tuple__": 1, "betas": (0.9, 0.999), 0: [float("-inf")]}
     encoded = encode(value)
@@ -105,7 +105,7 @@ def test_tags_read_like_json_and_tag_like_keys_survive() -> None:
     ],
 )
 def test_values_without_a_pickle_free_form_are_refused_by_path(value: Any, path: str) -> None:
-    from faccel._checkpoint._tagged_json import encode
+    from faccel._storage._tagged_json import encode
     from faccel.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=path):
@@ -129,7 +129,7 @@ def test_values_without_a_pickle_free_form_are_refused_by_path(value: Any, path:
     ],
 )
 def test_malformed_tags_raise_checkpoint_error_naming_the_file(tree: Any) -> None:
-    from faccel._checkpoint._tagged_json import decode
+    from faccel._storage._tagged_json import decode
     from faccel.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"state\.json"):
@@ -142,8 +142,8 @@ def test_safetensors_written_here_load_with_the_library_and_back(named: dict[str
 
     import safetensors.torch
 
-    from faccel._checkpoint._durable import read_verified, write_durably
-    from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
+    from faccel._storage._durable import read_verified, write_durably
+    from faccel._storage._safetensors import parse_header, plan, tensor_views
 
     with tempfile.TemporaryDirectory() as folder:
         ours = Path(folder) / "ours.safetensors"
@@ -180,7 +180,7 @@ def _write(tmp_path: Path, data: bytes) -> Path:
     ],
 )
 def test_malformed_safetensors_headers_are_refused(tmp_path: Path, edit: Any, match: str) -> None:
-    from faccel._checkpoint._safetensors import plan, read_header
+    from faccel._storage._safetensors import plan, read_header
     from faccel.errors import CheckpointError
 
     good = b"".join(bytes(memoryview(c).cast("B")) for c in plan({"w": torch.ones(4)}))
@@ -191,7 +191,7 @@ def test_malformed_safetensors_headers_are_refused(tmp_path: Path, edit: Any, ma
 
 
 def test_read_verified_checks_size_and_hash(tmp_path: Path) -> None:
-    from faccel._checkpoint._durable import FileRecord, read_verified, write_durably
+    from faccel._storage._durable import FileRecord, read_verified, write_durably
     from faccel.errors import CheckpointError
 
     path = tmp_path / "data.bin"
@@ -207,7 +207,7 @@ def test_read_verified_checks_size_and_hash(tmp_path: Path) -> None:
 
 
 def test_atomic_write_replaces_whole_files(tmp_path: Path) -> None:
-    from faccel._checkpoint._durable import atomic_write
+    from faccel._storage._durable import atomic_write
 
     path = tmp_path / "x.json"
     atomic_write(path, [b"old"])

@@ -15,13 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from faccel._checkpoint._durable import FileRecord, write_durably
 from faccel._checkpoint._folders import latest_checkpoint
 from faccel._checkpoint._format import MAX_SHARDED_WORLD, PAGE_RANKS, checkpoint_name, expected_files
-from faccel._checkpoint._layout import Placed, assign, chunks, hash_rows, overlaps, rows_of
 from faccel._checkpoint._orchestrate import manifest_content, write_pages
-from faccel._checkpoint._sharded_files import Pages
-from faccel._checkpoint._shards import ShardFile, byte_view, empty_rows, write_shard
+from faccel._checkpoint._sharded._chunks import Placed, assign, chunks, hash_rows, overlaps, rows_of
+from faccel._checkpoint._sharded._flow import Pages
+from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows, write_shard
+from faccel._storage._durable import FileRecord, write_durably
 from faccel.errors import CheckpointError
 
 _SHAPES = st.lists(

@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from faccel._checkpoint import _durable
-from faccel._checkpoint._durable import SyncedWriter, write_durably
-from faccel._checkpoint._layout import assign, overlaps
-from faccel._checkpoint._shards import ShardFile, byte_view, empty_rows, write_shard
+from faccel._checkpoint._sharded._chunks import assign, overlaps
+from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows, write_shard
+from faccel._storage import _durable
+from faccel._storage._durable import SyncedWriter, write_durably
 from tests.strategies import byte_chunks
 
 

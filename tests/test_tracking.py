@@ -133,7 +133,7 @@ def test_on_two_ranks_the_main_process_writes_and_says_whether_values_were_reduc
 def test_plot_draws_the_curves_to_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plotting needs matplotlib")
     import faccel
-    from faccel._tracking import plot
+    from faccel._report._tracking import plot
 
     dist = faccel.detect({})
     with faccel.init_tracker(dist, tmp_path) as tracker:

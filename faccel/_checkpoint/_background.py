@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 
 import attrs
 import torch
-import torch.distributed as tdist
 
-from faccel._process_group import at_shutdown
-from faccel._state import DistState
+from faccel._dist._process_group import at_shutdown
+from faccel._dist._state import DistState
+from faccel._torch_compat import default_store
 from faccel.errors import CheckpointError
 
 __all__ = ["Meeting", "release", "staged", "start", "wait"]
@@ -91,7 +91,7 @@ class Meeting:
     def __init__(self, dist: DistState, timeout: datetime.timedelta) -> None:
         self.dist = dist
         self.timeout = timeout
-        self.store = tdist.distributed_c10d._get_default_store()
+        self.store = default_store()
         # This rank's n-th background checkpoint: the same n on every rank (a collective call).
         number = self.store.add(f"faccel/background/calls/rank{dist.rank}", 1)
         self.key = f"faccel/background/{number}"

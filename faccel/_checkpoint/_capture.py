@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER, RNG_FORMAT, STATE_FORMAT
-from faccel._checkpoint._tagged_json import TensorSink, encode
-from faccel._checkpoint._weights import model_tensors
-from faccel._model import unwrap_model
-from faccel._state import DistState
+from faccel._dist._state import DistState
+from faccel._loop._model import unwrap_model
+from faccel._storage._tagged_json import TensorSink, encode
+from faccel._storage._weights import model_tensors
 from faccel._train_state import TrainState, global_position
 
 __all__ = ["capture", "capture_rng", "class_name", "extras_digests", "is_stateful"]
@@ -69,7 +69,7 @@ def capture(
     optimizer_state: Any = whole[1] if whole is not None else None
     if whole is None and state.optimizer is not None:
         optimizer_state = state.optimizer.state_dict()
-    stored, aliases = model_tensors(state.model, model_state, shards=shards)
+    stored, aliases = model_tensors(unwrap_model(state.model), model_state, shards=shards)
     optimizer_sink = TensorSink(file=OPTIMIZER, shards=shards)
     extras_sink = TensorSink(file=EXTRAS)
     scheduler = state.scheduler

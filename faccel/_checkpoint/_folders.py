@@ -28,8 +28,8 @@ from pathlib import Path
 
 import attrs
 
-from faccel._checkpoint._durable import MAX_MANIFEST, fsync_dir, read_json
 from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
+from faccel._storage._durable import MAX_MANIFEST, fsync_dir, read_json
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
 

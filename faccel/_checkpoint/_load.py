@@ -20,9 +20,10 @@ import torch
 
 from faccel._checkpoint._capture import is_stateful
 from faccel._checkpoint._format import STATE
-from faccel._checkpoint._sharded_state import load_full_state
+from faccel._checkpoint._sharded._fsdp_state import load_full_state
 from faccel._checkpoint._verify import Loadable
-from faccel._model import is_sharded, unwrap_model
+from faccel._loop._model import is_sharded, unwrap_model
+from faccel._torch_compat import is_dtensor
 from faccel._train_state import TrainState
 from faccel._tree import paired_leaves, rebuild
 from faccel.errors import CheckpointError
@@ -89,7 +90,7 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     if state.scheduler is not None and loadable.scheduler is not None:
         _into(where, "scheduler", state.scheduler, dict(loadable.scheduler))
     model = unwrap_model(state.model)
-    if is_sharded(model) and not any(type(t).__name__ == "DTensor" for t in loadable.model.values()):
+    if is_sharded(model) and not any(is_dtensor(t) for t in loadable.model.values()):
         # Whole tensors (version 1). A collective: every rank scatters them into its own shards.
         load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
     else:  # plain tensors, or (version 2 into FSDP2) DTensors holding this rank's rows

@@ -42,17 +42,6 @@ from faccel._checkpoint._background import staged as host_copies
 from faccel._checkpoint._background import start as start_in_background
 from faccel._checkpoint._background import wait as wait_for_background
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
-from faccel._checkpoint._durable import (
-    MAX_JSON,
-    MAX_MANIFEST,
-    FileRecord,
-    check_written,
-    fsync_dir,
-    in_parallel,
-    parse_json,
-    read_verified,
-    write_durably,
-)
 from faccel._checkpoint._folders import (
     RootLock,
     blocking_file,
@@ -86,20 +75,31 @@ from faccel._checkpoint._format import (
     trash_name,
 )
 from faccel._checkpoint._load import load
-from faccel._checkpoint._safetensors import parse_header, plan, tensor_views
-from faccel._checkpoint._sharded_files import (
+from faccel._checkpoint._sharded._flow import (
     exchange_records,
     page_content,
     plan_pieces,
     read_tensors,
     row_split,
 )
-from faccel._checkpoint._sharded_state import full_state, sharded_state
-from faccel._checkpoint._shards import write_shard
+from faccel._checkpoint._sharded._fsdp_state import full_state, sharded_state
+from faccel._checkpoint._sharded._shard_file import write_shard
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
-from faccel._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
-from faccel._model import is_sharded, unwrap_model
-from faccel._state import DistState
+from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
+from faccel._dist._state import DistState
+from faccel._loop._model import is_sharded, unwrap_model
+from faccel._storage._durable import (
+    MAX_JSON,
+    MAX_MANIFEST,
+    FileRecord,
+    check_written,
+    fsync_dir,
+    in_parallel,
+    parse_json,
+    read_verified,
+    write_durably,
+)
+from faccel._storage._safetensors import parse_header, plan, tensor_views
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError, CheckpointWarning
@@ -193,7 +193,7 @@ def manifest_content(
     most 1,024 pages (``MAX_SHARDED_WORLD`` ranks).
 
     Example:
-        >>> from faccel._checkpoint._durable import FileRecord
+        >>> from faccel._storage._durable import FileRecord
         >>> record = FileRecord(size=1, sha256="00")
         >>> listed = {name: record for name in ("state.json", "extras.safetensors", "ranks-00000.json")}
         >>> sorted(manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"])

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._capture import class_name, is_stateful
-from faccel._checkpoint._durable import FileRecord
 from faccel._checkpoint._format import (
     EXTRAS,
     FORMAT,
@@ -37,10 +36,11 @@ from faccel._checkpoint._format import (
     expected_files,
 )
 from faccel._checkpoint._stage import refusal, stand_ins
-from faccel._checkpoint._tagged_json import decode, tensor_refs
-from faccel._checkpoint._weights import alias_groups, compare_tensors
-from faccel._model import is_sharded, unwrap_model
-from faccel._state import DistState
+from faccel._dist._state import DistState
+from faccel._loop._model import is_sharded, unwrap_model
+from faccel._storage._durable import FileRecord
+from faccel._storage._tagged_json import decode, tensor_refs
+from faccel._storage._weights import alias_groups, compare_tensors
 from faccel._train_state import TrainState
 from faccel._tree import MISSING, paired_leaves
 from faccel.errors import CheckpointError

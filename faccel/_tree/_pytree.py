@@ -1,4 +1,4 @@
-"""Records as pytrees: the one module that touches ``torch.utils._pytree``.
+"""Records as pytrees: the one module that uses torch's pytree registry (through ``_torch_compat``).
 
 ``torch.func`` transforms and ``tree_map`` walk nested containers through
 PyTorch's pytree registry, which is a private API. Every faccel module goes
@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import attrs
 import torch
-import torch.utils._pytree as _pytree
 
+from faccel._torch_compat import pytree as _pytree
 from faccel.errors import ArgumentError
 
 __all__ = [
@@ -165,7 +165,7 @@ def register_pytree(cls: type[T]) -> type[T]:
         ...     a: torch.Tensor
         ...     b: torch.Tensor
         ...     name: str = faccel.func.static_field(default="pair")
-        >>> import torch.utils._pytree as pytree
+        >>> from faccel._torch_compat import pytree
         >>> leaves, spec = pytree.tree_flatten(Pair(a=torch.zeros(1), b=torch.ones(1)))
         >>> len(leaves), pytree.tree_unflatten(leaves, spec).name
         (2, 'pair')

@@ -9,7 +9,7 @@ holds it all, a pytree (:func:`register_pytree`, :func:`static_field`,
 :func:`tree_map`).
 
 Like ``faccel``, every name is imported on first use; ``__all__`` comes from
-the public table in ``faccel/__init__.py``.
+the public table in ``faccel/_public.py``.
 
 Example:
     >>> import torch, faccel
@@ -23,22 +23,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from faccel import _namespace
+from faccel._public import namespace as _namespace
 
-if TYPE_CHECKING:  # _PUBLIC["faccel.func"] again, for type checkers and IDEs (tests/test_api.py compares)
-    from faccel._functional import FunctionalState as FunctionalState
-    from faccel._functional import loss_and_grad as loss_and_grad
-    from faccel._functional import model_params as model_params
-    from faccel._grad_sync import GradBuckets as GradBuckets
-    from faccel._grad_sync import grad_buckets as grad_buckets
-    from faccel._grad_sync import sync_grads as sync_grads
-    from faccel._optim._adamw import AdamWState as AdamWState
-    from faccel._optim._adamw import adamw as adamw
-    from faccel._optim._base import Optimizer as Optimizer
-    from faccel._optim._groups import ParamGroupsState as ParamGroupsState
-    from faccel._optim._groups import param_groups as param_groups
-    from faccel._optim._sgd import SGDState as SGDState
-    from faccel._optim._sgd import sgd as sgd
+# PUBLIC["faccel.func"] of faccel/_public.py again, for type checkers and IDEs (tests/test_api.py compares)
+if TYPE_CHECKING:
+    from faccel._func._functional import FunctionalState as FunctionalState
+    from faccel._func._functional import loss_and_grad as loss_and_grad
+    from faccel._func._functional import model_params as model_params
+    from faccel._func._grad_sync import GradBuckets as GradBuckets
+    from faccel._func._grad_sync import grad_buckets as grad_buckets
+    from faccel._func._grad_sync import sync_grads as sync_grads
+    from faccel._func._optim._adamw import AdamWState as AdamWState
+    from faccel._func._optim._adamw import adamw as adamw
+    from faccel._func._optim._base import Optimizer as Optimizer
+    from faccel._func._optim._groups import ParamGroupsState as ParamGroupsState
+    from faccel._func._optim._groups import param_groups as param_groups
+    from faccel._func._optim._sgd import SGDState as SGDState
+    from faccel._func._optim._sgd import sgd as sgd
     from faccel._tree import register_pytree as register_pytree
     from faccel._tree import static_field as static_field
     from faccel._tree import tree_map as tree_map

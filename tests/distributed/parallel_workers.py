@@ -11,8 +11,8 @@ from typing import Any
 import attrs
 
 import faccel
-from faccel._layout import DIMENSIONS
-from faccel._mesh import data_group
+from faccel._dist._layout import DIMENSIONS
+from faccel._dist._mesh import data_group
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "parallel_transformer.py"
 

@@ -102,9 +102,9 @@ def read_whole(root: str) -> dict[str, Any]:
     """Read a sharded checkpoint's tensors whole at this world size, as any replicated target does
     (what a DDP rank reads), without loading: their digests."""
     import faccel
-    from faccel._checkpoint._durable import read_json
     from faccel._checkpoint._orchestrate import _read_manifest
-    from faccel._checkpoint._sharded_files import read_tensors
+    from faccel._checkpoint._sharded._flow import read_tensors
+    from faccel._storage._durable import read_json
 
     dist = faccel.detect()
     folder = faccel.latest_checkpoint(root)
@@ -123,7 +123,7 @@ def read_whole(root: str) -> dict[str, Any]:
 def corrupt_and_load(root: str, victim: int, key: str = "model/inp.weight") -> dict[str, Any]:
     """Rank 0 flips the first byte of ``key``'s chunk in ``victim``'s shard file; every rank restores."""
     import faccel
-    from faccel._checkpoint._safetensors import read_header
+    from faccel._storage._safetensors import read_header
 
     dist = faccel.detect(strategy="fsdp")
     folder = faccel.latest_checkpoint(root)

@@ -1,0 +1,375 @@
+"""The sharded format's files (version 2): what each rank writes, the rank pages, what a rank reads.
+
+Writing: :func:`plan_pieces` turns the model's and optimizer's tensors (FSDP2
+DTensors or whole, replicated tensors) into the index (``_layout``'s chunk
+rule per tensor, the same on every rank) and the chunks this rank writes, as
+views of the tensors it holds: no rank gathers another's shard. Each rank
+writes ``shard-RANK.safetensors`` and ``rng-RANK.json``; their records
+(size and SHA-256) travel to rank 0 in one ``all_gather`` of fixed-size byte
+tensors (no pickle), and rank 0 writes them into pages of
+:data:`PAGE_RANKS` ranks (``ranks-PAGE.json``), which the manifest lists.
+
+Reading: :func:`read_tensors` computes, for each tensor the target holds,
+the rows it needs (an FSDP2 target's local shard: its ``Shard(0)`` rows; any
+other target: the whole tensor), opens only the shard files whose chunks
+overlap them (each checked against its rank page, each page against the
+manifest), and reads only those rows, every hash block checked before use.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, RANKS_FORMAT, page_name, shard_name
+from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, rows_of
+from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._dist._process_group import comm_device
+from faccel._dist._state import DistState
+from faccel._loop._model import unwrap_model
+from faccel._storage._durable import MAX_JSON, FileRecord, in_parallel, parse_json, read_verified
+from faccel._storage._tagged_json import decode
+from faccel._torch_compat import is_dtensor, local_rows
+from faccel._train_state import TrainState
+from faccel.errors import CheckpointError
+
+__all__ = [
+    "GROUPS",
+    "exchange_records",
+    "page_content",
+    "plan_pieces",
+    "read_tensors",
+    "row_split",
+]
+
+# The tensor groups of a sharded checkpoint: the names state.json's tensor references use.
+GROUPS = {MODEL: "model", OPTIMIZER: "optimizer"}
+# Reading threads: pread and SHA-256 release the GIL.
+_READERS = 4
+
+
+def row_split(tensor: Any, world: int) -> bool:
+    """Whether ``tensor`` is a DTensor split by rows over all ``world`` ranks, as FSDP2 shards:
+    one mesh dimension of ``world`` ranks in order, ``Shard(0)``.
+
+    Example:
+        >>> import torch
+        >>> row_split(torch.zeros(2), 1)
+        False
+    """
+    if not is_dtensor(tensor):
+        return False
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    return (
+        mesh.ndim == 1
+        and mesh.mesh.flatten().tolist() == list(range(world))
+        and len(tensor.placements) == 1
+        and isinstance(tensor.placements[0], Shard)
+        and tensor.placements[0].dim == 0
+        and tensor.dim() > 0
+    )
+
+
+def plan_pieces(
+    files: Mapping[str, Mapping[str, torch.Tensor]], rank: int, world: int
+) -> tuple[dict[str, dict[str, Placed]], dict[str, torch.Tensor], dict[str, Placed]]:
+    """The index ``{group: {key: Placed}}``, and the chunks ``rank`` writes, keyed ``group/key``.
+
+    Raises :class:`CheckpointError` for a DTensor that is not split by rows
+    over all ranks (another layout: write it with ``sharded=False``).
+    """
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    sharded: list[str] = []
+    tensor: Any
+    tensors: dict[str, Any] = {}
+    for file, group in GROUPS.items():
+        for key, value in files.get(file, {}).items():
+            name, tensor = f"{group}/{key}", value
+            if is_dtensor(tensor):
+                if not row_split(tensor, world):
+                    msg = (
+                        f"{name} is a DTensor placed {tensor.placements} on a mesh of "
+                        f"{tensor.device_mesh.mesh.tolist()}; the sharded format writes tensors split by "
+                        "rows over all ranks (FSDP2's Shard(0)); checkpoint with sharded=False"
+                    )
+                    raise CheckpointError(msg)
+                sharded.append(name)
+            specs[name] = (tensor.dtype, tuple(tensor.shape))
+            tensors[name] = tensor
+    placed = assign(specs, sharded, world)
+    pieces: dict[str, torch.Tensor] = {}
+    for name, spot in placed.items():
+        tensor = tensors[name]
+        if name in sharded:
+            local = tensor.to_local()
+            start = min(rows_of(spot.shape), rank * spot.block)
+            if local.shape[0] != min(rows_of(spot.shape), start + spot.block) - start:
+                msg = f"{name}: rank {rank}'s shard has {local.shape[0]} rows, not those of an even split"
+                raise CheckpointError(msg)
+            if local.shape[0]:  # a rank past the last row holds no chunk
+                pieces[name] = local.detach()
+            continue
+        for chunk in overlaps(spot, world, 0, rows_of(spot.shape)):
+            if chunk.rank == rank:
+                pieces[name] = (
+                    tensor.detach() if not spot.shape else tensor.detach()[chunk.start : chunk.stop]
+                )
+    index: dict[str, dict[str, Placed]] = {group: {} for group in GROUPS.values()}
+    for name, spot in placed.items():
+        group, key = name.split("/", 1)
+        index[group][key] = spot
+    return index, pieces, placed
+
+
+def _encode(record: FileRecord) -> list[int]:
+    return [*record.size.to_bytes(8, "little"), *bytes.fromhex(record.sha256)]
+
+
+def _decode(raw: list[int]) -> FileRecord:
+    return FileRecord(size=int.from_bytes(bytes(raw[:8]), "little"), sha256=bytes(raw[8:40]).hex())
+
+
+def exchange_records(
+    dist: DistState, shard: FileRecord, rng: FileRecord
+) -> list[tuple[FileRecord, FileRecord]]:
+    """Every rank's ``(shard, rng)`` records, on every rank: one ``all_gather`` of 80 bytes a rank."""
+    mine = torch.tensor(_encode(shard) + _encode(rng), dtype=torch.uint8)
+    if not dist.distributed:
+        gathered = [mine]
+    else:
+        device = comm_device(dist)
+        gathered = [torch.empty_like(mine, device=device) for _ in range(dist.world_size)]
+        tdist.all_gather(gathered, mine.to(device))
+    out = []
+    for tensor in gathered:
+        values = tensor.cpu().tolist()
+        out.append((_decode(values[:40]), _decode(values[40:])))
+    return out
+
+
+def page_content(first: int, records: list[tuple[FileRecord, FileRecord]]) -> dict[str, Any]:
+    """The JSON of the rank page whose first rank is ``first``, from its ranks' records.
+
+    Example:
+        >>> from faccel._storage._durable import FileRecord
+        >>> page_content(0, [(FileRecord(size=8, sha256="ab"), FileRecord(size=3, sha256="cd"))])["ranks"]
+        [{'shard': {'size': 8, 'sha256': 'ab'}, 'rng': {'size': 3, 'sha256': 'cd'}}]
+    """
+    return {
+        "format": RANKS_FORMAT,
+        "first": first,
+        "ranks": [
+            {"shard": {"size": s.size, "sha256": s.sha256}, "rng": {"size": r.size, "sha256": r.sha256}}
+            for s, r in records
+        ],
+    }
+
+
+class Pages:
+    """The rank pages of a checkpoint, read (and checked against the manifest) when first needed."""
+
+    def __init__(self, directory: Path, records: Mapping[str, FileRecord], world: int) -> None:
+        self.directory, self.records, self.world = directory, records, world
+        self.pages: dict[int, list[tuple[FileRecord, FileRecord]]] = {}
+        self.lock = threading.Lock()
+
+    def _read(self, page: int) -> list[tuple[FileRecord, FileRecord]]:
+        name = page_name(page)
+        where = f"{self.directory}/{name}"
+        buffer, _ = read_verified(self.directory / name, self.records[name], where=where, limit=MAX_JSON)
+        raw = parse_json(buffer.numpy().data, where)
+        first = page * PAGE_RANKS
+        count = min(PAGE_RANKS, self.world - first)
+        entries = raw.get("ranks") if isinstance(raw, dict) else None
+        if (
+            not isinstance(raw, dict)
+            or raw.get("format") != RANKS_FORMAT
+            or raw.get("first") != first
+            or not isinstance(entries, list)
+            or len(entries) != count
+        ):
+            msg = f"{where}: not the rank page of ranks {first} to {first + count - 1}"
+            raise CheckpointError(msg)
+        out = []
+        for entry in entries:
+            try:
+                out.append(
+                    tuple(
+                        FileRecord(size=entry[k]["size"], sha256=entry[k]["sha256"]) for k in ("shard", "rng")
+                    )
+                )
+            except (KeyError, TypeError):
+                msg = f"{where}: every rank needs shard and rng records of a size and a sha256"
+                raise CheckpointError(msg) from None
+            if not all(type(r.size) is int and isinstance(r.sha256, str) for r in out[-1]):
+                msg = f"{where}: every rank needs shard and rng records of a size and a sha256"
+                raise CheckpointError(msg)
+        return out  # type: ignore[return-value]
+
+    def of(self, rank: int) -> tuple[FileRecord, FileRecord]:
+        """Rank ``rank``'s ``(shard, rng)`` records."""
+        page = rank // PAGE_RANKS
+        with self.lock:
+            if page not in self.pages:
+                self.pages[page] = self._read(page)
+            return self.pages[page][rank % PAGE_RANKS]
+
+
+def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[str, dict[Any, Any]]:
+    """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
+    model = dict(unwrap_model(state.model).state_dict())
+    found: dict[str, dict[Any, Any]] = {"model": model, "optimizer": {}}
+    if state.optimizer is None:
+        return found
+    section = content.get("optimizer")
+    saved = section.get("state_dict") if isinstance(section, dict) else None
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    try:
+        groups = decode(groups, tensors={}, where=where)
+    except CheckpointError:
+        return found
+    if not isinstance(groups, list) or len(groups) != len(state.optimizer.param_groups):
+        return found
+    params: dict[int, Any] = {}
+    for group, live in zip(groups, state.optimizer.param_groups, strict=True):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if isinstance(ids, list) and len(ids) == len(live["params"]):
+            params.update({i: p for i, p in zip(ids, live["params"], strict=True) if type(i) is int})
+    found["param_of"] = params
+    return found
+
+
+def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed) -> Any:
+    """What ``key`` loads into: the live tensor (for an optimizer state of the parameter's shape, the
+    parameter), ``True`` for a whole plain tensor, None for nothing (a model tensor that does not fit)."""
+    if group == "model":
+        live = targets["model"].get(key)
+        return (
+            live
+            if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype)
+            else None
+        )
+    parts = key.split(".")
+    number = int(parts[1]) if len(parts) == 3 and parts[0] == "state" and parts[1].isdigit() else None
+    live = targets.get("param_of", {}).get(number)
+    # Elementwise state (exp_avg) is sharded as its parameter; anything else (a 0-d step) is whole.
+    return (
+        live if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype) else True
+    )
+
+
+def read_tensors(
+    directory: Path,
+    records: Mapping[str, FileRecord],
+    world: int,
+    state: TrainState,
+    content: Mapping[str, Any],
+    *,
+    where: str,
+) -> tuple[dict[str, dict[str, torch.Tensor]], Pages]:
+    """The tensors of a sharded checkpoint as ``{MODEL: {...}, OPTIMIZER: {...}}``, this rank's part only.
+
+    A tensor meant for an FSDP2 target (a DTensor split by rows) comes back as
+    a DTensor of the same placement holding only this rank's rows; one meant
+    for another DTensor is read whole and split locally; one for a plain
+    tensor is read whole. A tensor with no matching target (absent, another
+    shape or dtype) is a ``meta`` tensor of the saved shape: it is never read,
+    and the checks report it.
+    """
+    index = parse_index(content.get("tensors"), world, where=f"{where}/state.json")
+    targets = _targets(state, content, where)
+    pages = Pages(directory, records, world)
+    jobs: list[tuple[str, str, Placed, Any, int, int]] = []
+    for group, entries in index.items():
+        for key, placed in entries.items():
+            live = _target_for(targets, group, key, placed)
+            start, stop = 0, rows_of(placed.shape)
+            if is_dtensor(live) and row_split(live, live.device_mesh.size()):
+                start, stop = local_rows(live)
+            jobs.append((group, key, placed, live, start, stop))
+    needed = sorted(
+        {c.rank for _, _, p, live, a, b in jobs if live is not None for c in overlaps(p, world, a, b)}
+    )
+    opened: dict[int, ShardFile] = {}
+    try:
+        shard_files = in_parallel([_opener(directory, pages, rank) for rank in needed])
+        opened = dict(zip(needed, shard_files, strict=True))
+        local = threading.local()
+
+        def run(job: tuple[str, str, Placed, Any, int, int]) -> Callable[[], torch.Tensor]:
+            group, key, placed, live, start, stop = job
+
+            def read() -> torch.Tensor:
+                if live is None:
+                    return torch.empty(placed.shape, dtype=placed.dtype, device="meta")
+                found = overlaps(placed, world, start, stop)
+                for chunk in found:  # sizes checked against the files before anything is allocated
+                    opened[chunk.rank].info(f"{group}/{key}", placed, chunk)
+                out = empty_rows(placed, start, stop)
+                view = byte_view(out)
+                width = len(view) // max(1, stop - start) if placed.shape else len(view)
+                scratch = getattr(local, "scratch", None)
+                if scratch is None:
+                    scratch = local.scratch = {}
+                for chunk in found:
+                    part = view[(chunk.use_start - start) * width : (chunk.use_stop - start) * width]
+                    opened[chunk.rank].read(f"{group}/{key}", placed, chunk, part, scratch)
+                return _as_target(out, live, placed)
+
+            return read
+
+        values = _pooled([run(job) for job in jobs])
+    finally:
+        for shard in opened.values():
+            shard.close()
+    out: dict[str, dict[str, torch.Tensor]] = {MODEL: {}, OPTIMIZER: {}}
+    files = {group: file for file, group in GROUPS.items()}
+    for (group, key, *_), value in zip(jobs, values, strict=True):
+        out[files[group]][key] = value
+    return out, pages
+
+
+def _opener(directory: Path, pages: Pages, rank: int) -> Callable[[], ShardFile]:
+    def open_one() -> ShardFile:
+        name = shard_name(rank)
+        return ShardFile(directory / name, pages.of(rank)[0], where=f"{directory}/{name}")
+
+    return open_one
+
+
+def _pooled(tasks: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    if len(tasks) < 2:
+        return [task() for task in tasks]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=_READERS, thread_name_prefix="faccel-read") as pool:
+        futures = [pool.submit(task) for task in tasks]
+        return [future.result() for future in futures]
+
+
+def _as_target(out: torch.Tensor, live: Any, placed: Placed) -> torch.Tensor:
+    """The rows read, as the target holds them: a DTensor of its placement, or a plain tensor."""
+    if not is_dtensor(live):
+        return out
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    stride = tuple(math.prod(placed.shape[i + 1 :]) for i in range(len(placed.shape)))
+    out = out.to(live.to_local().device)
+    if row_split(live, live.device_mesh.size()):
+        return DTensor.from_local(
+            out,
+            live.device_mesh,
+            live.placements,
+            run_check=False,
+            shape=torch.Size(placed.shape),
+            stride=stride,
+        )
+    return distribute_tensor(out, live.device_mesh, live.placements, src_data_rank=None)

@@ -1,0 +1,302 @@
+"""A rank's shard file: its chunks as safetensors, every hash block's SHA-256 in the header.
+
+``shard-RANK.safetensors`` (format version 2) is a standard safetensors file
+holding the chunks rank RANK writes (``_layout``), each under its tensor's
+key (``model/<name>``, ``optimizer/<key>``) with the chunk's own shape. Its
+``__metadata__`` holds ``{"faccel": JSON}`` with, for each chunk, the rows per
+hash block and the SHA-256 of each block. The header's own SHA-256 (and the
+file's size) goes to the checkpoint's rank pages, so the chain manifest ->
+page -> header -> block covers every byte a reader uses.
+
+Writing (:func:`write_shard`) streams each chunk from the tensor's own memory
+(through ``SyncedWriter``, which starts the disk early) while a second thread
+hashes the blocks; the header, whose length does not
+depend on the hashes (fixed-width hex), is written first with placeholders and
+rewritten in place at the end. Reading (:class:`ShardFile`) checks the header
+against its record, then reads only the byte ranges of the rows asked for,
+rounded out to whole hash blocks, and checks each block before its bytes are
+used. Blocks are read around the page cache (``O_DIRECT``, into a page-aligned
+scratch block per thread, then copied into place) where the file system
+allows it: a restore reads each byte once, so the cache would only cost a
+second copy and the kernel's work of filling it (on the 2-core test machine,
+most of a cold restore's time). Elsewhere, or when the file system refuses
+an aligned read, blocks go through the cache, straight into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from faccel._checkpoint._sharded._chunks import HASH_BYTES, Chunk, Placed, hash_rows, row_bytes, rows_of
+from faccel._storage._durable import FileRecord, SyncedWriter, open_regular, parse_json
+from faccel._storage._safetensors import (
+    DTYPE_CODES,
+    Header,
+    TensorInfo,
+    header_bytes,
+    parse_header,
+    raw_bytes,
+)
+from faccel.errors import CheckpointError
+
+__all__ = ["ShardFile", "write_shard"]
+
+_META = "faccel"
+_PLACEHOLDER = "0" * 64
+# One read() moves at most this much on Linux.
+_READ_CHUNK = 1 << 30
+_MAX_HEADER = 100_000_000
+# O_DIRECT reads: offsets, lengths and buffers aligned to this (a page; any block size up to it).
+_ALIGN = 4096
+# A thread's scratch: one hash block (the layout's size) and its alignment.
+_SCRATCH = HASH_BYTES + 2 * _ALIGN
+
+
+def _header(
+    pieces: Mapping[str, torch.Tensor],
+    order: list[str],
+    hashes: Mapping[str, list[str]],
+    per: Mapping[str, int],
+) -> bytes:
+    meta = json.dumps({"hash_rows": dict(per), "sha256": dict(hashes)}, separators=(",", ":"))
+    specs = {name: (pieces[name].dtype, tuple(pieces[name].shape)) for name in order}
+    return header_bytes(specs, order, {_META: meta})
+
+
+def _sha(view: Any) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
+def write_shard(path: Path, pieces: Mapping[str, torch.Tensor], placed: Mapping[str, Placed]) -> FileRecord:
+    """Write one rank's chunks to a new file at ``path`` and fsync it; the caller fsyncs the folder.
+
+    ``pieces`` maps each key to the chunk's tensor (rows of the global tensor,
+    contiguous); ``placed`` gives each key's global tensor (for the rows per
+    hash block). Returns the file's size and the SHA-256 of its header.
+
+    Raises :class:`CheckpointError` for a dtype safetensors cannot hold.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+        msg = "faccel writes safetensors (little-endian) only on little-endian machines"
+        raise CheckpointError(msg)
+    for name, tensor in pieces.items():
+        if tensor.dtype not in DTYPE_CODES:
+            msg = f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
+            raise CheckpointError(msg)
+    order = sorted(pieces, key=lambda name: -pieces[name].element_size())
+    per = {name: hash_rows(placed[name]) for name in order}
+    counts = {
+        name: -(-rows_of(tuple(pieces[name].shape)) // per[name]) if pieces[name].numel() else 0
+        for name in order
+    }
+    draft = _header(pieces, order, {name: [_PLACEHOLDER] * counts[name] for name in order}, per)
+    futures: dict[str, list[Future[str]]] = {name: [] for name in order}
+    with (
+        SyncedWriter(path) as out,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="faccel-hash") as hasher,
+    ):
+        out.write(draft)
+        for name in order:
+            tensor = pieces[name]
+            if not tensor.numel():
+                continue
+            data = memoryview(raw_bytes(tensor)).cast("B")
+            step = per[name] * (len(data) // rows_of(tuple(tensor.shape)))
+            for start in range(0, len(data), step):
+                block = data[start : start + step]
+                futures[name].append(hasher.submit(_sha, block))  # hashed while written
+                out.write(block)
+        hashes = {name: [future.result() for future in futures[name]] for name in order}
+        final = _header(pieces, order, hashes, per)
+        if len(final) != len(draft):  # pragma: no cover - fixed-width hex cannot change the length
+            msg = f"{path}: the shard header changed length"
+            raise CheckpointError(msg)
+        os.pwrite(out.fd, final, 0)
+        size = out.close()
+    return FileRecord(size=size, sha256=hashlib.sha256(final).hexdigest())
+
+
+class ShardFile:
+    """One writer rank's shard file, open for reading: header checked against its record.
+
+    Holds the descriptor until :meth:`close`; :meth:`read` fills rows of a
+    tensor into a caller's buffer, checking every hash block it touches.
+    """
+
+    def __init__(self, path: Path, record: FileRecord, *, where: str) -> None:
+        self.where = where
+        self.fd = open_regular(path, where=where)
+        try:
+            size = os.fstat(self.fd).st_size
+            if size != record.size:
+                msg = f"{where}: the file has {size} bytes but its rank page says {record.size} (truncated?)"
+                raise CheckpointError(msg)
+            head = os.pread(self.fd, 8, 0)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            if len(head) != 8 or length > _MAX_HEADER or 8 + length > size:
+                msg = f"{where}: not a valid safetensors file: a header of {length} bytes in {size}"
+                raise CheckpointError(msg)
+            head += os.pread(self.fd, length, 8)
+            if hashlib.sha256(head).hexdigest() != record.sha256:
+                msg = f"{where}: the header's sha256 checksum differs from its rank page's (corrupted)"
+                raise CheckpointError(msg)
+            self.header: Header = parse_header(head, size, where=where)
+            self.per, self.hashes = self._hashes(self.header)
+            self.direct = _reopen_direct(self.fd)
+            self.direct_works = True
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _hashes(self, header: Header) -> tuple[dict[str, int], dict[str, list[str]]]:
+        raw = parse_json(header.metadata.get(_META, "").encode(), f"{self.where}: __metadata__")
+        per = raw.get("hash_rows") if isinstance(raw, dict) else None
+        hashes = raw.get("sha256") if isinstance(raw, dict) else None
+        if not isinstance(per, dict) or not isinstance(hashes, dict):
+            msg = f"{self.where}: __metadata__ lacks faccel's hash blocks (not a faccel shard file)"
+            raise CheckpointError(msg)
+        for name, info in header.tensors.items():
+            rows, each, listed = rows_of(info.shape), per.get(name), hashes.get(name)
+            count = -(-rows // each) if type(each) is int and each >= 1 and info.end > info.start else 0
+            if type(each) is not int or each < 1 or not isinstance(listed, list) or len(listed) != count:
+                msg = f"{self.where}: tensor {name!r} has no valid hash blocks in __metadata__"
+                raise CheckpointError(msg)
+        return per, hashes
+
+    def close(self) -> None:
+        """Close the file."""
+        os.close(self.fd)
+        if self.direct >= 0:
+            os.close(self.direct)
+
+    def info(self, name: str, placed: Placed, chunk: Chunk) -> TensorInfo:
+        """The entry of ``name``'s chunk, checked to be that chunk of ``placed``."""
+        info = self.header.tensors.get(name)
+        shape = (chunk.stop - chunk.start, *placed.shape[1:]) if placed.shape else ()
+        if info is None or info.dtype != placed.dtype or info.shape != shape:
+            found = "missing" if info is None else f"{info.dtype} {list(info.shape)}"
+            msg = (
+                f"{self.where}: tensor {name!r} should hold rows {chunk.start}:{chunk.stop} "
+                f"({placed.dtype} {list(shape)}), found {found}"
+            )
+            raise CheckpointError(msg)
+        return info
+
+    def read(
+        self, name: str, placed: Placed, chunk: Chunk, out: Any, scratch: dict[str, Any] | None = None
+    ) -> None:
+        """Rows ``[use_start, use_stop)`` of ``chunk`` into ``out`` (a writable uint8 view of
+        exactly those rows' bytes), every hash block they touch checked. ``scratch``: the calling
+        thread's buffers, kept between calls (one hash block, page-aligned, per kind of read)."""
+        scratch = {} if scratch is None else scratch
+        info = self.info(name, placed, chunk)
+        width = row_bytes(placed)
+        if not width or chunk.use_stop <= chunk.use_start:
+            return
+        per = self.per[name]
+        base = self.header.data_start + info.start
+        rows = chunk.stop - chunk.start
+        low, high = chunk.use_start - chunk.start, chunk.use_stop - chunk.start
+        for block in range(low // per, -(-high // per)):
+            first, last = block * per, min(rows, (block + 1) * per)
+            inside = low <= first and last <= high
+            offset, need = base + first * width, (last - first) * width
+            target = self._direct(offset, need, scratch)
+            in_place = False
+            if target is None:  # through the page cache: straight into out when the block is whole
+                in_place = inside
+                if inside:
+                    target = out[(first - low) * width : (last - low) * width]
+                else:
+                    target = _scratch(scratch, "buffered", need)[:need]
+                self._pread(self.fd, target, offset)
+            if _sha(target) != self.hashes[name][block]:
+                msg = (
+                    f"{self.where}: tensor {name!r}, rows {chunk.start + first}:{chunk.start + last}: the "
+                    "sha256 checksum differs from the header's (the file is corrupted)"
+                )
+                raise CheckpointError(msg)
+            if not in_place:
+                start, stop = max(first, low), min(last, high)
+                out[(start - low) * width : (stop - low) * width] = target[
+                    (start - first) * width : (stop - first) * width
+                ]
+
+    def _direct(self, offset: int, need: int, scratch: dict[str, Any]) -> Any:
+        """``need`` bytes at ``offset`` read around the page cache into aligned scratch, or None.
+
+        None when this file has no such descriptor, or its file system refuses
+        the read (then the rest of the file is read through the cache).
+        """
+        if self.direct < 0 or not self.direct_works:
+            return None
+        low = offset - offset % _ALIGN
+        high = -(-(offset + need) // _ALIGN) * _ALIGN
+        buffer = _scratch(scratch, "direct", high - low)[: high - low]
+        try:
+            self._pread(self.direct, buffer, low, at_least=offset + need - low)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            self.direct_works = False  # an alignment this file system does not take
+            return None
+        return buffer[offset - low : offset - low + need]
+
+    def _pread(self, fd: int, target: Any, offset: int, at_least: int | None = None) -> None:
+        """Fill ``target`` from ``offset`` (its first ``at_least`` bytes: the file may end sooner)."""
+        view = memoryview(target).cast("B")
+        want = len(view) if at_least is None else at_least
+        done = 0
+        while done < want:
+            got = os.preadv(fd, [view[done : done + _READ_CHUNK]], offset + done)
+            if not got:
+                msg = f"{self.where}: the file shrank while it was read"
+                raise CheckpointError(msg)
+            done += got
+
+
+def _scratch(scratch: dict[str, Any], kind: str, size: int) -> Any:
+    """This thread's scratch buffer of ``kind``, grown to at least ``size`` bytes (page-aligned)."""
+    if kind not in scratch or len(scratch[kind]) < size:
+        scratch[kind] = np.frombuffer(mmap.mmap(-1, max(size, _SCRATCH)), dtype=np.uint8)
+    return scratch[kind]
+
+
+def _reopen_direct(fd: int) -> int:
+    """A second descriptor on the same file that reads around the page cache, or -1."""
+    if not hasattr(os, "O_DIRECT"):
+        return -1
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
+def empty_rows(placed: Placed, start: int, stop: int) -> torch.Tensor:
+    """A new tensor for rows ``[start, stop)`` of ``placed`` (the whole 0-d tensor for a 0-d one)."""
+    shape = (stop - start, *placed.shape[1:]) if placed.shape else ()
+    return torch.empty(shape, dtype=placed.dtype)
+
+
+def byte_view(tensor: torch.Tensor) -> Any:
+    """A writable flat uint8 NumPy view of a contiguous CPU tensor's bytes."""
+    return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else memoryview(bytearray())
+
+
+def total_bytes(placed: Placed) -> int:
+    """Bytes of the whole tensor."""
+    return math.prod(placed.shape) * placed.dtype.itemsize

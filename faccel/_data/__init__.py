@@ -1,0 +1,1 @@
+"""Data: the prepared loader, data sharding, samplers, splits, metrics gathering."""

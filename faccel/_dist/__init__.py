@@ -1,0 +1,1 @@
+"""The run's processes: launch environment, DistState, layout, process group, mesh, collectives."""

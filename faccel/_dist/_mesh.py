@@ -1,0 +1,114 @@
+"""The DeviceMesh and process groups a :class:`~faccel.Layout` describes, made once per process group.
+
+The mesh is always 3-D, ``("replicate", "shard", "tensor")``, sizes of 1
+included: ``device_mesh(dist)["tensor"]`` and ``["replicate", "shard"]``
+exist whatever the layout, so code written for one layout runs on every
+other. (A dimension of size 1 costs one trivial group per rank, made once.)
+Made lazily, because ``init_device_mesh`` is a collective every rank must
+join and it costs a process group per dimension; kept for the life of the
+default process group, because a DTensor's mesh must be the very mesh the
+next call slices from (``fully_shard`` over TP parameters checks that the two
+meshes share a root).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as tdist
+
+from faccel._dist._layout import DIMENSIONS
+from faccel._dist._process_group import require_group
+from faccel._dist._state import DistState
+from faccel._typecheck import setup_checked
+from faccel.errors import DistributedError
+
+__all__ = ["data_group", "data_mesh", "device_mesh"]
+
+# (what, layout shape, device type) -> (the default group it was made under, the object).
+# A memo of objects that belong to the default process group, which PyTorch itself keeps per
+# process (faccel holds no other module-level state): a ProcessGroup takes no attributes to
+# hang them on, and a DistState is made before them and copied by attrs.evolve. It changes
+# no result, only how often init_device_mesh runs. A new default group (shutdown, then
+# detect) makes the entries stale: they are rebuilt.
+_MADE: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def _cached(key: tuple[Any, ...], make: Any) -> Any:
+    world = tdist.group.WORLD
+    held = _MADE.get(key)
+    if held is not None and held[0] is world:
+        return held[1]
+    made = make()
+    _MADE[key] = (world, made)
+    return made
+
+
+@setup_checked
+def device_mesh(dist: DistState) -> Any:
+    """The 3-D DeviceMesh ``("replicate", "shard", "tensor")`` of ``dist.parallel``, made once.
+
+    A collective the first time for each layout: every rank must call it.
+    Slice it by name for PyTorch's own APIs: ``mesh["tensor"]`` for
+    ``parallelize_module``, ``mesh["replicate", "shard"]`` for
+    ``fully_shard`` (HSDP). Rank ``r`` sits at ``dist.parallel.coordinates(r)``.
+
+    Args:
+        dist: The run's :class:`DistState`, with peer processes.
+
+    Returns:
+        A ``torch.distributed.device_mesh.DeviceMesh`` over ``dist.device``'s type.
+
+    Raises:
+        DistributedError: No process group runs (a single or simulated process).
+        ArgumentError: ``dist`` is not a :class:`DistState`.
+
+    Example:
+        >>> import faccel
+        >>> faccel.device_mesh(faccel.detect({}))
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: device_mesh() on rank 0 of 1 needs a running process group; ...
+    """
+    if dist.launcher == "simulated":
+        msg = "device_mesh() needs real peer processes; a simulated DistState has none"
+        raise DistributedError(msg)
+    require_group(dist, "device_mesh")
+    layout = dist.parallel
+
+    def make() -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(dist.device.type, layout.shape, mesh_dim_names=DIMENSIONS)
+
+    return _cached(("mesh", layout.shape, dist.device.type), make)
+
+
+def data_mesh(dist: DistState) -> Any:
+    """The data-parallel part of the mesh that ``fully_shard`` shards over.
+
+    ``["shard"]`` (1-D, flat FSDP2) without replicas; ``["replicate", "shard"]``
+    (2-D, HSDP: all-gather within a replica, all-reduce across replicas) with them.
+    """
+    mesh = device_mesh(dist)
+    return mesh["replicate", "shard"] if dist.parallel.replicate > 1 else mesh["shard"]
+
+
+def data_group(dist: DistState) -> Any:
+    """The process group of this rank's data-parallel peers; None when that is every rank.
+
+    The ranks of one tensor-parallel group hold the same batch, so metrics
+    are combined over the data-parallel group alone. Made once per layout,
+    the first time any rank asks (a collective: every rank must ask).
+    """
+    layout = dist.parallel
+    if layout.tensor == 1:
+        return None
+    require_group(dist, "data_group")
+
+    def make() -> Any:
+        groups = [list(g) for g in layout.groups("data")]
+        mine, _ = tdist.new_subgroups_by_enumeration(groups, timeout=dist.timeout)
+        return mine
+
+    return _cached(("data", layout.shape, dist.device.type), make)

@@ -1,0 +1,388 @@
+"""The one place that talks to torch.distributed's default process group.
+
+It starts the group (:func:`detect`) and stops it (:func:`shutdown`), and it
+owns the rules every module follows before talking to peers:
+:func:`require_group` and :func:`require_peers` (is there a group to talk
+through, and is this state allowed to talk at all) and :func:`comm_device`
+(where the tensors of a collective must live for this backend).
+``faccel._dist._state`` stays pure: this module imports it, never the reverse.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from faccel._dist._layout import Layout
+from faccel._dist._state import DistState, state_from_env
+from faccel._typecheck import setup_checked
+from faccel.errors import DistributedError, FaccelError
+
+__all__ = [
+    "at_shutdown",
+    "comm_device",
+    "detect",
+    "main_process_first",
+    "peers_answer",
+    "require_group",
+    "require_peers",
+    "shutdown",
+    "start_process_group",
+    "wait_for_everyone",
+]
+
+# Backends that move CPU tensors between processes whatever the training device is;
+# the others (nccl, xccl) move tensors of the accelerator only.
+_CPU_BACKENDS = frozenset({"gloo", "mpi"})
+
+
+@setup_checked
+def detect(
+    env: Mapping[str, str] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    precision: str | None = None,
+    backend: str | None = None,
+    accumulation_steps: int | None = None,
+    strategy: str | None = None,
+    seed: int = 0,
+    timeout: datetime.timedelta | None = None,
+    layout: Layout | str | None = None,
+    start: bool = True,
+) -> DistState:
+    """Read the launcher, the hardware and the options into a :class:`DistState`.
+
+    With more than one process (and ``start=True``) the default process group
+    is started once, with the backend recorded in the state; calling ``detect``
+    again reuses it. Stop it with :func:`faccel.shutdown`; a group ``detect``
+    started is also stopped when the interpreter exits, so a script that ends
+    without ``shutdown`` exits cleanly. The environment variables it reads are
+    listed in ``faccel._dist._launch.ENV_VARIABLES``.
+
+    Args:
+        env: The environment to read; ``os.environ`` when None.
+        device: Force a device; by default ``cuda:LOCAL_RANK``, else ``mps``, else ``cpu``.
+        precision: ``'no'``, ``'bf16'`` or ``'fp16'``; default ``$FACCEL_PRECISION`` or ``'no'``.
+        backend: Force a backend; default ``nccl`` on CUDA, ``gloo`` elsewhere.
+        accumulation_steps: Micro-batches per optimizer step; default
+            ``$FACCEL_ACCUMULATION_STEPS`` or 1.
+        strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``) or ``'fsdp'`` to
+            shard models with FSDP2 across the processes.
+        seed: Seed of the data order, the same on every rank.
+        timeout: How long a collective waits for the other ranks before failing
+            with a :class:`~faccel.errors.DistributedError` naming it; default
+            ``$FACCEL_TIMEOUT`` seconds, else 5 minutes. Raise it when one rank
+            legitimately works alone longer (a download in ``main_process_first``).
+        layout: How the ranks split into replicas, shards and tensor-parallel
+            groups: a :class:`Layout` or its text (``'shard=2,tensor=2'``);
+            default ``$FACCEL_LAYOUT``, else the strategy's (docs/parallelism.md).
+        start: Start the process group when the world has more than one process.
+
+    Returns:
+        The frozen record describing this process.
+
+    Raises:
+        LaunchError: Malformed environment (names the variable and its value,
+            ``FACCEL_TIMEOUT=abc`` say),
+            an unknown strategy, a layout whose sizes do not multiply to the world
+            size or that contradicts the strategy, or a device or backend that
+            cannot serve this process.
+        PrecisionError: Unknown precision.
+        ArgumentError: An argument of the wrong type (``seed="0"``).
+        DistributedError: The process group could not be started, or a running
+            one disagrees with the environment.
+
+    Example:
+        >>> dist = detect({})            # plain `python`: one process
+        >>> (dist.rank, dist.world_size, dist.launcher, dist.precision)
+        (0, 1, 'none', 'no')
+    """
+    state = state_from_env(
+        os.environ if env is None else env,
+        cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        mps_available=torch.backends.mps.is_available(),
+        device=device,
+        precision=precision,
+        backend=backend,
+        accumulation_steps=accumulation_steps,
+        strategy=strategy,
+        seed=seed,
+        timeout=timeout,
+        layout=layout,
+    )
+    if start and state.distributed:
+        start_process_group(state)
+    return state
+
+
+def start_process_group(dist: DistState) -> None:
+    """Start the default process group that ``dist`` describes, once.
+
+    Idempotent: a running group with the same rank and world size is reused.
+
+    Raises:
+        DistributedError: A running group disagrees with ``dist``, ``dist`` has
+            no rendezvous address, or torch.distributed could not start the group.
+    """
+    if tdist.is_initialized():
+        rank, world = tdist.get_rank(), tdist.get_world_size()
+        if (rank, world) != (dist.rank, dist.world_size):
+            msg = (
+                f"a process group is already running as rank {rank} of {world}, but the "
+                f"DistState says rank {dist.rank} of {dist.world_size}; call faccel.shutdown() "
+                "before starting another job in this process"
+            )
+            raise DistributedError(msg)
+        return
+    if dist.master_addr is None or dist.master_port is None:
+        msg = "a multi-process DistState needs master_addr and master_port to start its group"
+        raise DistributedError(msg)
+    try:
+        # An explicit store (not init_method="env://") so the record, not os.environ,
+        # decides where to meet. torchrun's agent already hosts the store: connect only.
+        store = tdist.TCPStore(
+            host_name=dist.master_addr,
+            port=dist.master_port,
+            world_size=dist.world_size,
+            is_master=dist.rank == 0 and not dist.external_store,
+            timeout=dist.timeout,
+            multi_tenant=True,
+        )
+        device_id = dist.device if dist.device.type == "cuda" else None
+        tdist.init_process_group(
+            backend=dist.backend,
+            store=store,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            timeout=dist.timeout,
+            device_id=device_id,
+        )
+    except (RuntimeError, ValueError) as error:
+        msg = (
+            f"could not start the {dist.backend} process group as rank {dist.rank} of "
+            f"{dist.world_size} at {dist.master_addr}:{dist.master_port}: {error}"
+        )
+        raise DistributedError(msg) from error
+    # Stopped at exit too: a script that ends without shutdown() must not leave the
+    # backend's threads to die with the interpreter. Harmless after shutdown().
+    atexit.register(_stop_at_exit)
+    if dist.device.type == "cuda":
+        torch.cuda.set_device(dist.device)
+
+
+# What shutdown runs first (a non-blocking checkpoint's wait): registered by the modules that need it,
+# so that this module imports none of them.
+_AT_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def at_shutdown(hook: Callable[[], None]) -> None:
+    """Have :func:`shutdown` call ``hook`` first (once, however often it is registered).
+
+    Example:
+        >>> at_shutdown(print)
+        >>> _AT_SHUTDOWN.remove(print)
+    """
+    if hook not in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.append(hook)
+
+
+def _stop_at_exit() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+@setup_checked
+def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
+    """Close ``trackers``, then stop the default process group, if one runs. Safe to call more than once.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        trackers: Trackers from :func:`faccel.init_tracker` to close first
+            (as :func:`faccel.end_training` does).
+
+    Raises:
+        ArgumentError: ``dist`` is not a :class:`DistState`.
+        CheckpointError: A non-blocking checkpoint (``checkpoint(...,
+            blocking=False)``), which this waits for, failed.
+
+    Example:
+        >>> import tempfile, faccel
+        >>> dist = faccel.detect({})
+        >>> faccel.shutdown(dist, trackers=[faccel.init_tracker(dist, tempfile.mkdtemp())])
+    """
+    try:
+        for hook in list(_AT_SHUTDOWN):  # a non-blocking checkpoint commits (or raises) first
+            hook()
+    finally:  # its failure is raised once the trackers are closed and the group is stopped
+        for tracker in trackers:
+            tracker.__exit__(None, None, None)
+        if dist.distributed and tdist.is_initialized():
+            tdist.destroy_process_group()
+            atexit.unregister(_stop_at_exit)
+
+
+def require_group(dist: DistState, name: str) -> None:
+    """Raise unless the default process group runs: ``name()`` is about to use it.
+
+    Raises:
+        DistributedError: No process group is running in this process.
+
+    Example:
+        >>> import faccel
+        >>> require_group(faccel.DistState(world_size=2, launcher="torchrun"), "barrier")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: barrier() on rank 0 of 2 needs a running process group; ...
+    """
+    if not tdist.is_initialized():
+        msg = (
+            f"{name}() on rank {dist.rank} of {dist.world_size} needs a running process group; "
+            "create the DistState with faccel.detect() under a launcher such as torchrun, "
+            "which starts it"
+        )
+        raise DistributedError(msg)
+
+
+def require_peers(dist: DistState, name: str) -> None:
+    """Raise unless ``name()`` may talk to the other ranks of ``dist``.
+
+    One process (world size 1) passes: it has nothing to say. Real peers pass
+    when the group runs. A simulated state with several ranks never passes: it
+    plans as one rank of a larger job, but there are no peers to talk to.
+
+    Raises:
+        DistributedError: ``dist`` is simulated with more than one rank, or no
+            process group is running.
+
+    Example:
+        >>> import faccel
+        >>> require_peers(faccel.DistState.simulated(world_size=1), "gather")   # alone: fine
+        >>> require_peers(faccel.DistState.simulated(rank=1, world_size=4), "gather")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: gather() needs the other ranks, but this DistState is simulated ...
+    """
+    if dist.distributed:
+        require_group(dist, name)
+    elif dist.world_size > 1:
+        msg = (
+            f"{name}() needs the other ranks, but this DistState is simulated (rank {dist.rank} of "
+            f"{dist.world_size}, no peer processes): a state simulated with world_size="
+            f"{dist.world_size} plans as that rank but has no process group; run under a launcher "
+            "such as torchrun and make the state with faccel.detect(), or test with "
+            "DistState.simulated(world_size=1)"
+        )
+        raise DistributedError(msg)
+
+
+def comm_device(dist: DistState) -> torch.device:
+    """Where a collective's tensors must live for ``dist``'s backend.
+
+    gloo and MPI move CPU tensors (whatever the training device); NCCL and the
+    other accelerator backends move tensors of ``dist.device`` only.
+
+    Example:
+        >>> import faccel
+        >>> str(comm_device(faccel.DistState(backend="gloo", device="cpu")))
+        'cpu'
+        >>> str(comm_device(faccel.DistState(backend="nccl", device="cuda:1")))
+        'cuda:1'
+    """
+    return torch.device("cpu") if dist.backend in _CPU_BACKENDS else dist.device
+
+
+@contextlib.contextmanager
+def peers_answer(dist: DistState, name: str) -> Iterator[None]:
+    """Re-raise torch.distributed's report of a silent or crashed peer as a named DistributedError.
+
+    Wraps one collective, ``name()``: gloo reports a timeout or a lost peer as
+    a bare ``RuntimeError`` (``Timed out waiting 300000ms for recv operation``);
+    the error raised instead names the collective, this rank and the timeout,
+    and keeps torch's error as its cause. faccel's own errors pass through.
+
+    Raises:
+        DistributedError: The block raised a ``RuntimeError`` that is not a faccel error.
+
+    Example:
+        >>> import faccel
+        >>> with peers_answer(faccel.DistState(world_size=2, rank=1), "gather"):
+        ...     raise RuntimeError("Timed out waiting 300000ms for recv operation to complete")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DistributedError: gather() on rank 1 of 2 timed out after 0:05:00: ...
+    """
+    try:
+        yield
+    except RuntimeError as error:  # gloo and NCCL report a lost or timed-out peer this way
+        if isinstance(error, FaccelError):
+            raise
+        where = f"{name}() on rank {dist.rank} of {dist.world_size}"
+        if "timed out" in str(error).lower():
+            msg = (
+                f"{where} timed out after {dist.timeout}: another rank did not reach {name}() "
+                "in time (it is hung, still working alone, or calling another collective). Every "
+                f"rank must call {name}() in the same order; if one rank legitimately works "
+                "alone for longer, raise the timeout with faccel.detect(timeout=...) or "
+                f"FACCEL_TIMEOUT=<seconds>. torch said: {error}"
+            )
+        else:
+            msg = (
+                f"{where} failed: {error}\nAnother rank probably crashed or did not reach this "
+                f"collective within the timeout ({dist.timeout}, set with faccel.detect(timeout=...) "
+                "or FACCEL_TIMEOUT); its log holds the first error"
+            )
+        raise DistributedError(msg) from error
+
+
+def _barrier(dist: DistState, name: str) -> None:
+    require_group(dist, name)
+    with peers_answer(dist, name):
+        tdist.barrier()
+
+
+def wait_for_everyone(dist: DistState) -> None:
+    """Block until every process reaches this call. A no-op in one process.
+
+    Raises:
+        DistributedError: Peer processes exist but no process group is running,
+            or another rank did not arrive within ``dist.timeout`` (the message
+            names ``wait_for_everyone``, this rank and the timeout).
+
+    Example:
+        >>> import faccel
+        >>> wait_for_everyone(faccel.detect({}))
+    """
+    if dist.distributed:
+        _barrier(dist, "wait_for_everyone")
+
+
+@contextlib.contextmanager
+def main_process_first(dist: DistState) -> Iterator[None]:
+    """Run the block on the main process first, then on the others.
+
+    For work that fills a cache (a download, a tokenised dataset) which the
+    others then read. Every process must enter the block.
+
+    Raises:
+        DistributedError: As :func:`wait_for_everyone`, naming ``main_process_first``:
+            the main process's block took longer than ``dist.timeout`` (raise it
+            for a long download), or a rank did not enter the block.
+
+    Example:
+        >>> import faccel
+        >>> with main_process_first(faccel.detect({})):
+        ...     print("built the cache")
+        built the cache
+    """
+    if dist.distributed and not dist.is_main_process:
+        _barrier(dist, "main_process_first")
+    yield
+    if dist.distributed and dist.is_main_process:
+        _barrier(dist, "main_process_first")

@@ -1,0 +1,1 @@
+"""Functional training (torch.func): calls, gradient sync, pure optimizers."""

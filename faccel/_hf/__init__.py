@@ -1,0 +1,1 @@
+"""The Hugging Face layout: save_model, load_model, consolidate."""

@@ -1,0 +1,230 @@
+"""``python -m faccel consolidate CKPT OUT``: a checkpoint's weights in the Hugging Face layout, offline.
+
+Reads a checkpoint's model tensors one at a time, without a process group
+and whatever world size wrote it, and writes them as :func:`faccel.save_model`
+does: ``model.safetensors``, or shards and ``model.safetensors.index.json``
+above ``max_shard_size`` (metadata ``{"format": "pt"}``, tied weights once).
+Each file's header is computed from the checkpoint's index before any tensor
+is read, then each tensor is read whole (from every shard file that holds a
+chunk of it, each hash block checked), written, and dropped: peak memory is
+about the largest tensor. The sharded format (version 2) is read in chunks;
+a version 1 checkpoint's ``model.safetensors`` is hashed in a streaming
+pass first, then read a tensor at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from faccel._checkpoint._folders import latest_checkpoint
+from faccel._checkpoint._format import (
+    FORMAT,
+    MANIFEST,
+    MODEL,
+    MODEL_METADATA,
+    STATE,
+    VERSION_SHARDED,
+    shard_name,
+)
+from faccel._checkpoint._sharded._chunks import Placed, chunks, parse_index, rows_of
+from faccel._checkpoint._sharded._flow import Pages
+from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._hf._save_model import INDEX_NAME, parse_size, shard_names, split_shards
+from faccel._storage._durable import (
+    MAX_JSON,
+    MAX_MANIFEST,
+    FileRecord,
+    SyncedWriter,
+    fsync_dir,
+    open_regular,
+    parse_json,
+    read_json,
+    read_verified,
+)
+from faccel._storage._safetensors import header_bytes, read_header, read_tensors
+from faccel.errors import CheckpointError, StorageError
+
+__all__ = ["consolidate"]
+
+_READ_CHUNK = 64 << 20
+
+
+def _specs_and_reader(
+    folder: Path,
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Callable[[str], torch.Tensor], Callable[[], None]]:
+    """The model tensors' ``(dtype, shape)``, a function that reads one whole, and one that closes."""
+    where = str(folder / MANIFEST)
+    manifest = read_json(folder / MANIFEST, where=where, limit=MAX_MANIFEST)
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        msg = f"{where}: not a faccel checkpoint manifest"
+        raise CheckpointError(msg)
+    try:
+        records = {k: FileRecord(size=v["size"], sha256=v["sha256"]) for k, v in manifest["files"].items()}
+    except (KeyError, TypeError):
+        msg = f"{where}: every file entry needs a size and a sha256"
+        raise CheckpointError(msg) from None
+    if manifest.get("version") != VERSION_SHARDED:
+        path = folder / MODEL
+        _check_streaming(path, records.get(MODEL))
+        header = read_header(path, where=str(path))
+        specs = {name: (info.dtype, info.shape) for name, info in header.tensors.items()}
+        return (
+            specs,
+            lambda name: read_tensors(path, {name: header.tensors[name]}, where=str(path))[name],
+            lambda: None,
+        )
+    world = manifest.get("world_size")
+    if type(world) is not int or world < 1:
+        msg = f"{where}: world_size should be a positive int"
+        raise CheckpointError(msg)
+    buffer, _ = read_verified(folder / STATE, records.get(STATE), where=str(folder / STATE), limit=MAX_JSON)
+    content = parse_json(buffer.numpy().tobytes(), str(folder / STATE))
+    index = parse_index(
+        content.get("tensors") if isinstance(content, dict) else None, world, where=str(folder)
+    )
+    model: dict[str, Placed] = index.get("model", {})
+    pages = Pages(folder, records, world)
+    opened: dict[int, ShardFile] = {}
+    scratch: dict[str, Any] = {}  # one thread reads: its buffers kept from tensor to tensor
+
+    def read(name: str) -> torch.Tensor:
+        placed = model[name]
+        for chunk in chunks(placed, world):  # sizes checked against the files before anything is allocated
+            if chunk.rank not in opened:
+                path = folder / shard_name(chunk.rank)
+                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path))
+            opened[chunk.rank].info(f"model/{name}", placed, chunk)
+        out = empty_rows(placed, 0, rows_of(placed.shape))
+        view = byte_view(out)
+        width = len(view) // max(1, rows_of(placed.shape))
+        for chunk in chunks(placed, world):
+            part = view[chunk.start * width : chunk.stop * width]
+            opened[chunk.rank].read(f"model/{name}", placed, chunk, part, scratch)
+        return out
+
+    def close() -> None:
+        for shard in opened.values():
+            shard.close()
+
+    return {name: (p.dtype, p.shape) for name, p in model.items()}, read, close
+
+
+def _check_streaming(path: Path, record: FileRecord | None) -> None:
+    """A version 1 model file's size and SHA-256 against the manifest, read in bounded pieces."""
+    where = str(path)
+    if record is None:
+        msg = f"{path.parent}/{MANIFEST}: does not list {MODEL}"
+        raise CheckpointError(msg)
+    fd = open_regular(path, where=where)
+    try:
+        if os.fstat(fd).st_size != record.size:
+            msg = f"{where}: the file's size differs from the manifest's (truncated or altered)"
+            raise CheckpointError(msg)
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, _READ_CHUNK):
+            digest.update(chunk)
+    finally:
+        os.close(fd)
+    if digest.hexdigest() != record.sha256:
+        msg = f"{where}: the sha256 checksum differs from the manifest's (the file is corrupted)"
+        raise CheckpointError(msg)
+
+
+def _header(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], names: list[str]
+) -> tuple[bytes, list[str]]:
+    """A safetensors header for ``names`` (largest element size first, as faccel writes) and the order."""
+    order = sorted(names, key=lambda name: -specs[name][0].itemsize)
+    return header_bytes(specs, order, MODEL_METADATA), order
+
+
+def _write_file(path: Path, header: bytes, order: list[str], read: Callable[[str], torch.Tensor]) -> None:
+    temporary = path.with_name(f".tmp-{path.name}")
+    temporary.unlink(missing_ok=True)
+    with SyncedWriter(temporary) as out:
+        out.write(header)
+        for name in order:
+            tensor = read(name)  # one tensor in memory at a time
+            out.write(byte_view(tensor))
+            del tensor
+        out.close()
+    os.replace(temporary, path)
+
+
+def consolidate(
+    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
+) -> Path:
+    """Write a checkpoint's model weights to ``out`` in the Hugging Face layout, one tensor at a time.
+
+    ``python -m faccel consolidate CKPT OUT``. ``checkpoint`` is a checkpoint
+    folder, or a root of them (its latest). No process group is needed, and
+    any world size may have written it. Peak memory is about the largest
+    tensor. The output is what :func:`faccel.save_model` writes for the model.
+
+    Args:
+        checkpoint: A checkpoint folder or a root folder of checkpoints.
+        out: A new (or empty of weights) folder to write into.
+        max_shard_size: Largest output file, in bytes or as text (``"5GB"``).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        CheckpointError: No checkpoint there, or a file that fails its checks.
+        StorageError: ``out`` is a file, or already holds weights.
+
+    Example:
+        >>> import tempfile, torch, faccel
+        >>> root, model = tempfile.mkdtemp(), torch.nn.Linear(2, 1)
+        >>> state = faccel.TrainState.create(model=model, optimizer=None)
+        >>> _ = faccel.checkpoint(faccel.detect({}), state, root, sharded=True)
+        >>> out = consolidate(root, tempfile.mkdtemp())
+        >>> sorted(p.name for p in out.iterdir())
+        ['model.safetensors']
+    """
+    limit = parse_size(max_shard_size)
+    folder = latest_checkpoint(checkpoint)
+    if folder is None:
+        msg = f"{checkpoint}: no checkpoint there (no step-NNNNNNNNNNNN folder with a {MANIFEST})"
+        raise CheckpointError(msg)
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"
+        raise StorageError(msg)
+    target.mkdir(parents=True, exist_ok=True)
+    held = [name for name in os.listdir(target) if name.endswith(".safetensors") or name == INDEX_NAME]
+    if held:
+        msg = f"{target} already holds weights ({sorted(held)[:3]}); consolidate into a new folder"
+        raise StorageError(msg)
+    specs, read, close = _specs_and_reader(folder)
+    try:
+        sizes = {
+            name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()
+        }
+        groups = split_shards(sizes, limit)
+        names = shard_names(len(groups))
+        for name, group in zip(names, groups, strict=True):
+            header, order = _header(specs, group)
+            _write_file(target / name, header, order, read)
+        if len(groups) > 1:
+            index = {
+                "metadata": {"total_size": sum(sizes.values())},
+                "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
+            }
+            content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+            _write_file(target / INDEX_NAME, content, [], read)
+        fsync_dir(target)
+    finally:
+        close()
+    return target

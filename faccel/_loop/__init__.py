@@ -1,0 +1,1 @@
+"""The training loop: prepare, model wrapping, precision, backward, accumulation, clipping."""

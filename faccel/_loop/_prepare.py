@@ -1,0 +1,275 @@
+"""``prepare``: each object made ready for the DistState, returned in the order given."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from faccel._data._loader import PreparedLoader, prepare_loader
+from faccel._dist._state import DistState
+from faccel._loop._model import prepare_module
+from faccel._typecheck import setup_checked
+from faccel.errors import PrepareError
+
+__all__ = ["prepare"]
+
+_Options = Mapping[str, Any]
+
+
+# Set on a Parameter that preparing its module replaced by another object (FSDP2's
+# DTensor parameters; Module.to() for some devices): the one the optimizer must step.
+_REPLACED_BY = "_faccel_replaced_by"
+
+
+def _module(dist: DistState, obj: Any, options: _Options) -> Any:
+    before = list(obj.parameters())
+    prepared = prepare_module(dist, obj, options)
+    # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
+    # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
+    # object is left behind, untrained; it says what replaced it, so an optimizer that
+    # holds it is pointed at the new one whenever (and in whatever call) it is prepared.
+    for old, new in zip(before, obj.parameters(), strict=True):
+        if old is not new:
+            setattr(old, _REPLACED_BY, new)
+    return prepared
+
+
+def _rebind(optimizer: torch.optim.Optimizer) -> bool:
+    """Point ``optimizer`` at the parameters that replaced its own; whether all were final."""
+    settled = True
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for index, param in enumerate(params):
+            new = getattr(param, _REPLACED_BY, None)
+            if new is not None:
+                params[index] = new
+                if param in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(param)
+            settled = settled and not _replaceable(new if new is not None else param)
+    return settled
+
+
+def _replaceable(param: torch.Tensor) -> bool:
+    # A DTensor parameter is what FSDP2 made: nothing replaces it again. (Looked up, not
+    # imported: importing torch.distributed.tensor costs seconds, and without it no
+    # DTensor exists.)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is None or not isinstance(param, dtensor.DTensor)
+
+
+def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
+    # The optimizer holds the same Parameter objects the model moved, so it needs no
+    # wrapper; state loaded earlier (on another device) follows its parameter.
+    if not _rebind(optimizer) and dist.distributed and (dist.strategy == "fsdp" or dist.parallel.tensor > 1):
+        # Prepared before its model (an earlier prepare call): the model's sharding (or plan) will
+        # replace these parameters, so look again just before the first step.
+        def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            _rebind(opt)
+            handle.remove()
+
+        handle = optimizer.register_step_pre_hook(first_step)
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
+                state[key] = value.to(param.device)
+    return optimizer
+
+
+def _loader(dist: DistState, loader: Any, options: _Options) -> Any:
+    return prepare_loader(
+        dist,
+        loader,
+        even_batches=options["even_batches"],
+        split_batches=options["split_batches"],
+        worker_seeds=options["worker_seeds"],
+    )
+
+
+def _prepared_loader(dist: DistState, loader: Any, options: _Options) -> Any:
+    s = loader.sharding
+    if (s.rank, s.world_size, s.seed, loader.device) != (
+        dist.data_rank,
+        dist.data_world_size,
+        dist.seed,
+        dist.device,
+    ):
+        msg = (
+            f"this loader was prepared for rank {s.rank} of {s.world_size} (seed {s.seed}, "
+            f"{loader.device}), not for rank {dist.data_rank} of {dist.data_world_size} (seed {dist.seed}, "
+            f"{dist.device}); prepare the original DataLoader (loader.dataloader is the rebuilt one)"
+        )
+        raise PrepareError(msg)
+    return loader
+
+
+def _unchanged(dist: DistState, obj: Any, options: _Options) -> Any:
+    return obj
+
+
+def _dataset(dist: DistState, obj: Any, options: _Options) -> Any:
+    msg = (
+        f"prepare() got a {type(obj).__name__} (a Dataset), which it cannot shard or batch; "
+        "wrap it in a torch.utils.data.DataLoader(dataset, batch_size=...) and prepare that"
+    )
+    raise PrepareError(msg)
+
+
+def _iterator(dist: DistState, obj: Any, options: _Options) -> Any:
+    msg = (
+        f"prepare() got a {type(obj).__name__}, an iterator it could only pass on half-consumed "
+        "(model.parameters() is one); build the optimizer from model.parameters() and prepare "
+        "the model and the optimizer"
+    )
+    raise PrepareError(msg)
+
+
+def _collection(dist: DistState, obj: Any, options: _Options) -> Any:
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    if any(isinstance(v, _PREPARABLE) for v in values):
+        msg = (
+            f"prepare() got a {type(obj).__name__} holding models, optimizers or loaders, which it "
+            "would pass back unprepared; pass them one by one: faccel.prepare(dist, *objects)"
+        )
+        raise PrepareError(msg)
+    return obj
+
+
+# What prepare does with each kind of object: the first matching row wins.
+# LR schedulers pass through unchanged: each scheduler.step() call advances them once,
+# so they advance once per optimizer step whatever the world size.
+_HANDLERS: tuple[tuple[type, Callable[[DistState, Any, _Options], Any]], ...] = (
+    (nn.Module, _module),
+    (torch.optim.Optimizer, _optimizer),
+    (torch.optim.lr_scheduler.LRScheduler, _unchanged),
+    (DataLoader, _loader),
+    (PreparedLoader, _prepared_loader),
+    (Dataset, _dataset),
+    (Iterator, _iterator),
+    (list, _collection),
+    (tuple, _collection),
+    (Mapping, _collection),
+)
+_PREPARABLE = (nn.Module, torch.optim.Optimizer, DataLoader, Dataset)
+
+
+def _prepare_one(dist: DistState, obj: Any, options: _Options) -> Any:
+    for kind, handler in _HANDLERS:
+        if isinstance(obj, kind):
+            return handler(dist, obj, options)
+    return obj
+
+
+@setup_checked
+def prepare(
+    dist: DistState,
+    *objs: Any,
+    even_batches: bool = True,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    shard_policy: Callable[[nn.Module], bool] | None = None,
+    split_batches: bool = False,
+    worker_seeds: str = "rank",
+    tp_plan: Mapping[str, Any] | None = None,
+) -> Any:
+    """Make models, optimizers, schedulers and loaders ready for ``dist``.
+
+    Returns the objects in the order given: a tuple, or the object itself when
+    given one. Other values (a tag, a config) are returned unchanged, so
+    ``prepare`` can take the whole list at once; what looks like a mistake is
+    refused: a ``Dataset`` (prepare its ``DataLoader``), an iterator such as
+    ``model.parameters()``, or a list, tuple or dict holding models,
+    optimizers or loaders (pass them one by one).
+
+    * ``nn.Module``: moved to ``dist.device`` *in place*; wrapped so its forward
+      runs under autocast when ``dist.precision`` is not ``'no'``; wrapped in
+      ``DistributedDataParallel`` when there are peer processes (or sharded
+      with FSDP2 under ``dist.strategy == 'fsdp'``, which changes the module in
+      place). Under DDP your module object is not modified otherwise;
+      :func:`unwrap_model` gives it back.
+    * Optimizer: returned as is (it already holds the moved parameters; where
+      preparing a model makes new Parameter objects, as FSDP2 does, the
+      optimizer is pointed at them, in any order and any split of ``prepare``
+      calls); state tensors follow their parameter's device.
+    * LR scheduler: returned as is; it advances once per ``scheduler.step()``.
+    * ``DataLoader``: rebuilt as a :class:`PreparedLoader` that reads this
+      rank's shard (see :class:`Sharding`) with the same batch size per process,
+      and delivers batches on ``dist.device``. Any sampler (its output for the
+      epoch, drawn from ``(dist.seed, epoch)``, is dealt to the ranks), any batch
+      sampler (its batches are dealt whole) and ``batch_size=None`` (each item
+      is a batch, dealt whole) work; a ``DistributedSampler`` or a sampler with
+      hidden random state is refused (docs/data.md).
+    * Already prepared objects come back unchanged (prepared for another
+      ``DistState``: :class:`~faccel.errors.PrepareError`).
+
+    Args:
+        dist: The run's :class:`DistState`.
+        *objs: The objects to prepare, in any order.
+        even_batches: Pad the last batches (repeating the fewest samples) so that
+            every rank sees the same number of batches; without it, ranks may
+            differ by one batch, which can hang DDP.
+        ddp_kwargs: Keyword arguments for ``DistributedDataParallel``.
+        shard_policy: Under ``strategy='fsdp'``: which submodules become FSDP2
+            units (``fully_shard`` is applied to each, innermost first, then to
+            the root). Default: each block of the first ``ModuleList``, else
+            each child module with parameters.
+        split_batches: The loader's ``batch_size`` is the *global* batch: each
+            rank takes ``batch_size // world_size`` of every global batch (it must
+            divide), so the global batch stays fixed as the world size changes.
+        worker_seeds: How loader workers are seeded. ``'rank'`` (default): each
+            batch's random numbers (augmentations) follow ``(dist.seed, epoch,
+            rank, batch)``, so ranks draw different numbers and a resumed run
+            the same as the straight one; ``'shared'``: the same without the
+            rank (every rank draws the same numbers); ``'torch'``: only the
+            DataLoader's own per-worker seeding, from ``(dist.seed, epoch, start)``.
+        tp_plan: Under a layout with tensor parallelism (``dist.parallel.tensor
+            > 1``): how to split the model's layers, as PyTorch's
+            ``parallelize_module`` takes it: ``{"mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}``, keys as in ``named_modules()``
+            with ``*`` for any one name. Applied first, then FSDP2 shards over
+            the data-parallel ranks (docs/parallelism.md). Unused when the
+            layout has no tensor parallelism, so one script runs on any layout.
+
+    Returns:
+        The prepared objects in the given order (one object: itself).
+
+    Raises:
+        PrepareError: A loader faccel cannot shard (a ``DistributedSampler``, a
+            sampler with hidden state, ``split_batches`` with a batch size the
+            world size does not divide), an object prepared for another
+            ``DistState``, one of the refused objects above, or a layout with
+            tensor parallelism and no ``tp_plan`` (or a plan key that names no
+            submodule).
+        ArgumentValueError: ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
+
+    Example:
+        >>> import torch, faccel
+        >>> dist = faccel.detect({})
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randn(10, 1))
+        >>> loader = torch.utils.data.DataLoader(data, batch_size=4)
+        >>> model, optimizer, loader, tag = faccel.prepare(dist, model, optimizer, loader, "tag")
+        >>> (len(loader), loader.batch_size, tag)
+        (3, 4, 'tag')
+    """
+    options = {
+        "even_batches": even_batches,
+        "ddp_kwargs": ddp_kwargs,
+        "shard_policy": shard_policy,
+        "split_batches": split_batches,
+        "worker_seeds": worker_seeds,
+        "tp_plan": tp_plan,
+    }
+    # Modules first, whatever the order given: preparing one may replace its parameters,
+    # and optimizers in the same call must see the replacements.
+    ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}
+    prepared = tuple(
+        ready[i] if i in ready else _prepare_one(dist, obj, options) for i, obj in enumerate(objs)
+    )
+    if len(prepared) == 1:
+        return prepared[0]
+    return prepared

@@ -1,0 +1,1 @@
+"""Reporting: logging, progress bars, experiment trackers."""

@@ -1,0 +1,114 @@
+"""A logger that knows its rank: ``[rank r/w]`` prefixes, main process only by default.
+
+The adapter holds the ``DistState`` it was made for and nothing else: records
+go to Python's own logger of that name, so handlers, levels and formats are
+configured the usual way (``logging.basicConfig``...). faccel adds no handler.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from faccel._dist._state import DistState
+from faccel._typecheck import setup_checked
+
+__all__ = ["RankLogger", "get_logger", "print"]
+
+
+class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """A ``logging.LoggerAdapter`` that prefixes ``[rank r/w]`` and filters by rank.
+
+    Every logging method (``debug``, ``info``, ``warning``, ``error``,
+    ``exception``, ``log``...) takes one more keyword, ``main_process_only``:
+    True logs on global rank 0 only, False on every rank; when omitted the
+    logger's default (set by :func:`get_logger`) applies. Record attributes
+    ``rank`` and ``world_size`` are added for formatters.
+
+    Example:
+        >>> import logging, sys, faccel
+        >>> handler = logging.StreamHandler(sys.stdout)
+        >>> logging.getLogger("demo.rank").addHandler(handler)
+        >>> log = faccel.get_logger(faccel.DistState.simulated(rank=1, world_size=2), "demo.rank")
+        >>> log.warning("only rank 0 prints this")
+        >>> log.warning("every rank prints this", main_process_only=False)
+        [rank 1/2] every rank prints this
+        >>> logging.getLogger("demo.rank").removeHandler(handler)
+    """
+
+    def __init__(self, logger: logging.Logger, dist: DistState, *, main_process_only: bool = True) -> None:
+        super().__init__(logger, {"rank": dist.rank, "world_size": dist.world_size})
+        self.dist = dist
+        self.main_process_only = main_process_only
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        """Prefix the rank and add ``rank`` and ``world_size`` to the record."""
+        extra: Mapping[str, Any] = kwargs.get("extra") or {}
+        kwargs["extra"] = {**(self.extra or {}), **extra}
+        return f"[rank {self.dist.rank}/{self.dist.world_size}] {msg}", kwargs
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """Log ``msg`` at ``level`` on the ranks that ``main_process_only`` selects."""
+        only_main = kwargs.pop("main_process_only", None)
+        if only_main is None:
+            only_main = self.main_process_only
+        if only_main and not self.dist.is_main_process:
+            return
+        # One more frame (this method) between the caller and the logging module,
+        # so %(filename)s and %(lineno)d name the user's line, not this one.
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        super().log(level, msg, *args, **kwargs)
+
+
+@setup_checked
+def get_logger(dist: DistState, name: str, *, main_process_only: bool = True) -> RankLogger:
+    """Python's logger ``name``, wrapped to prefix the rank and log on the main process.
+
+    No handler is added and no level is set: configure logging as usual
+    (``logging.basicConfig(level=logging.INFO)``); until then Python shows
+    warnings and errors only.
+
+    Args:
+        dist: The run's :class:`DistState` (its rank and world size).
+        name: The logger's name, usually ``__name__``.
+        main_process_only: The default of each call's ``main_process_only``:
+            log on global rank 0 only (True) or on every rank (False).
+
+    Returns:
+        A :class:`logging.LoggerAdapter` over ``logging.getLogger(name)``.
+
+    Example:
+        >>> import logging, sys, faccel
+        >>> handler = logging.StreamHandler(sys.stdout)
+        >>> logging.getLogger("demo.main").addHandler(handler)
+        >>> log = faccel.get_logger(faccel.detect({}), "demo.main")
+        >>> log.warning("loss %.2f", 0.5)
+        [rank 0/1] loss 0.50
+        >>> logging.getLogger("demo.main").removeHandler(handler)
+    """
+    return RankLogger(logging.getLogger(name), dist, main_process_only=main_process_only)
+
+
+def print(dist: DistState, *values: Any, main_process_only: bool = True, **kwargs: Any) -> None:
+    """``print`` on the main process only (Accelerate's ``accelerator.print``).
+
+    Unlike :func:`get_logger`, it needs no logging configuration: the values go
+    to standard output as the builtin ``print`` writes them.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        *values: What the builtin ``print`` takes.
+        main_process_only: Print on global rank 0 only (True) or on every rank.
+        **kwargs: The builtin's keywords (``sep``, ``end``, ``file``, ``flush``).
+
+    Example:
+        >>> import faccel
+        >>> faccel.print(faccel.detect({}), "epoch", 3)
+        epoch 3
+        >>> faccel.print(faccel.DistState.simulated(rank=1, world_size=2), "not on rank 1")
+    """
+    if main_process_only and not dist.is_main_process:
+        return
+    builtins.print(*values, **kwargs)

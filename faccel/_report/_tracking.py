@@ -1,0 +1,380 @@
+"""Experiment tracking: a tracker value made once, ``log`` that says whose numbers it writes.
+
+A :class:`Tracker` is made by :func:`init_tracker` on every rank; it writes on the
+main process only, unless ``per_rank=True`` gives each rank a folder of its own.
+Hyperparameters are recorded once, when it is made. :func:`log` takes numbers or
+scalar tensors and never reduces behind your back: a record says ``rank 0`` (the
+main process's own values) or ``mean over 4 ranks`` (``reduce="mean"``, a
+collective every rank must call). Close it with :func:`end_training` or a
+``with`` block; nothing is kept in module state.
+
+Back-ends, one small writer each (the table ``_WRITERS``): ``jsonl`` (the default)
+and ``csv`` need nothing; ``tensorboard``, ``wandb`` (offline) and ``mlflow`` (a
+local SQLite store) use their package when it is installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from faccel._dist._state import DistState
+from faccel._typecheck import setup_checked
+from faccel.errors import ArgumentError, ArgumentValueError
+
+__all__ = ["Tracker", "end_training", "init_tracker", "log"]
+
+# Keys every record has; a metric may not take one of these names.
+_RESERVED = ("step", "time", "source")
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+
+
+class _Writer(Protocol):
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _write_config(folder: Path, config: Mapping[str, Any]) -> None:
+    """The hyperparameters as ``config.json`` (values JSON cannot hold are written as text)."""
+    (folder / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
+
+
+class _JsonLines:
+    """One JSON object a line: ``{"step", "time", "source", <metric>: value ...}``."""
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+        _write_config(folder, config)
+        self._file = (folder / METRICS_FILE).open("a", encoding="utf-8")
+
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
+        record = {"step": step, "time": round(elapsed, 6), "source": source, **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _Csv:
+    """Long format (``step,time,source,metric,value``), so new metric names need no new header."""
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+        _write_config(folder, config)
+        path = folder / "metrics.csv"
+        fresh = not path.exists()
+        self._file = path.open("a", encoding="utf-8", newline="")
+        self._rows = csv.writer(self._file)
+        if fresh:
+            self._rows.writerow(["step", "time", "source", "metric", "value"])
+
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            self._rows.writerow([step, f"{elapsed:.6f}", source, name, repr(value)])
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _TensorBoard:
+    """Scalars in TensorBoard event files; the hyperparameters as the ``config`` text."""
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(folder))
+        self._writer.add_text("config", json.dumps(dict(config), sort_keys=True, default=str), 0)
+
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _Wandb:
+    """A Weights & Biases run in offline mode (``wandb sync`` uploads it later)."""
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+        import wandb
+
+        self._run = wandb.init(
+            dir=str(folder), mode="offline", config=dict(config), name=name, project="faccel", reinit=True
+        )
+
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
+        self._run.log(dict(values), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _Mlflow:
+    """An MLflow run in a local SQLite store (``folder/mlflow.db``), through the client: no global state."""
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        # MLflow 3 keeps its plain-file store for old runs only; SQLite is its local store now.
+        self._client = MlflowClient(tracking_uri=f"sqlite:///{(folder / 'mlflow.db').resolve()}")
+        found = self._client.get_experiment_by_name("faccel")
+        experiment = found.experiment_id if found else self._client.create_experiment("faccel")
+        self._run = self._client.create_run(experiment, run_name=name).info.run_id
+        for key, value in config.items():
+            self._client.log_param(self._run, key, value)
+
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
+        for key, value in values.items():
+            self._client.log_metric(self._run, key, value, step=step)
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run)
+
+
+# kind -> how to open its writer in a folder, with the hyperparameters and a run name.
+_WRITERS: Mapping[str, Callable[[Path, Mapping[str, Any], str], _Writer]] = {
+    "jsonl": _JsonLines,
+    "csv": _Csv,
+    "tensorboard": _TensorBoard,
+    "wandb": _Wandb,
+    "mlflow": _Mlflow,
+}
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Tracker:
+    """Where this rank's metrics go: a back-end's writer, or nowhere on the ranks that do not log.
+
+    Made by :func:`init_tracker`; pass it to :func:`log`; close it with
+    :func:`end_training` or ``with``. The writer inside is a live object (an
+    open file, a TensorBoard writer).
+
+    Attributes:
+        kind: The back-end (``jsonl``, ``csv``, ``tensorboard``, ``wandb``, ``mlflow``).
+        folder: Where this rank writes; None on ranks that do not write.
+        per_rank: Whether every rank writes (each in a folder of its own).
+
+    Example:
+        >>> import tempfile, faccel
+        >>> with faccel.init_tracker(faccel.detect({}), tempfile.mkdtemp()) as tracker:
+        ...     tracker.kind, tracker.folder is not None
+        ('jsonl', True)
+    """
+
+    kind: str
+    folder: Path | None
+    per_rank: bool = False
+    _writer: _Writer | None = None
+    _started: float = attrs.field(factory=time.monotonic)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+@setup_checked
+def init_tracker(
+    dist: DistState,
+    logdir: str | os.PathLike[str],
+    *,
+    kind: str = "jsonl",
+    config: Mapping[str, Any] | None = None,
+    per_rank: bool = False,
+    run_name: str | None = None,
+) -> Tracker:
+    """A tracker writing to ``logdir`` (Accelerate's ``init_trackers``), made on every rank.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        logdir: The run's folder; created if missing.
+        kind: ``"jsonl"`` (default; ``metrics.jsonl`` and ``config.json``), ``"csv"``,
+            ``"tensorboard"``, ``"wandb"`` (offline) or ``"mlflow"`` (``mlflow.db``, SQLite).
+        config: Hyperparameters, recorded once.
+        per_rank: Every rank writes its own values to ``logdir/rank-NNNNN``;
+            by default only the main process writes.
+        run_name: A name for back-ends that show one (default: the folder's name).
+
+    Returns:
+        The :class:`Tracker`; on ranks that do not write, one that writes nothing.
+
+    Raises:
+        ArgumentValueError: An unknown ``kind``.
+        ArgumentError: The back-end's package is not installed.
+
+    Example:
+        >>> import json, pathlib, tempfile, faccel
+        >>> run = pathlib.Path(tempfile.mkdtemp())
+        >>> tracker = faccel.init_tracker(faccel.detect({}), run, config={"lr": 0.1})
+        >>> faccel.end_training(faccel.detect({}), tracker)
+        >>> json.loads((run / "config.json").read_text())
+        {'lr': 0.1}
+    """
+    opener = _WRITERS.get(kind)
+    if opener is None:
+        msg = f"kind must be one of {sorted(_WRITERS)}, got {kind!r}"
+        raise ArgumentValueError(msg)
+    if not per_rank and not dist.is_main_process:
+        return Tracker(kind=kind, folder=None)
+    folder = Path(logdir) / f"rank-{dist.rank:05d}" if per_rank else Path(logdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        writer = opener(folder, dict(config or {}), run_name or Path(logdir).name)
+    except ImportError as error:
+        msg = (
+            f"the {kind!r} tracker needs the package {error.name!r}, which is not installed; "
+            f"pip install {error.name}, or use kind='jsonl'"
+        )
+        raise ArgumentError(msg) from error
+    return Tracker(kind=kind, folder=folder, per_rank=per_rank, writer=writer)
+
+
+def _scalar(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            msg = f"metric {name!r} is a tensor of shape {list(value.shape)}; log a scalar (reduce it first)"
+            raise ArgumentValueError(msg)
+        return float(value.detach().item())
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"metric {name!r} must be a number or a one-element tensor, got {type(value).__name__}"
+        raise ArgumentError(msg)
+    return float(value)
+
+
+def log(
+    dist: DistState,
+    tracker: Tracker,
+    step: int,
+    metrics: Mapping[str, Any],
+    *,
+    reduce: str | None = None,
+) -> None:
+    """Record ``metrics`` at ``step``; each record says whose values they are.
+
+    Without ``reduce`` the values are this rank's own: only the ranks whose
+    tracker writes (the main process, or every rank with ``per_rank=True``)
+    record them, as ``source: "rank R"``. With ``reduce="mean"`` (or ``"sum"``,
+    ``"max"``, ``"min"``) they are first combined across the ranks (a
+    collective: every rank must call ``log``) and recorded as
+    ``source: "mean over N ranks"``.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        tracker: From :func:`init_tracker`.
+        step: The step the values belong to (your optimizer step, usually).
+        metrics: Name -> number or one-element tensor.
+        reduce: Combine across ranks first: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``.
+
+    Raises:
+        ArgumentError: A value that is not a number or tensor.
+        ArgumentValueError: A tensor with more than one element, a negative
+            step, or a metric named ``step``, ``time`` or ``source``.
+
+    Example:
+        >>> import json, pathlib, tempfile, torch, faccel
+        >>> dist, run = faccel.detect({}), pathlib.Path(tempfile.mkdtemp())
+        >>> with faccel.init_tracker(dist, run) as tracker:
+        ...     faccel.log(dist, tracker, 1, {"loss": torch.tensor(0.5), "lr": 0.1})
+        >>> record = json.loads((run / "metrics.jsonl").read_text())
+        >>> record["source"], record["loss"], record["lr"]
+        ('rank 0', 0.5, 0.1)
+    """
+    if step < 0:
+        msg = f"step must be >= 0, got {step!r}"
+        raise ArgumentValueError(msg)
+    taken = [name for name in metrics if name in _RESERVED]
+    if taken:
+        msg = f"metric names {taken} are taken by every record ({', '.join(_RESERVED)}); rename them"
+        raise ArgumentValueError(msg)
+    values = {name: _scalar(name, value) for name, value in metrics.items()}
+    source = f"rank {dist.rank}"
+    if reduce is not None:
+        from faccel._dist._collectives import reduce as reduce_tree
+
+        names = sorted(values)
+        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64, device=dist.device)
+        combined = reduce_tree(dist, stacked, op=reduce).tolist()
+        values = dict(zip(names, combined, strict=True))
+        source = f"{reduce} over {dist.world_size} rank{'s' if dist.world_size > 1 else ''}"
+    if tracker._writer is not None:
+        tracker._writer.write(step, time.monotonic() - tracker._started, source, values)
+
+
+def end_training(dist: DistState, tracker: Tracker) -> None:
+    """Close ``tracker``'s writer (Accelerate's ``end_training``); a no-op where it writes nothing.
+
+    Example:
+        >>> import tempfile, faccel
+        >>> dist = faccel.detect({})
+        >>> faccel.end_training(dist, faccel.init_tracker(dist, tempfile.mkdtemp(), kind="csv"))
+    """
+    tracker.__exit__(None, None, None)
+
+
+def read_metrics(run: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """Metric name -> ``(step, value)`` pairs from a run's ``metrics.jsonl`` (or the file itself).
+
+    Example:
+        >>> import pathlib, tempfile, faccel
+        >>> dist, run = faccel.detect({}), pathlib.Path(tempfile.mkdtemp())
+        >>> with faccel.init_tracker(dist, run) as tracker:
+        ...     for step in range(3):
+        ...         faccel.log(dist, tracker, step, {"loss": 1.0 / (step + 1)})
+        >>> read_metrics(run)["loss"]
+        [(0, 1.0), (1, 0.5), (2, 0.3333333333333333)]
+    """
+    path = Path(run)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        for name, value in record.items():
+            if name not in _RESERVED:
+                curves.setdefault(name, []).append((int(record["step"]), float(value)))
+    return curves
+
+
+def plot(run: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Draw every metric of a JSONL run against its step into one PNG; returns its path.
+
+    Needs matplotlib. The default output is ``metrics.png`` beside ``metrics.jsonl``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    curves = read_metrics(run)
+    if not curves:
+        msg = f"{run} holds no metrics to plot"
+        raise ArgumentValueError(msg)
+    figure = Figure(figsize=(5 * min(len(curves), 3), 3.5 * ((len(curves) + 2) // 3)), dpi=100)
+    FigureCanvasAgg(figure)
+    for index, (name, points) in enumerate(sorted(curves.items()), start=1):
+        axes = figure.add_subplot((len(curves) + 2) // 3, min(len(curves), 3), index)
+        steps, values = zip(*points, strict=True)
+        axes.plot(steps, values)
+        axes.set_title(name)
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+    figure.tight_layout()
+    target = (
+        Path(out)
+        if out is not None
+        else (Path(run) if Path(run).is_dir() else Path(run).parent) / "metrics.png"
+    )
+    figure.savefig(target)
+    return target

@@ -1,0 +1,111 @@
+"""Every private PyTorch API faccel uses, behind one small function each.
+
+PyTorch may change anything with a leading underscore in any release. faccel
+reaches into it in a few places where no public API does the job; each such
+use lives here, under a name that says what it is for, and
+``tests/test_torch_compat.py`` calls each one by name on real objects, so a
+torch upgrade that breaks one fails that test with the use in its name instead
+of failing somewhere deep in a training run. pyproject.toml claims only the
+torch releases the suite has run on.
+
+No other module of faccel touches a private torch name (``tests/test_torch_compat.py``
+scans for them). Public-API facts that are asked in many places (whether a
+tensor is a DTensor) live here too, so that there is one answer.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree  # torch.func's own tree registry; no public equivalent
+from torch import nn
+
+__all__ = [
+    "compiled_original",
+    "default_store",
+    "is_dtensor",
+    "local_rows",
+    "module_dicts",
+    "pytree",
+    "random_sampler_draws_all",
+    "rebuild_ddp_buckets",
+]
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (FSDP2 and TP parameters).
+
+    Imports nothing: while ``torch.distributed.tensor`` has not been imported,
+    no DTensor can exist, so the answer is False without paying its import.
+
+    Example:
+        >>> import torch
+        >>> is_dtensor(torch.zeros(2))
+        False
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (``TCPStore`` or ``FileStore``).
+
+    torch exposes the store only through this private accessor of
+    ``distributed_c10d``; faccel uses it to meet peers outside the backend
+    (arrival checks, background checkpoints), so a missing peer is named instead
+    of hanging a collective.
+    """
+    import torch.distributed as tdist
+
+    return tdist.distributed_c10d._get_default_store()
+
+
+def rebuild_ddp_buckets(ddp: Any) -> None:
+    """Make ``ddp`` (a ``DistributedDataParallel``) rebuild its gradient buckets now, in parameter order.
+
+    DDP's reducer rebuilds its buckets after the first step; calling its two
+    private methods at construction gives every job, fresh or resumed, the same
+    bucket layout from step one (see ``_loop/_model.py``). Both are collectives.
+    """
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
+
+
+def local_rows(tensor: Any) -> tuple[int, int]:
+    """``(start, stop)``: the rows of the global tensor that this rank's shard of DTensor ``tensor`` holds.
+
+    For a DTensor sharded on dimension 0 (FSDP2's ``Shard(0)``, possibly
+    uneven), through torch's own placement arithmetic.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return offset[0], offset[0] + shape[0]
+
+
+def random_sampler_draws_all(sampler: torch.utils.data.RandomSampler) -> bool:
+    """Whether a ``RandomSampler`` draws each index once: no replacement and no ``num_samples`` set.
+
+    The public ``num_samples`` property answers the dataset's length when none
+    was given, so only the private field tells "not given" from "given as the
+    length".
+    """
+    return not sampler.replacement and sampler._num_samples is None
+
+
+def module_dicts(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``module``'s own ``(_modules, _parameters, _buffers)`` dicts, the ones ``nn.Module`` reads.
+
+    A fast functional call swaps tensors in these dicts directly
+    (``_func/_module_call.py``); ``torch.func.functional_call`` does the same
+    through ``torch.nn.utils.stateless``.
+    """
+    return module._modules, module._parameters, module._buffers  # type: ignore[return-value]
+
+
+def compiled_original(model: object) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; None for anything else."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else None
