@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._accumulate import steps_per_epoch as steps_per_epoch
     from faccel._backward import backward as backward
     from faccel._checkpoint import checkpoint as checkpoint
+    from faccel._checkpoint import free_memory as free_memory
     from faccel._checkpoint import latest_checkpoint as latest_checkpoint
     from faccel._checkpoint import restore as restore
     from faccel._clip import clip_grad_norm as clip_grad_norm
@@ -82,7 +83,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel": ("errors", "func"),
         "faccel._accumulate": ("MicroStep", "accumulate", "micro_batches", "micro_step", "steps_per_epoch"),
         "faccel._backward": ("backward",),
-        "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
+        "faccel._checkpoint": ("checkpoint", "free_memory", "latest_checkpoint", "restore"),
         "faccel._clip": ("clip_grad_norm", "clip_grad_value"),
         "faccel._collectives": (
             "any_rank",

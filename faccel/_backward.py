@@ -71,6 +71,7 @@ def backward(
             "pass scaler= to faccel.backward and faccel.optimizer_step"
         )
         raise PrecisionError(msg)
+    dist.runtime.backwards += 1  # how far training had got, for a hang report (one integer add)
     loss.backward(**kwargs)
 
 

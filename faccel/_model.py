@@ -1,8 +1,10 @@
 """Models: moved, wrapped for precision and DDP, and unwrapped again.
 
-The user's module is never monkey-patched: precision comes from a thin outer
-module whose forward runs the user's forward under autocast, and DDP wraps
-that. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
+The user's module's methods are never replaced: precision comes from a thin
+outer module whose forward runs the user's forward under autocast, and DDP
+wraps that. Two marks are set on a prepared module (the wrapper it got, and
+whether faccel split it for tensor parallelism), listed with why in
+``faccel._marks``. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._mesh import data_mesh
 from faccel._parallel import apply_plan
 from faccel._state import DistState
@@ -277,7 +280,7 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
     return wrapped
 
 
-_WRAPPED_AS = "_faccel_wrapped_as"
 # Set on a module whose layers faccel split over the "tensor" dimension without FSDP2
-# (tensor parallelism alone): its parameters are DTensors all the same.
-_TENSOR_PARALLEL = "_faccel_tensor_parallel"
+# (tensor parallelism alone): its parameters are DTensors all the same. See faccel._marks.
+_TENSOR_PARALLEL = TENSOR_PARALLEL
+_WRAPPED_AS = WRAPPED_AS

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from faccel._data import PreparedLoader, prepare_loader
+from faccel._marks import REPLACED_BY
 from faccel._model import prepare_module
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
@@ -23,7 +24,8 @@ _Options = Mapping[str, Any]
 
 # Set on a Parameter that preparing its module replaced by another object (FSDP2's
 # DTensor parameters; Module.to() for some devices): the one the optimizer must step.
-_REPLACED_BY = "_faccel_replaced_by"
+# Listed, with the other marks, in faccel._marks.
+_REPLACED_BY = REPLACED_BY
 
 
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:

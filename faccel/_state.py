@@ -16,6 +16,7 @@ import torch
 
 from faccel._launch import OPTION_VARIABLES, parse_launch, read_int
 from faccel._layout import Layout, default_layout, layout_problem, parse_layout, strategy_for
+from faccel._runtime import Runtime
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, LaunchError, PrecisionError
 
@@ -93,6 +94,12 @@ class DistState:
             groups (:class:`Layout`); None: as ``strategy`` says (DDP
             replicates over every rank, FSDP shards over them). The one in
             effect is :attr:`parallel`.
+        runtime: The process's resources for this run (:class:`faccel._runtime.Runtime`:
+            the background checkpoint and its staging buffers, the meshes, the
+            shutdown hooks, the loaders' iteration records, the last-call
+            breadcrumb). A handle, not a fact: it takes no part in equality,
+            hashing or ``repr``; each new record gets its own, ``attrs.evolve``
+            keeps it, and :func:`faccel.shutdown` closes it.
 
     Example:
         >>> import attrs
@@ -118,6 +125,7 @@ class DistState:
     master_port: int | None = None
     external_store: bool = False
     layout: Layout | None = None
+    runtime: Runtime = attrs.field(factory=Runtime, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.layout is not None:

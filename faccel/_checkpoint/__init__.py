@@ -21,6 +21,7 @@ The Hugging Face weights export (``faccel._save_model``) uses the lower
 modules (``_weights``, ``_safetensors``, ``_durable``); nothing here imports it.
 """
 
+from faccel._checkpoint._background import free_memory
 from faccel._checkpoint._orchestrate import checkpoint, latest_checkpoint, restore
 
-__all__ = ["checkpoint", "latest_checkpoint", "restore"]
+__all__ = ["checkpoint", "free_memory", "latest_checkpoint", "restore"]
