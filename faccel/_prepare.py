@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from faccel._data import PreparedLoader, prepare_loader
 from faccel._marks import REPLACED_BY
 from faccel._model import prepare_module
+from faccel._process_group import breadcrumb
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
@@ -258,6 +259,7 @@ def prepare(
         >>> (len(loader), loader.batch_size, tag)
         (3, 4, 'tag')
     """
+    breadcrumb(dist, "prepare")  # what this rank was last doing, should a peer's collective time out
     options = {
         "even_batches": even_batches,
         "ddp_kwargs": ddp_kwargs,

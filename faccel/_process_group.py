@@ -30,6 +30,7 @@ __all__ = [
     "breadcrumb",
     "comm_device",
     "detect",
+    "last_calls",
     "main_process_first",
     "peers_answer",
     "require_group",
@@ -57,6 +58,7 @@ def detect(
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
     start: bool = True,
+    train_timeout: datetime.timedelta | None = None,
 ) -> DistState:
     """Read the launcher, the hardware and the options into a :class:`DistState`.
 
@@ -85,6 +87,11 @@ def detect(
             groups: a :class:`Layout` or its text (``'shard=2,tensor=2'``);
             default ``$FACCEL_LAYOUT``, else the strategy's (docs/parallelism.md).
         start: Start the process group when the world has more than one process.
+        train_timeout: A shorter ``timeout`` for every collective once training
+            has warmed up (from the second optimizer step's first ``backward``
+            on, when the first step's one-off work is done); default
+            ``$FACCEL_TRAIN_TIMEOUT`` seconds, else None (``timeout`` throughout).
+            A rank that then hangs in the loop is named sooner (docs/distributed.md).
 
     Returns:
         The frozen record describing this process.
@@ -117,6 +124,7 @@ def detect(
         seed=seed,
         timeout=timeout,
         layout=layout,
+        train_timeout=train_timeout,
     )
     if start and state.distributed:
         start_process_group(state)
@@ -249,6 +257,31 @@ def breadcrumb(dist: DistState, call: str, *, step: int | None = None, collectiv
             store.set(_crumb_key(dist.rank), crumb.text())
 
 
+def last_calls(dist: DistState, ranks: Sequence[int]) -> str:
+    """``ranks``' last faccel calls, as published to the store: ``"; rank 1 was last in ..."``.
+
+    Empty where no group runs or the store cannot say.
+
+    Example:
+        >>> import faccel
+        >>> last_calls(faccel.detect({}), [1])
+        ''
+    """
+    store = _default_store() if dist.distributed and tdist.is_initialized() else None
+    if store is None:
+        return ""
+    said: list[str] = []
+    try:
+        for rank in ranks:
+            key = _crumb_key(rank)
+            crumb = Crumb.parse(store.get(key).decode(errors="replace")) if store.check([key]) else None
+            if crumb is not None:
+                said.append(f"rank {rank} was last in {crumb.describe()}")
+    except RuntimeError:  # the store's host is gone
+        return ""
+    return "; " + "; ".join(said) if said else ""
+
+
 def _absent(dist: DistState, mine: Crumb | None) -> str:
     """Which ranks did not reach this rank's collective, and their last calls, as the store says."""
     store = _default_store()
@@ -378,9 +411,10 @@ def peers_answer(dist: DistState, name: str) -> Iterator[None]:
         if isinstance(error, FaccelError):
             raise
         where = f"{name}() on rank {dist.rank} of {dist.world_size}"
+        timeout = dist.runtime.timeout or dist.timeout  # the train_timeout, once warmed up
         if "timed out" in str(error).lower():
             msg = (
-                f"{where} timed out after {dist.timeout}: another rank did not reach {name}() "
+                f"{where} timed out after {timeout}: another rank did not reach {name}() "
                 f"in time (it is hung, still working alone, or calling another collective)."
                 f"{_absent(dist, dist.runtime.last())} Every "
                 f"rank must call {name}() in the same order; if one rank legitimately works "

@@ -31,6 +31,7 @@ harness) gets a fresh, empty handle: resources do not travel.
 from __future__ import annotations
 
 import collections
+import datetime
 import threading
 import weakref
 from collections.abc import Callable
@@ -135,6 +136,27 @@ class Runtime:
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
         self.step: int | None = None
         self.backwards = 0  # backward calls: a crumb says how far training had got
+        self.timeout: datetime.timedelta | None = None  # the train_timeout, once applied
+
+    def warm_up(self, timeout: datetime.timedelta) -> None:
+        """Shorten the collectives' timeout to ``timeout``: the default group's and the meshes' groups'.
+
+        Called once, by ``backward``, when ``DistState.train_timeout`` is set and
+        the first optimizer step is done (torchtitan's warm-up timeout).
+        """
+        self.timeout = timeout
+        import torch.distributed as tdist
+
+        if not tdist.is_initialized():
+            return
+        groups: list[Any] = [tdist.group.WORLD]
+        for _, made in self.meshes.values():
+            groups += made.get_all_groups() if hasattr(made, "get_all_groups") else [made]
+        for group in groups:
+            if group is not None:
+                # torch's private setter (what torchtitan calls): the public API fixes the timeout
+                # when the group is made.
+                tdist.distributed_c10d._set_pg_timeout(timeout, group)
 
     def __reduce__(self) -> tuple[Callable[[], Runtime], tuple[()]]:
         # A copy (another process, copy.deepcopy) starts empty: threads and buffers stay here.

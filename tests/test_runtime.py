@@ -73,3 +73,18 @@ def test_a_prepared_loader_is_a_value_through_two_epochs_and_a_restore(tmp_path:
 
     with pytest.raises(faccel.errors.UsageError, match="iterated a second time"):
         list(loader)
+
+
+def test_the_train_timeout_is_read_beside_faccel_timeout() -> None:
+    import datetime
+
+    import pytest
+
+    from faccel._state import state_from_env
+
+    assert state_from_env({}).train_timeout is None
+    assert state_from_env({"FACCEL_TRAIN_TIMEOUT": "60"}).train_timeout == datetime.timedelta(seconds=60)
+    given = datetime.timedelta(seconds=5)
+    assert state_from_env({"FACCEL_TRAIN_TIMEOUT": "60"}, train_timeout=given).train_timeout == given
+    with pytest.raises(faccel.errors.LaunchError, match="FACCEL_TRAIN_TIMEOUT must be a positive"):
+        state_from_env({"FACCEL_TRAIN_TIMEOUT": "soon"})
