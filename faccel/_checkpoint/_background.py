@@ -20,6 +20,7 @@ and publishes the outcome that the other ranks wait for.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import threading
@@ -63,7 +64,7 @@ def staged(runtime: Runtime, group: str, tensors: Mapping[str, torch.Tensor]) ->
     return out
 
 
-def release(runtime: Runtime) -> None:
+def release(runtime: Runtime, dist: DistState | None = None) -> None:
     """Wait for ``runtime``'s background checkpoint (raising its failure) and free the staging buffers.
 
     Example:
@@ -71,7 +72,7 @@ def release(runtime: Runtime) -> None:
         >>> release(Runtime())
     """
     try:
-        wait(runtime)
+        wait(runtime, dist)
     finally:
         runtime.release_staging()
 
@@ -101,7 +102,7 @@ def free_memory(dist: DistState) -> None:
         >>> import faccel
         >>> faccel.free_memory(faccel.detect({}))
     """
-    release(dist.runtime)
+    release(dist.runtime, dist)
 
 
 class Meeting:
@@ -155,8 +156,33 @@ class Meeting:
             raise CheckpointError(msg)
 
 
-def wait(runtime: Runtime) -> None:
-    """Wait for ``runtime``'s background checkpoint, if any; raise its failure as a CheckpointError.
+def _failed_key(dist: DistState) -> str:
+    return f"faccel/background/failed/rank{dist.rank}"
+
+
+def _group_store(dist: DistState | None) -> tdist.Store | None:
+    if dist is None or not dist.distributed or not tdist.is_initialized():
+        return None
+    return tdist.distributed_c10d._get_default_store()
+
+
+def _unreported(store: tdist.Store | None, key: str) -> str | None:
+    """The failure a background checkpoint left in the group's store, taken out (reported once)."""
+    if store is None or not store.check([key]):
+        return None
+    text = store.get(key).decode(errors="replace")
+    store.delete_key(key)
+    return text
+
+
+def wait(runtime: Runtime, dist: DistState | None = None) -> None:
+    """Wait for the background checkpoints of this process; raise a failure as a CheckpointError.
+
+    ``runtime``'s own first, then any other still being written (a state from
+    another ``detect`` in this process: found among the live threads). With a
+    process group (``dist``), a failure is also left in the group's store,
+    under this rank's key, until one call reports it: the next ``checkpoint``
+    or ``restore`` raises it whichever ``detect`` made its state.
 
     Example:
         >>> from faccel._runtime import Runtime
@@ -166,25 +192,45 @@ def wait(runtime: Runtime) -> None:
     if pending is not None:
         runtime.pending = None
         pending.thread.join()
-        if pending.error is not None:
+    for thread in threading.enumerate():
+        if thread.name == _THREAD and thread is not threading.current_thread():
+            thread.join()  # another handle's checkpoint: the ranks' files must be whole first
+    store = _group_store(dist)
+    left = _unreported(store, _failed_key(dist)) if dist is not None else None
+    if pending is not None and pending.error is not None:
+        if store is None or left is not None:  # not reported yet by a call of another handle
             msg = (
                 f"the background checkpoint of step {pending.step} (checkpoint(..., blocking=False)) "
                 f"failed, and nothing of it was committed: {pending.error}"
             )
             raise CheckpointError(msg) from pending.error
+    elif left is not None:
+        raise CheckpointError(left)
 
 
-def start(runtime: Runtime, step: int, task: Callable[[], None]) -> None:
+# The name of a background checkpoint's thread (how another handle's wait finds it).
+_THREAD = "faccel-checkpoint"
+
+
+def start(runtime: Runtime, step: int, task: Callable[[], None], dist: DistState | None = None) -> None:
     """Run ``task`` (a checkpoint's write and commit) on a background thread; see :func:`wait`."""
-    wait(runtime)
-    runtime.at_close("background checkpoint", functools.partial(release, runtime))
+    wait(runtime, dist)
+    runtime.at_close("background checkpoint", functools.partial(release, runtime, dist))
+    store = _group_store(dist)
 
     def run() -> None:
         try:
             task()
         except BaseException as error:  # kept for the next call to raise
             pending.error = error
+            if store is not None and dist is not None:
+                msg = (
+                    f"the background checkpoint of step {step} (checkpoint(..., blocking=False)) "
+                    f"failed, and nothing of it was committed: {error}"
+                )
+                with contextlib.suppress(RuntimeError):  # the store is gone: the owner still raises it
+                    store.set(_failed_key(dist), msg)
 
-    pending = Pending(step=step, thread=threading.Thread(target=run, name="faccel-checkpoint", daemon=False))
+    pending = Pending(step=step, thread=threading.Thread(target=run, name=_THREAD, daemon=False))
     runtime.pending = pending
     pending.thread.start()

@@ -333,7 +333,7 @@ def checkpoint(
         )
         raise ArgumentValueError(msg)
     breadcrumb(dist, "checkpoint", step=train_state.step)
-    wait_for_background(dist.runtime)  # the previous non-blocking checkpoint is committed first
+    wait_for_background(dist.runtime, dist)  # the previous non-blocking checkpoint is committed first
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
@@ -360,7 +360,7 @@ def checkpoint(
         with held:
             _run(dist, job)
     else:
-        start_in_background(dist.runtime, step, functools.partial(_run_in_background, dist, job))
+        start_in_background(dist.runtime, step, functools.partial(_run_in_background, dist, job), dist)
     return final
 
 
@@ -856,7 +856,9 @@ def restore(
         (7, 3, True)
     """
     breadcrumb(dist, "restore", step=train_state.step)
-    wait_for_background(dist.runtime)  # a non-blocking checkpoint still being written is committed first
+    wait_for_background(
+        dist.runtime, dist
+    )  # a non-blocking checkpoint still being written is committed first
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
