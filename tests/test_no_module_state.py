@@ -132,3 +132,17 @@ def test_no_module_level_mutable_state_in_faccel() -> None:
 )
 def test_the_scan_finds_what_it_names(source: str, expected: int) -> None:
     assert len(problems_in(source, "m.py")) == expected
+
+
+def test_every_mark_on_user_objects_is_named_in_one_module() -> None:
+    """faccel/_marks.py defines each ``_faccel_*`` attribute name, and its docstring names every one."""
+    import faccel._marks as marks
+
+    spelled: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and text.startswith("_faccel_"):
+                spelled.setdefault(text, set()).add(path.name)
+    assert spelled and all(where == {"_marks.py"} for where in spelled.values()), spelled
+    assert all(f"``{name}``" in (marks.__doc__ or "") for name in spelled)
