@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 model(torch.randn(2, width)).sum().backward()  # training goes on beside the thread
                 state.optimizer.step()
                 state.optimizer.zero_grad(set_to_none=True)
-                wait()
+                wait(dist.runtime)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     b, s = statistics.median(blocking), statistics.median(stall)

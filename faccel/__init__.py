@@ -23,6 +23,7 @@ if (
     from faccel import errors as errors
     from faccel import func as func
     from faccel._checkpoint import checkpoint as checkpoint
+    from faccel._checkpoint import free_memory as free_memory
     from faccel._checkpoint import latest_checkpoint as latest_checkpoint
     from faccel._checkpoint import restore as restore
     from faccel._data._loader import PreparedLoader as PreparedLoader

@@ -28,7 +28,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
             "steps_per_epoch",
         ),
         "faccel._loop._backward": ("backward",),
-        "faccel._checkpoint": ("checkpoint", "latest_checkpoint", "restore"),
+        "faccel._checkpoint": ("checkpoint", "free_memory", "latest_checkpoint", "restore"),
         "faccel._loop._clip": ("clip_grad_norm", "clip_grad_value"),
         "faccel._dist._collectives": (
             "any_rank",

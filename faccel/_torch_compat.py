@@ -31,6 +31,7 @@ __all__ = [
     "pytree",
     "random_sampler_draws_all",
     "rebuild_ddp_buckets",
+    "set_group_timeout",
 ]
 
 
@@ -109,3 +110,15 @@ def compiled_original(model: object) -> nn.Module | None:
     """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; None for anything else."""
     original = getattr(model, "_orig_mod", None)
     return original if isinstance(original, nn.Module) else None
+
+
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Change a live process group's collective ``timeout`` (a ``timedelta``).
+
+    The public API fixes a group's timeout when the group is made; torch's
+    private setter (what torchtitan calls) changes it later, for the shorter
+    timeout once training has warmed up (``FACCEL_TRAIN_TIMEOUT``).
+    """
+    import torch.distributed as tdist
+
+    tdist.distributed_c10d._set_pg_timeout(timeout, group)

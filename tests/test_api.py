@@ -34,6 +34,7 @@ PINNED: dict[str, list[str]] = {
         "clip_grad_value",
         "detect",
         "errors",
+        "free_memory",
         "func",
         "gather",
         "gather_for_metrics",

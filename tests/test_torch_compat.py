@@ -67,6 +67,7 @@ def test_the_process_group_apis_on_two_real_ranks() -> None:
     assert reports[0]["rebuild_ddp_buckets"] == reports[1]["rebuild_ddp_buckets"]
     assert [r["is_dtensor"] for r in reports] == [[True, False], [True, False]]
     assert [r["local_rows"] for r in reports] == [[0, 3], [3, 5]]
+    assert all(r["set_group_timeout"] for r in reports)
 
 
 # A private name of torch's: an attribute or module segment with one leading underscore, reached

@@ -18,6 +18,7 @@ tagged JSON, a model's tensors) are in ``faccel/_storage/``; the Hugging Face
 layout (``faccel/_hf/``) builds on this package, never the reverse.
 """
 
+from faccel._checkpoint._background import free_memory
 from faccel._checkpoint._orchestrate import checkpoint, latest_checkpoint, restore
 
-__all__ = ["checkpoint", "latest_checkpoint", "restore"]
+__all__ = ["checkpoint", "free_memory", "latest_checkpoint", "restore"]

@@ -1,8 +1,10 @@
 """Non-blocking checkpoints: the write and the commit on a background thread, one at a time.
 
-``checkpoint(..., blocking=False)`` copies the state to host memory, then
-hands the writing and the commit to :func:`start`, which runs them on a
-thread and returns. At most one runs per process: the next ``checkpoint``,
+``checkpoint(..., blocking=False)`` copies the state to host memory (buffers
+owned by ``dist.runtime``, reused by the next one, released by
+:func:`faccel.free_memory` or ``shutdown``), then hands the writing and the
+commit to :func:`start`, which runs them on a thread and returns; the thread
+is ``dist.runtime.pending``. At most one runs per runtime handle: the next ``checkpoint``,
 ``restore`` and ``faccel.shutdown`` first :func:`wait` for it, and a failure
 on the thread is raised there, by the next call, as a :class:`CheckpointError`
 naming the step (nothing of a failed checkpoint is committed: the commit is
@@ -18,49 +20,39 @@ and publishes the outcome that the other ranks wait for.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import threading
 from collections.abc import Callable, Mapping
 
-import attrs
 import torch
+import torch.distributed as tdist
 
-from faccel._dist._process_group import at_shutdown
+from faccel._dist._runtime import Pending, Runtime
 from faccel._dist._state import DistState
 from faccel._torch_compat import default_store
+from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
 
-__all__ = ["Meeting", "release", "staged", "start", "wait"]
+__all__ = ["Meeting", "free_memory", "release", "staged", "start", "wait"]
 
 
-@attrs.define
-class _Pending:
-    """The one background checkpoint of this process: its thread, and its error once it failed."""
+def staged(runtime: Runtime, group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors`` (contiguous), in ``runtime``'s buffers of the previous call where they fit.
 
-    step: int
-    thread: threading.Thread
-    error: BaseException | None = None
-
-
-# This process's background checkpoint, if any (at most one: start waits for the previous one).
-_PENDING: list[_Pending] = []
-# Host buffers of the last non-blocking checkpoint, by group and key, reused by the next one: a copy
-# into memory already mapped runs at memory speed (5x faster here than into fresh pages).
-_STAGING: dict[str, dict[str, torch.Tensor]] = {}
-
-
-def staged(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of ``tensors`` (contiguous), in the buffers of the previous call where they fit.
-
-    Only called once the previous background checkpoint is done (``checkpoint`` waits first), so
-    no thread still reads the buffers it overwrites.
+    Buffers are reused because a copy into memory already mapped runs at
+    memory speed (5x faster here than into fresh pages). Only called once the
+    previous background checkpoint is done (``checkpoint`` waits first), so no
+    thread still reads the buffers it overwrites.
 
     Example:
         >>> import torch
-        >>> staged("doc", {"w": torch.ones(2)})["w"].tolist()
+        >>> from faccel._dist._runtime import Runtime
+        >>> staged(Runtime(), "doc", {"w": torch.ones(2)})["w"].tolist()
         [1.0, 1.0]
     """
-    old = _STAGING.get(group, {})
+    old = runtime.staging.get(group, {})
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         buffer = old.get(key)
@@ -69,20 +61,49 @@ def staged(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.T
         with torch.no_grad():
             buffer.copy_(tensor.detach())
         out[key] = buffer
-    _STAGING[group] = out
+    runtime.staging[group] = out
     return out
 
 
-def release() -> None:
-    """Wait for the background checkpoint (raising its failure) and free the staging buffers.
+def release(runtime: Runtime, dist: DistState | None = None) -> None:
+    """Wait for ``runtime``'s background checkpoint (raising its failure) and free the staging buffers.
 
     Example:
-        >>> release()
+        >>> from faccel._dist._runtime import Runtime
+        >>> release(Runtime())
     """
     try:
-        wait()
+        wait(runtime, dist)
     finally:
-        _STAGING.clear()
+        runtime.release_staging()
+
+
+@setup_checked
+def free_memory(dist: DistState) -> None:
+    """Release the host staging buffers that non-blocking checkpoints keep for reuse.
+
+    ``checkpoint(..., blocking=False)`` copies the state into host buffers
+    owned by ``dist.runtime`` (a full copy of the model and optimizer state)
+    and keeps them, so that the next one copies at memory speed. Call this
+    when no more non-blocking checkpoints come (before evaluation, or to make
+    room); it first waits for the one still being written. The next
+    non-blocking checkpoint allocates them again. :func:`faccel.shutdown`
+    releases them too. (Accelerate's ``Accelerator.free_memory`` frees
+    references it holds; this frees what faccel holds.)
+
+    Args:
+        dist: The run's :class:`~faccel.DistState` (its runtime handle holds the buffers).
+
+    Raises:
+        CheckpointError: The background checkpoint this waited for failed
+            (the buffers are released all the same).
+        ArgumentError: ``dist`` is not a :class:`~faccel.DistState`.
+
+    Example:
+        >>> import faccel
+        >>> faccel.free_memory(faccel.detect({}))
+    """
+    release(dist.runtime, dist)
 
 
 class Meeting:
@@ -136,34 +157,81 @@ class Meeting:
             raise CheckpointError(msg)
 
 
-def wait() -> None:
-    """Wait for this process's background checkpoint, if any; raise its failure as a CheckpointError.
+def _failed_key(dist: DistState) -> str:
+    return f"faccel/background/failed/rank{dist.rank}"
+
+
+def _group_store(dist: DistState | None) -> tdist.Store | None:
+    if dist is None or not dist.distributed or not tdist.is_initialized():
+        return None
+    return default_store()
+
+
+def _unreported(store: tdist.Store | None, key: str) -> str | None:
+    """The failure a background checkpoint left in the group's store, taken out (reported once)."""
+    if store is None or not store.check([key]):
+        return None
+    text = store.get(key).decode(errors="replace")
+    store.delete_key(key)
+    return text
+
+
+def wait(runtime: Runtime, dist: DistState | None = None) -> None:
+    """Wait for the background checkpoints of this process; raise a failure as a CheckpointError.
+
+    ``runtime``'s own first, then any other still being written (a state from
+    another ``detect`` in this process: found among the live threads). With a
+    process group (``dist``), a failure is also left in the group's store,
+    under this rank's key, until one call reports it: the next ``checkpoint``
+    or ``restore`` raises it whichever ``detect`` made its state.
 
     Example:
-        >>> wait()  # none running: returns at once
+        >>> from faccel._dist._runtime import Runtime
+        >>> wait(Runtime())  # none running: returns at once
     """
-    while _PENDING:
-        pending = _PENDING.pop()
+    pending = runtime.pending
+    if pending is not None:
+        runtime.pending = None
         pending.thread.join()
-        if pending.error is not None:
+    for thread in threading.enumerate():
+        if thread.name == _THREAD and thread is not threading.current_thread():
+            thread.join()  # another handle's checkpoint: the ranks' files must be whole first
+    store = _group_store(dist)
+    left = _unreported(store, _failed_key(dist)) if dist is not None else None
+    if pending is not None and pending.error is not None:
+        if store is None or left is not None:  # not reported yet by a call of another handle
             msg = (
                 f"the background checkpoint of step {pending.step} (checkpoint(..., blocking=False)) "
                 f"failed, and nothing of it was committed: {pending.error}"
             )
             raise CheckpointError(msg) from pending.error
+    elif left is not None:
+        raise CheckpointError(left)
 
 
-def start(step: int, task: Callable[[], None]) -> None:
+# The name of a background checkpoint's thread (how another handle's wait finds it).
+_THREAD = "faccel-checkpoint"
+
+
+def start(runtime: Runtime, step: int, task: Callable[[], None], dist: DistState | None = None) -> None:
     """Run ``task`` (a checkpoint's write and commit) on a background thread; see :func:`wait`."""
-    wait()
-    at_shutdown(release)
+    wait(runtime, dist)
+    runtime.at_close("background checkpoint", functools.partial(release, runtime, dist))
+    store = _group_store(dist)
 
     def run() -> None:
         try:
             task()
         except BaseException as error:  # kept for the next call to raise
             pending.error = error
+            if store is not None and dist is not None:
+                msg = (
+                    f"the background checkpoint of step {step} (checkpoint(..., blocking=False)) "
+                    f"failed, and nothing of it was committed: {error}"
+                )
+                with contextlib.suppress(RuntimeError):  # the store is gone: the owner still raises it
+                    store.set(_failed_key(dist), msg)
 
-    pending = _Pending(step=step, thread=threading.Thread(target=run, name="faccel-checkpoint", daemon=False))
-    _PENDING.append(pending)
+    pending = Pending(step=step, thread=threading.Thread(target=run, name=_THREAD, daemon=False))
+    runtime.pending = pending
     pending.thread.start()

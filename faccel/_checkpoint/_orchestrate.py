@@ -86,6 +86,7 @@ from faccel._checkpoint._sharded._fsdp_state import full_state, sharded_state
 from faccel._checkpoint._sharded._shard_file import write_shard
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
+from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import (
@@ -331,7 +332,8 @@ def checkpoint(
             "or with a one-process DistState"
         )
         raise ArgumentValueError(msg)
-    wait_for_background()  # the previous non-blocking checkpoint is committed first (or its error raised)
+    breadcrumb(dist, "checkpoint", step=train_state.step)
+    wait_for_background(dist.runtime, dist)  # the previous non-blocking checkpoint is committed first
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
@@ -358,7 +360,7 @@ def checkpoint(
         with held:
             _run(dist, job)
     else:
-        start_in_background(step, functools.partial(_run_in_background, dist, job))
+        start_in_background(dist.runtime, step, functools.partial(_run_in_background, dist, job), dist)
     return final
 
 
@@ -457,7 +459,7 @@ def _whole_job(
             return None
         content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
         if copy:
-            files = {name: host_copies(name, tensors) for name, tensors in files.items()}
+            files = {name: host_copies(dist.runtime, name, tensors) for name, tensors in files.items()}
         return content, files, _open_temporary(held, root, final, temporary, step, replace=replace)
 
     prepared = together(
@@ -539,8 +541,8 @@ def _sharded_job(
             group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()
         }
         if copy:
-            pieces = host_copies("shards", pieces)
-            files = {EXTRAS: host_copies(EXTRAS, files[EXTRAS])}
+            pieces = host_copies(dist.runtime, "shards", pieces)
+            files = {EXTRAS: host_copies(dist.runtime, EXTRAS, files[EXTRAS])}
         return content, files, pieces, placed
 
     content, files, pieces, placed = together(
@@ -853,7 +855,10 @@ def restore(
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
-    wait_for_background()  # a non-blocking checkpoint still being written is committed first
+    breadcrumb(dist, "restore", step=train_state.step)
+    wait_for_background(
+        dist.runtime, dist
+    )  # a non-blocking checkpoint still being written is committed first
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError

@@ -33,6 +33,7 @@ from torch.utils.data import (
 
 from faccel._data._samplers import check_repeatable
 from faccel._data._sharding import Sharding
+from faccel._dist._runtime import LoaderRecord, Runtime
 from faccel._dist._state import DistState
 from faccel._torch_compat import random_sampler_draws_all
 from faccel._tree import map_tensors
@@ -224,7 +225,10 @@ class PreparedLoader:
     """One rank's view of a dataset: its batches of ``epoch``, from batch ``start``.
 
     Iterate it like a ``DataLoader``; batches arrive on ``device``. A view is
-    frozen: iterating it twice yields the same batches. Use :meth:`at` for each
+    a value: iterating it twice yields the same batches, and neither iterating
+    nor :func:`faccel.restore` changes any of its fields (what the guards below
+    need to know of past iterations is the loader's record in the runtime
+    handle of the ``DistState`` it was prepared with). Use :meth:`at` for each
     epoch and to resume mid-epoch. The loader :func:`faccel.prepare` returns is
     the view of epoch 0; if it shuffles, iterating it a second time raises
     :class:`~faccel.errors.UsageError`, because a bare ``for epoch in ...: for
@@ -267,15 +271,14 @@ class PreparedLoader:
     _batched: bool = True
     # Which worker seeds: "rank" (per rank and batch), "shared" (per batch) or "torch".
     _worker_seeds: str = "rank"
-    # Only on the view prepare() returns: whether it has been iterated (one cell, set once).
-    # Views from at() name their epoch, so iterating them again is deliberate.
-    _bare_iterated: list[bool] | None = None
-    # Shared by every view of one loader: how many iterations have been started. With
-    # persistent workers the DataLoader has one iterator, which each new iteration resets.
-    _started: list[int] = attrs.field(factory=lambda: [0])
-    # Shared by every view: the (epoch, consumed) a restore at another world size left to resume
-    # from, until a view of that epoch is iterated. One iterated from elsewhere raises.
-    _due: list[tuple[int, int] | None] = attrs.field(factory=lambda: [None])
+    # True on the view prepare() returns only: iterating it twice raises if it shuffles. Views
+    # from at() name their epoch, so iterating them again is deliberate.
+    _bare: bool = False
+    # The handle of the DistState it was prepared with. What this process did with the loader
+    # (iterations started, whether the bare view was read, an epoch a restore left to resume
+    # from a global position) is the runtime's LoaderRecord, weakly keyed by the rebuilt
+    # DataLoader that every view shares: iterating and restoring change no field of a view.
+    _runtime: Runtime = attrs.field(factory=Runtime, repr=False)
 
     @property
     def batch_size(self) -> int | None:
@@ -363,9 +366,7 @@ class PreparedLoader:
             )
             raise ArgumentValueError(msg)
         sharding = attrs.evolve(self.sharding, consumed=consumed)  # checks consumed <= num_samples
-        return attrs.evolve(
-            self, epoch=epoch, start=start, consumed=consumed, sharding=sharding, bare_iterated=None
-        )
+        return attrs.evolve(self, epoch=epoch, start=start, consumed=consumed, sharding=sharding, bare=False)
 
     def resume(self, state: _Position) -> PreparedLoader:
         """The view that continues ``state``'s epoch where it stopped, at this world size.
@@ -398,7 +399,9 @@ class PreparedLoader:
         :func:`faccel.restore` calls it on ``TrainState.loader`` when the
         epoch continues from a global position (restored at another world
         size): the batch-counting form ``at(epoch=e, start=state.position)``
-        would read the epoch again from its start.
+        would read the epoch again from its start. It changes no field of any
+        view: the expectation is kept in the loader's record in the runtime
+        handle of the ``DistState`` it was prepared with (docs/data.md).
 
         Example:
             >>> import torch, faccel
@@ -408,7 +411,7 @@ class PreparedLoader:
             >>> [batch.tolist() for (batch,) in loader.at(epoch=0, consumed=6)]
             [[6, 7, 8], [9]]
         """
-        self._due[0] = (epoch, consumed) if consumed else None
+        self._runtime.loader(self.dataloader).due = (epoch, consumed) if consumed else None
 
     def __len__(self) -> int:
         """Batches this rank sees in a whole epoch (``start`` not subtracted).
@@ -423,16 +426,17 @@ class PreparedLoader:
         return self.sharding.num_batches
 
     def __iter__(self) -> Iterator[Any]:
-        if self._bare_iterated is not None and self.sharding.shuffle:
-            if self._bare_iterated[0]:
+        record = self._runtime.loader(self.dataloader)
+        if self._bare and self.sharding.shuffle:
+            if record.bare_iterated:
                 msg = (
                     "this shuffled loader was iterated a second time without naming an epoch: "
                     "`for batch in loader` always yields epoch 0's order, so a bare epoch loop would "
                     "repeat it every epoch; iterate `loader.at(epoch=epoch)` in each epoch instead"
                 )
                 raise UsageError(msg)
-            self._bare_iterated[0] = True
-        due = self._due[0]
+            record.bare_iterated = True
+        due = record.due
         if due is not None and due[0] == self.epoch:
             if due[1] != self.consumed:
                 msg = (
@@ -443,8 +447,8 @@ class PreparedLoader:
                     "consumed=state.consumed))"
                 )
                 raise UsageError(msg)
-            self._due[0] = None
-        self._started[0] += 1
+            record.due = None
+        record.started += 1
         control = self._control
         if isinstance(control, _ShardBatchSampler):
             control.point(self.epoch, self.start, self.consumed)
@@ -464,7 +468,7 @@ class PreparedLoader:
         self._seeder.manual_seed(_seed_of(s.seed, *where))
         iterator: Iterator[Any] = iter(self.dataloader)
         if self.dataloader.persistent_workers:
-            iterator = _alone(iterator, self._started, self._started[0])
+            iterator = _alone(iterator, record, record.started)
         device, non_blocking = self.device, self.non_blocking
         if device.type == "cpu" and not self.dataloader.pin_memory:
             # Collated batches are already on the CPU: skip the walk over the batch.
@@ -472,10 +476,10 @@ class PreparedLoader:
         return (to_device(batch, device, non_blocking=non_blocking) for batch in iterator)
 
 
-def _alone(iterator: Iterator[Any], started: list[int], mine: int) -> Iterator[Any]:
+def _alone(iterator: Iterator[Any], record: LoaderRecord, mine: int) -> Iterator[Any]:
     """``iterator``'s batches, as long as no other iteration of the loader has started since."""
     while True:
-        if started[0] != mine:
+        if record.started != mine:
             # Checked before each fetch: a fetch would take a batch of the other iteration.
             msg = (
                 "another iteration of this loader started while this one was still being read; with "
@@ -699,7 +703,8 @@ def prepare_loader(
         non_blocking=loader.pin_memory and dist.device.type == "cuda",
         control=control,
         seeder=seeder,
-        bare_iterated=[False],
+        bare=True,
+        runtime=dist.runtime,
         batched=batched,
         worker_seeds=worker_seeds,
     )

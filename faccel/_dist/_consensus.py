@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as tdist
 
-from faccel._dist._process_group import comm_device, require_group
+from faccel._dist._process_group import comm_device, last_calls, require_group
 from faccel._dist._state import DistState
 from faccel._torch_compat import default_store
 from faccel.errors import FaccelError
@@ -101,8 +101,9 @@ def arrive(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: t
             came = [rank for rank in range(dist.world_size) if rank not in missing]
             msg = (
                 f"{name}() was called on rank(s) {came} only: rank(s) {missing} did not call it "
-                f"within {timeout} (arrival_timeout). {name}() is a collective: every rank must "
-                f"call it, at the same point of the program, not under `if dist.is_main_process:` "
+                f"within {timeout} (arrival_timeout){last_calls(dist, missing)}. {name}() is a "
+                f"collective: every rank must call it, at the same point of the program, not "
+                f"under `if dist.is_main_process:` "
                 f"(faccel writes from the main process by itself). If a rank is only slow to "
                 f"arrive (a long evaluation), pass a larger arrival_timeout"
             )

@@ -105,6 +105,7 @@ OPTION_VARIABLES: Mapping[str, str] = MappingProxyType(
         "accumulation_steps": "FACCEL_ACCUMULATION_STEPS",
         "strategy": "FACCEL_STRATEGY",
         "timeout": "FACCEL_TIMEOUT",
+        "train_timeout": "FACCEL_TRAIN_TIMEOUT",
         "layout": "FACCEL_LAYOUT",
     }
 )

@@ -5,10 +5,12 @@ included: ``device_mesh(dist)["tensor"]`` and ``["replicate", "shard"]``
 exist whatever the layout, so code written for one layout runs on every
 other. (A dimension of size 1 costs one trivial group per rank, made once.)
 Made lazily, because ``init_device_mesh`` is a collective every rank must
-join and it costs a process group per dimension; kept for the life of the
-default process group, because a DTensor's mesh must be the very mesh the
-next call slices from (``fully_shard`` over TP parameters checks that the two
-meshes share a root).
+join and it costs a process group per dimension; kept in ``dist.runtime``
+(the run's handle, see ``faccel._dist._runtime``) for the life of the default
+process group, because a DTensor's mesh must be the very mesh the next call
+slices from (``fully_shard`` over TP parameters checks that the two meshes
+share a root). Use the states of one ``detect`` (``attrs.evolve`` keeps its
+handle): a record made by another ``detect`` builds its own meshes.
 """
 
 from __future__ import annotations
@@ -25,22 +27,20 @@ from faccel.errors import DistributedError
 
 __all__ = ["data_group", "data_mesh", "device_mesh"]
 
-# (what, layout shape, device type) -> (the default group it was made under, the object).
-# A memo of objects that belong to the default process group, which PyTorch itself keeps per
-# process (faccel holds no other module-level state): a ProcessGroup takes no attributes to
-# hang them on, and a DistState is made before them and copied by attrs.evolve. It changes
-# no result, only how often init_device_mesh runs. A new default group (shutdown, then
-# detect) makes the entries stale: they are rebuilt.
-_MADE: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
+def _cached(dist: DistState, key: tuple[Any, ...], make: Any) -> Any:
+    """``make()``'s object for ``key`` (what, layout shape, device type), made once per default group.
 
-def _cached(key: tuple[Any, ...], make: Any) -> Any:
+    Held in ``dist.runtime.meshes`` with the default group it was made under:
+    a new group (shutdown, then detect) makes an entry stale, and it is rebuilt.
+    """
     world = tdist.group.WORLD
-    held = _MADE.get(key)
+    made_here = dist.runtime.meshes
+    held = made_here.get(key)
     if held is not None and held[0] is world:
         return held[1]
     made = make()
-    _MADE[key] = (world, made)
+    made_here[key] = (world, made)
     return made
 
 
@@ -81,7 +81,7 @@ def device_mesh(dist: DistState) -> Any:
 
         return init_device_mesh(dist.device.type, layout.shape, mesh_dim_names=DIMENSIONS)
 
-    return _cached(("mesh", layout.shape, dist.device.type), make)
+    return _cached(dist, ("mesh", layout.shape, dist.device.type), make)
 
 
 def data_mesh(dist: DistState) -> Any:
@@ -111,4 +111,4 @@ def data_group(dist: DistState) -> Any:
         mine, _ = tdist.new_subgroups_by_enumeration(groups, timeout=dist.timeout)
         return mine
 
-    return _cached(("data", layout.shape, dist.device.type), make)
+    return _cached(dist, ("data", layout.shape, dist.device.type), make)

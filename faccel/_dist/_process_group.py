@@ -14,21 +14,24 @@ import atexit
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from faccel._dist._layout import Layout
+from faccel._dist._runtime import Crumb
 from faccel._dist._state import DistState, state_from_env
+from faccel._torch_compat import default_store
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FaccelError
 
 __all__ = [
-    "at_shutdown",
+    "breadcrumb",
     "comm_device",
     "detect",
+    "last_calls",
     "main_process_first",
     "peers_answer",
     "require_group",
@@ -56,6 +59,7 @@ def detect(
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
     start: bool = True,
+    train_timeout: datetime.timedelta | None = None,
 ) -> DistState:
     """Read the launcher, the hardware and the options into a :class:`DistState`.
 
@@ -84,6 +88,11 @@ def detect(
             groups: a :class:`Layout` or its text (``'shard=2,tensor=2'``);
             default ``$FACCEL_LAYOUT``, else the strategy's (docs/parallelism.md).
         start: Start the process group when the world has more than one process.
+        train_timeout: A shorter ``timeout`` for every collective once training
+            has warmed up (from the second optimizer step's first ``backward``
+            on, when the first step's one-off work is done); default
+            ``$FACCEL_TRAIN_TIMEOUT`` seconds, else None (``timeout`` throughout).
+            A rank that then hangs in the loop is named sooner (docs/distributed.md).
 
     Returns:
         The frozen record describing this process.
@@ -116,6 +125,7 @@ def detect(
         seed=seed,
         timeout=timeout,
         layout=layout,
+        train_timeout=train_timeout,
     )
     if start and state.distributed:
         start_process_group(state)
@@ -177,22 +187,6 @@ def start_process_group(dist: DistState) -> None:
         torch.cuda.set_device(dist.device)
 
 
-# What shutdown runs first (a non-blocking checkpoint's wait): registered by the modules that need it,
-# so that this module imports none of them.
-_AT_SHUTDOWN: list[Callable[[], None]] = []
-
-
-def at_shutdown(hook: Callable[[], None]) -> None:
-    """Have :func:`shutdown` call ``hook`` first (once, however often it is registered).
-
-    Example:
-        >>> at_shutdown(print)
-        >>> _AT_SHUTDOWN.remove(print)
-    """
-    if hook not in _AT_SHUTDOWN:
-        _AT_SHUTDOWN.append(hook)
-
-
 def _stop_at_exit() -> None:
     if tdist.is_initialized():
         tdist.destroy_process_group()
@@ -200,7 +194,11 @@ def _stop_at_exit() -> None:
 
 @setup_checked
 def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
-    """Close ``trackers``, then stop the default process group, if one runs. Safe to call more than once.
+    """Close ``dist.runtime`` and ``trackers``, then stop the default process group. Safe to call again.
+
+    Closing the runtime handle waits for a background checkpoint (raising
+    its failure once the rest is closed) and releases its staging buffers and
+    the meshes made for the layouts.
 
     Args:
         dist: The run's :class:`DistState`.
@@ -218,14 +216,100 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
         >>> faccel.shutdown(dist, trackers=[faccel.init_tracker(dist, tempfile.mkdtemp())])
     """
     try:
-        for hook in list(_AT_SHUTDOWN):  # a non-blocking checkpoint commits (or raises) first
-            hook()
+        dist.runtime.close()  # a non-blocking checkpoint commits (or raises) first; buffers released
     finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
         if dist.distributed and tdist.is_initialized():
             tdist.destroy_process_group()
             atexit.unregister(_stop_at_exit)
+
+
+def _crumb_key(rank: int) -> str:
+    return f"faccel/crumb/rank{rank}"
+
+
+def _default_store() -> Any:
+    try:
+        return default_store()
+    except (RuntimeError, ValueError):  # no group, or one started without a store
+        return None
+
+
+def breadcrumb(dist: DistState, call: str, *, step: int | None = None, collective: bool = False) -> None:
+    """Note ``call`` in ``dist.runtime``'s breadcrumb, and publish it to the group's store.
+
+    One small ``store.set`` (a round trip to the store's host) where a process
+    group runs: called at set-up calls, checkpoints and collective entry, never
+    per batch. A peer whose collective times out reads it to say what this rank
+    was last doing.
+
+    Example:
+        >>> import faccel
+        >>> dist = faccel.detect({})
+        >>> breadcrumb(dist, "prepare")
+        >>> dist.runtime.last().call
+        'prepare'
+    """
+    crumb = dist.runtime.note(call, step=step, collective=collective)
+    if dist.distributed and tdist.is_initialized():
+        store = _default_store()
+        if store is not None:
+            store.set(_crumb_key(dist.rank), crumb.text())
+
+
+def last_calls(dist: DistState, ranks: Sequence[int]) -> str:
+    """``ranks``' last faccel calls, as published to the store: ``"; rank 1 was last in ..."``.
+
+    Empty where no group runs or the store cannot say.
+
+    Example:
+        >>> import faccel
+        >>> last_calls(faccel.detect({}), [1])
+        ''
+    """
+    store = _default_store() if dist.distributed and tdist.is_initialized() else None
+    if store is None:
+        return ""
+    said: list[str] = []
+    try:
+        for rank in ranks:
+            key = _crumb_key(rank)
+            crumb = Crumb.parse(store.get(key).decode(errors="replace")) if store.check([key]) else None
+            if crumb is not None:
+                said.append(f"rank {rank} was last in {crumb.describe()}")
+    except RuntimeError:  # the store's host is gone
+        return ""
+    return "; " + "; ".join(said) if said else ""
+
+
+def _absent(dist: DistState, mine: Crumb | None) -> str:
+    """Which ranks did not reach this rank's collective, and their last calls, as the store says."""
+    store = _default_store()
+    if store is None or mine is None:
+        return ""
+    late: list[str] = []
+    try:
+        for rank in range(dist.world_size):
+            if rank == dist.rank:
+                continue
+            key = _crumb_key(rank)
+            if not store.check([key]):
+                late.append(f"rank {rank} (no faccel call of it seen yet)")
+                continue
+            crumb = Crumb.parse(store.get(key).decode(errors="replace"))
+            if crumb is None:
+                continue
+            if crumb.number < mine.number or (crumb.number == mine.number and crumb.call != mine.call):
+                late.append(f"rank {rank} (its last faccel call: {crumb.describe()})")
+    except RuntimeError:  # the store itself is gone (its host died): say nothing more
+        return ""
+    if not late:
+        return ""
+    return (
+        f" The ranks that did not arrive at this {mine.call}() (this rank's collective "
+        f"#{mine.number}): {'; '.join(late)}."
+    )
 
 
 def require_group(dist: DistState, name: str) -> None:
@@ -306,6 +390,9 @@ def peers_answer(dist: DistState, name: str) -> Iterator[None]:
     a bare ``RuntimeError`` (``Timed out waiting 300000ms for recv operation``);
     the error raised instead names the collective, this rank and the timeout,
     and keeps torch's error as its cause. faccel's own errors pass through.
+    On entry it notes ``name`` in the breadcrumb (:func:`breadcrumb`); after a
+    timeout the error also names, from the store, each rank that did not reach
+    this collective and its last faccel call and step.
 
     Raises:
         DistributedError: The block raised a ``RuntimeError`` that is not a faccel error.
@@ -318,16 +405,19 @@ def peers_answer(dist: DistState, name: str) -> Iterator[None]:
         ...
         faccel.errors.DistributedError: gather() on rank 1 of 2 timed out after 0:05:00: ...
     """
+    breadcrumb(dist, name, collective=True)
     try:
         yield
     except RuntimeError as error:  # gloo and NCCL report a lost or timed-out peer this way
         if isinstance(error, FaccelError):
             raise
         where = f"{name}() on rank {dist.rank} of {dist.world_size}"
+        timeout = dist.runtime.timeout or dist.timeout  # the train_timeout, once warmed up
         if "timed out" in str(error).lower():
             msg = (
-                f"{where} timed out after {dist.timeout}: another rank did not reach {name}() "
-                "in time (it is hung, still working alone, or calling another collective). Every "
+                f"{where} timed out after {timeout}: another rank did not reach {name}() "
+                f"in time (it is hung, still working alone, or calling another collective)."
+                f"{_absent(dist, dist.runtime.last())} Every "
                 f"rank must call {name}() in the same order; if one rank legitimately works "
                 "alone for longer, raise the timeout with faccel.detect(timeout=...) or "
                 f"FACCEL_TIMEOUT=<seconds>. torch said: {error}"

@@ -16,6 +16,7 @@ import torch
 
 from faccel._dist._launch import OPTION_VARIABLES, parse_launch, read_int
 from faccel._dist._layout import Layout, default_layout, layout_problem, parse_layout, strategy_for
+from faccel._dist._runtime import Runtime
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, LaunchError, PrecisionError
 
@@ -84,6 +85,10 @@ class DistState:
             FSDP2's ``fully_shard``), used when there are peer processes.
         seed: Seed of the data order (shuffling is a function of seed and epoch).
         timeout: How long a collective waits for the other ranks.
+        train_timeout: A shorter wait once training has warmed up (from the
+            second optimizer step: the first one's compiles, allocations and DDP
+            bucket rebuilds are over), so that a hang in the loop ends sooner than
+            one at set-up may; None keeps ``timeout`` throughout.
         launcher: Who started the process: ``torchrun``, ``slurm``, ``mpi``,
             ``none`` (plain ``python``) or ``simulated``.
         master_addr: Rendezvous host, for more than one process.
@@ -93,6 +98,12 @@ class DistState:
             groups (:class:`Layout`); None: as ``strategy`` says (DDP
             replicates over every rank, FSDP shards over them). The one in
             effect is :attr:`parallel`.
+        runtime: The process's resources for this run (:class:`faccel._dist._runtime.Runtime`:
+            the background checkpoint and its staging buffers, the meshes, the
+            shutdown hooks, the loaders' iteration records, the last-call
+            breadcrumb). A handle, not a fact: it takes no part in equality,
+            hashing or ``repr``; each new record gets its own, ``attrs.evolve``
+            keeps it, and :func:`faccel.shutdown` closes it.
 
     Example:
         >>> import attrs
@@ -113,11 +124,13 @@ class DistState:
     strategy: str = attrs.field(default="ddp", validator=_check_strategy)
     seed: int = 0
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    train_timeout: datetime.timedelta | None = None
     launcher: str = "none"
     master_addr: str | None = None
     master_port: int | None = None
     external_store: bool = False
     layout: Layout | None = None
+    runtime: Runtime = attrs.field(factory=Runtime, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.layout is not None:
@@ -272,10 +285,10 @@ def _env_layout(env: Mapping[str, str], given: Layout | str | None) -> Layout | 
         raise LaunchError(msg) from None
 
 
-def _env_timeout(env: Mapping[str, str]) -> datetime.timedelta:
-    name = OPTION_VARIABLES["timeout"]
+def _env_timeout(env: Mapping[str, str], option: str = "timeout") -> datetime.timedelta | None:
+    name = OPTION_VARIABLES[option]
     if name not in env:
-        return DEFAULT_TIMEOUT
+        return DEFAULT_TIMEOUT if option == "timeout" else None
     try:
         timeout = datetime.timedelta(seconds=float(env[name]))
     except (ValueError, OverflowError):  # not a number, nan, or beyond timedelta's range
@@ -283,7 +296,8 @@ def _env_timeout(env: Mapping[str, str]) -> datetime.timedelta:
     if timeout <= datetime.timedelta(0):
         msg = (
             f"{name} must be a positive number of seconds, got {name}={env[name]!r}; "
-            f"unset it for the default ({DEFAULT_TIMEOUT.total_seconds():.0f} s)"
+            "unset it for the default"
+            + (f" ({DEFAULT_TIMEOUT.total_seconds():.0f} s)" if option == "timeout" else " (none)")
         )
         raise LaunchError(msg)
     return timeout
@@ -303,6 +317,7 @@ def state_from_env(
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
+    train_timeout: datetime.timedelta | None = None,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
@@ -325,6 +340,8 @@ def state_from_env(
         seed: Seed of the data order.
         timeout: How long collectives wait for the other ranks; default
             ``$FACCEL_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT` (5 minutes).
+        train_timeout: The shorter wait once training has warmed up; default
+            ``$FACCEL_TRAIN_TIMEOUT`` seconds, else None (``timeout`` throughout).
         layout: A :class:`Layout` or its text (``'shard=2,tensor=2'``); default
             ``$FACCEL_LAYOUT``, else None (the strategy's). Without a strategy
             given, a layout with shards or tensor parallelism selects ``'fsdp'``.
@@ -379,7 +396,8 @@ def state_from_env(
         accumulation_steps=_env_int(env, OPTION_VARIABLES["accumulation_steps"], accumulation_steps, 1),
         strategy=chosen_strategy,
         seed=seed,
-        timeout=timeout if timeout is not None else _env_timeout(env),
+        timeout=timeout if timeout is not None else _env_timeout(env),  # type: ignore[arg-type]
+        train_timeout=train_timeout if train_timeout is not None else _env_timeout(env, "train_timeout"),
         launcher=info.launcher,
         master_addr=info.master_addr,
         master_port=info.master_port,

@@ -71,6 +71,15 @@ def backward(
             "pass scaler= to faccel.backward and faccel.optimizer_step"
         )
         raise PrecisionError(msg)
+    runtime = dist.runtime
+    runtime.backwards += 1  # how far training had got, for a hang report (one integer add)
+    # Once the first optimizer step is done, a shorter timeout, if asked for (applied once).
+    if (
+        dist.train_timeout is not None
+        and runtime.timeout is None
+        and runtime.backwards > dist.accumulation_steps
+    ):
+        runtime.warm_up(dist.train_timeout)
     loss.backward(**kwargs)
 
 

@@ -1,8 +1,10 @@
 """Models: moved, wrapped for precision and DDP, and unwrapped again.
 
-The user's module is never monkey-patched: precision comes from a thin outer
-module whose forward runs the user's forward under autocast, and DDP wraps
-that. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
+The user's module's methods are never replaced: precision comes from a thin
+outer module whose forward runs the user's forward under autocast, and DDP
+wraps that. Two marks are set on a prepared module (the wrapper it got, and
+whether faccel split it for tensor parallelism), listed with why in
+``faccel._marks``. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._dist._mesh import data_mesh
 from faccel._dist._state import DistState
 from faccel._loop._parallel import apply_plan
+from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
 from faccel._tree import map_tensors
 from faccel.errors import DistributedError, PrepareError
@@ -277,7 +280,7 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
     return wrapped
 
 
-_WRAPPED_AS = "_faccel_wrapped_as"
 # Set on a module whose layers faccel split over the "tensor" dimension without FSDP2
-# (tensor parallelism alone): its parameters are DTensors all the same.
-_TENSOR_PARALLEL = "_faccel_tensor_parallel"
+# (tensor parallelism alone): its parameters are DTensors all the same. See faccel._marks.
+_TENSOR_PARALLEL = TENSOR_PARALLEL
+_WRAPPED_AS = WRAPPED_AS

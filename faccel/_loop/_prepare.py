@@ -11,8 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from faccel._data._loader import PreparedLoader, prepare_loader
+from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._model import prepare_module
+from faccel._marks import REPLACED_BY
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
 
@@ -23,7 +25,8 @@ _Options = Mapping[str, Any]
 
 # Set on a Parameter that preparing its module replaced by another object (FSDP2's
 # DTensor parameters; Module.to() for some devices): the one the optimizer must step.
-_REPLACED_BY = "_faccel_replaced_by"
+# Listed, with the other marks, in faccel._marks.
+_REPLACED_BY = REPLACED_BY
 
 
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
@@ -256,6 +259,7 @@ def prepare(
         >>> (len(loader), loader.batch_size, tag)
         (3, 4, 'tag')
     """
+    breadcrumb(dist, "prepare")  # what this rank was last doing, should a peer's collective time out
     options = {
         "even_batches": even_batches,
         "ddp_kwargs": ddp_kwargs,

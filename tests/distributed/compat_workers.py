@@ -31,4 +31,10 @@ def private_apis() -> dict[str, Any]:
     sharded = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])  # rows 3 + 2
     report["is_dtensor"] = [compat.is_dtensor(sharded), compat.is_dtensor(sharded.to_local())]
     report["local_rows"] = list(compat.local_rows(sharded))
+
+    from datetime import timedelta
+
+    compat.set_group_timeout(tdist.group.WORLD, timedelta(seconds=20))
+    tdist.barrier()  # the group still works under its new timeout
+    report["set_group_timeout"] = True
     return report

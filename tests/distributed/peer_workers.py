@@ -55,6 +55,49 @@ def hung_rank(collective: str, timeout_s: float, sleep_s: float) -> dict[str, An
     return _outcome(calls[collective])
 
 
+def skipped_collective(root: str, timeout_s: float, sleep_s: float) -> dict[str, Any]:
+    """Three steps and a checkpoint on both ranks, one reduce; then rank 1 skips the gather rank 0 calls."""
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    for _ in range(3):
+        faccel.backward(dist, model(torch.ones(2, 4)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    faccel.checkpoint(dist, faccel.TrainState.create(model=model, optimizer=optimizer, step=3), root)
+    faccel.reduce(dist, torch.ones(2))
+    if dist.rank == 1:
+        time.sleep(sleep_s)  # skips the gather: never reaches it
+        return {"error": None, "message": "skipped", "seconds": sleep_s}
+    return _outcome(lambda: faccel.gather(dist, torch.ones(2)))
+
+
+def hung_after_warm_up(timeout_s: float, train_timeout_s: float, sleep_s: float) -> dict[str, Any]:
+    """Two DDP steps (warmed up after the first), then rank 1 hangs while rank 0 reduces."""
+    import faccel
+
+    dist = faccel.detect(
+        timeout=datetime.timedelta(seconds=timeout_s),
+        train_timeout=datetime.timedelta(seconds=train_timeout_s),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    for _ in range(2):
+        faccel.backward(dist, model(torch.ones(2, 4)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    if dist.rank == 1:
+        time.sleep(sleep_s)
+        return {"error": None, "message": "slept", "seconds": sleep_s}
+    return _outcome(lambda: faccel.reduce(dist, torch.ones(2)))
+
+
 def fsdp_eval_on_main_only(timeout_s: float) -> dict[str, Any]:
     """nanoGPT's ``if master_process: estimate_loss()`` under FSDP2, as the user writes it."""
     import faccel

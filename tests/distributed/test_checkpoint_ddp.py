@@ -161,6 +161,7 @@ def test_checkpoint_on_the_main_process_only_is_an_error_within_the_arrival_time
     zero, one = results
     assert zero["error"].startswith("CheckpointError") and "every rank must call" in zero["error"]
     assert "rank(s) [1]" in zero["error"] and "arrival_timeout" in zero["error"]
+    assert "; rank 1 was last in prepare() (its collective #" in zero["error"], zero["error"]
     assert 2.0 <= zero["seconds"] < 10
     # Rank 1's next collective does not wait out torch's timeout: rank 0's process ended.
     assert one["error"] and one["seconds"] < 20, one

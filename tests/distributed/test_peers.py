@@ -41,6 +41,32 @@ def test_a_hung_rank_ends_in_an_error_naming_the_collective(collective: str, wai
     assert timeout_s - 0.5 < outcome["seconds"] < sleep_s  # the timeout ended it, not the sleeper
 
 
+def test_a_hung_rank_is_named_with_its_last_call_and_step(tmp_path: Path) -> None:
+    # Before: "gather() on rank 0 of 2 timed out ... another rank did not reach gather()": which
+    # rank, and what it was doing, were left to the reader of every rank's log.
+    outcome = harness.run(
+        peer_workers.skipped_collective, timeout=60, root=str(tmp_path), timeout_s=2.0, sleep_s=5.0
+    )[0]
+    assert outcome["error"] == "DistributedError", outcome
+    message = outcome["message"]
+    assert message.startswith("gather() on rank 0 of 2 timed out after 0:00:02")
+    assert (
+        "The ranks that did not arrive at this gather() (this rank's collective #3): rank 1 (its "
+        "last faccel call: reduce() (its collective #2), at step 3, after 3 backward calls)."
+    ) in message, message
+
+
+def test_the_train_timeout_applies_once_training_has_warmed_up() -> None:
+    # The set-up timeout (30 s) would let the hung rank wake first; the train_timeout (2 s),
+    # applied from the second step on, ends the wait long before.
+    outcome = harness.run(
+        peer_workers.hung_after_warm_up, timeout=60, timeout_s=30.0, train_timeout_s=2.0, sleep_s=8.0
+    )[0]
+    assert outcome["error"] == "DistributedError", outcome
+    assert outcome["message"].startswith("reduce() on rank 0 of 2 timed out after 0:00:02"), outcome
+    assert 1.5 < outcome["seconds"] < 8.0  # the train timeout ended it, not the sleeper
+
+
 def test_an_evaluation_of_a_sharded_model_on_the_main_process_only_is_named() -> None:
     # Before: rank 0's lone forward paired its all-gathers with rank 1's training step:
     # a bare gloo RuntimeError after the timeout, or gloo's "EnforceNotMet ... preamble.length"

@@ -1,0 +1,205 @@
+"""The runtime handle: what one process owns while it trains, in one object you can see and close.
+
+faccel keeps no module-level mutable state. What a process must hold
+between calls lives in one :class:`Runtime`, made with its
+:class:`~faccel.DistState` (:func:`faccel.detect` makes one per call; so does
+``DistState(...)`` and ``DistState.simulated(...)``), carried by it as
+``dist.runtime`` outside equality, hashing and ``repr`` (two states that say
+the same facts are equal whatever they hold), shared by the states
+``attrs.evolve`` derives from it, and closed by :func:`faccel.shutdown`:
+
+- the background checkpoint (``checkpoint(..., blocking=False)``) still being
+  written, and the host staging buffers it copies into, kept for reuse (a copy
+  into pages already mapped runs at memory speed) until
+  :func:`faccel.free_memory` or ``shutdown`` releases them;
+- the DeviceMeshes and subgroups made for the layouts (a DTensor's mesh must be
+  the very mesh the next call slices from);
+- the hooks ``shutdown`` runs first;
+- the record of each prepared loader's iterations, weakly keyed by its
+  ``DataLoader`` (:class:`LoaderRecord`: the guards against a second bare pass
+  and against re-reading an epoch resumed at another world size; see
+  docs/data.md);
+- a bounded breadcrumb of this rank's last faccel calls (:class:`Crumb`), which
+  a rank publishes to the process group's store when it enters a collective,
+  so that a rank whose collective times out can name the ranks that did not
+  arrive and what each was last doing.
+
+A copy of a ``DistState`` in another process (pickled by a ``multiprocessing``
+harness) gets a fresh, empty handle: resources do not travel.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from faccel._torch_compat import set_group_timeout
+
+__all__ = ["Crumb", "LoaderRecord", "Pending", "Runtime"]
+
+# How many of the last faccel calls a rank remembers (a hang report names the last one).
+CRUMBS = 8
+
+
+@attrs.frozen
+class Crumb:
+    """One faccel call this rank entered: its name, its number among this rank's collectives, the step.
+
+    ``step`` is the last training step faccel saw on this rank (the
+    ``TrainState.step`` passed to ``checkpoint`` or ``restore``), None before
+    any; ``backwards`` counts this rank's :func:`faccel.backward` calls.
+    """
+
+    call: str
+    number: int
+    step: int | None
+    backwards: int = 0
+
+    def text(self) -> str:
+        """The crumb as published to the store: ``number|call|step|backwards``."""
+        return f"{self.number}|{self.call}|{'' if self.step is None else self.step}|{self.backwards}"
+
+    @classmethod
+    def parse(cls, text: str) -> Crumb | None:
+        """The crumb :meth:`text` wrote; None for anything else.
+
+        Example:
+            >>> Crumb.parse(Crumb(call="reduce", number=3, step=7, backwards=2).text())
+            Crumb(call='reduce', number=3, step=7, backwards=2)
+        """
+        parts = text.split("|")
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[3].isdigit():
+            return None
+        step = int(parts[2]) if parts[2].lstrip("-").isdigit() else None
+        return cls(call=parts[1], number=int(parts[0]), step=step, backwards=int(parts[3]))
+
+    def describe(self) -> str:
+        """``reduce() (collective #3), at step 7, after 2 backward calls``."""
+        step = "before any step faccel saw" if self.step is None else f"at step {self.step}"
+        return f"{self.call}() (its collective #{self.number}), {step}, after {self.backwards} backward calls"
+
+
+@attrs.define
+class Pending:
+    """The one background checkpoint of a process: its thread, and its error once it failed."""
+
+    step: int
+    thread: threading.Thread
+    error: BaseException | None = None
+
+
+@attrs.define
+class LoaderRecord:
+    """What this process did with one prepared loader: the facts its guards need.
+
+    Attributes:
+        started: Iterations started over all views (with persistent workers the
+            ``DataLoader`` has one iterator, which each new iteration resets).
+        bare_iterated: Whether the view ``prepare`` returned has been iterated.
+        due: The ``(epoch, consumed)`` a restore at another world size left to
+            resume from, until a view of that epoch that skips ``consumed`` is read.
+    """
+
+    started: int = 0
+    bare_iterated: bool = False
+    due: tuple[int, int] | None = None
+
+
+def _fresh() -> Runtime:
+    return Runtime()
+
+
+class Runtime:
+    """The resources of one process's run; see the module's docstring. Closed by :func:`faccel.shutdown`.
+
+    Example:
+        >>> import faccel
+        >>> dist = faccel.detect({})
+        >>> dist.runtime is faccel.detect({}).runtime    # each detect makes its own
+        False
+        >>> dist.runtime.note("prepare").call
+        'prepare'
+    """
+
+    def __init__(self) -> None:
+        self.pending: Pending | None = None
+        self.staging: dict[str, dict[str, torch.Tensor]] = {}
+        self.meshes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self.hooks: dict[str, Callable[[], None]] = {}
+        self.crumbs: collections.deque[Crumb] = collections.deque(maxlen=CRUMBS)
+        self.loaders: weakref.WeakKeyDictionary[Any, LoaderRecord] = weakref.WeakKeyDictionary()
+        self.collectives = 0  # collectives this rank entered: the number a crumb carries
+        self.step: int | None = None
+        self.backwards = 0  # backward calls: a crumb says how far training had got
+        self.timeout: datetime.timedelta | None = None  # the train_timeout, once applied
+
+    def warm_up(self, timeout: datetime.timedelta) -> None:
+        """Shorten the collectives' timeout to ``timeout``: the default group's and the meshes' groups'.
+
+        Called once, by ``backward``, when ``DistState.train_timeout`` is set and
+        the first optimizer step is done (torchtitan's warm-up timeout).
+        """
+        self.timeout = timeout
+        import torch.distributed as tdist
+
+        if not tdist.is_initialized():
+            return
+        groups: list[Any] = [tdist.group.WORLD]
+        for _, made in self.meshes.values():
+            groups += made.get_all_groups() if hasattr(made, "get_all_groups") else [made]
+        for group in groups:
+            if group is not None:
+                set_group_timeout(group, timeout)
+
+    def __reduce__(self) -> tuple[Callable[[], Runtime], tuple[()]]:
+        # A copy (another process, copy.deepcopy) starts empty: threads and buffers stay here.
+        return (_fresh, ())
+
+    def note(self, call: str, *, step: int | None = None, collective: bool = False) -> Crumb:
+        """Remember that this rank entered ``call`` (at ``step``, if known); the crumb made."""
+        if step is not None:
+            self.step = step
+        if collective:
+            self.collectives += 1
+        crumb = Crumb(call=call, number=self.collectives, step=self.step, backwards=self.backwards)
+        self.crumbs.append(crumb)
+        return crumb
+
+    def last(self) -> Crumb | None:
+        """The last call noted, or None."""
+        return self.crumbs[-1] if self.crumbs else None
+
+    def loader(self, key: Any) -> LoaderRecord:
+        """The iteration record of the prepared loader reading ``key`` (its ``DataLoader``)."""
+        record = self.loaders.get(key)
+        if record is None:
+            record = self.loaders[key] = LoaderRecord()
+        return record
+
+    def at_close(self, name: str, hook: Callable[[], None]) -> None:
+        """Have :meth:`close` call ``hook`` first (once per ``name``, however often it is registered)."""
+        self.hooks[name] = hook
+
+    def release_staging(self) -> None:
+        """Drop the staging buffers (the background checkpoint must be done: see ``free_memory``)."""
+        self.staging.clear()
+
+    def close(self) -> None:
+        """Run the hooks, then drop the staging buffers and meshes. The handle stays usable.
+
+        A hook's error is raised after the rest is released.
+        """
+        try:
+            for hook in list(self.hooks.values()):
+                hook()
+        finally:
+            self.hooks.clear()
+            self.staging.clear()
+            self.meshes.clear()

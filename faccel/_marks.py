@@ -1,0 +1,36 @@
+"""Every mark faccel sets on an object of yours, and why it must be there. There are three.
+
+faccel keeps no module-level state and no registry of your objects; the few
+facts that must travel with one of your objects, to whichever later call
+receives it (possibly with another ``DistState``), are set on the object
+itself, under these names, and nowhere else:
+
+- ``_faccel_wrapped_as`` (:data:`WRAPPED_AS`), on a module ``prepare``
+  wrapped (DDP, FSDP2 or the autocast wrapper): a weak reference to the
+  wrapper, set with ``object.__setattr__`` (``nn.Module``'s own would register
+  the wrapper as a submodule). Preparing the same module again returns that
+  wrapper, instead of a second DDP that would reduce its gradients twice.
+- ``_faccel_tensor_parallel`` (:data:`TENSOR_PARALLEL`), on a module whose
+  layers faccel split over the ``tensor`` dimension without FSDP2: ``True``.
+  ``checkpoint``, ``restore`` and ``save_model`` read it to treat the model's
+  DTensor parameters as faccel's (FSDP2 modules are recognised by their class).
+- ``_faccel_replaced_by`` (:data:`REPLACED_BY`), on a parameter that preparing
+  its module replaced by another object (FSDP2's DTensor parameters;
+  ``Module.to()`` for some devices): the parameter that replaced it, so an
+  optimizer holding the old one, prepared in the same or a later call, is
+  pointed at the new one.
+
+Nothing else of yours is changed, but what you ask for: ``prepare`` moves
+your module to the device in place, and ``fully_shard`` (FSDP2) changes its
+class and parameters in place, which is PyTorch's design. Your module's
+methods are never replaced (no monkey-patching): precision comes from a thin
+outer module.
+"""
+
+from __future__ import annotations
+
+__all__ = ["REPLACED_BY", "TENSOR_PARALLEL", "WRAPPED_AS"]
+
+WRAPPED_AS = "_faccel_wrapped_as"
+TENSOR_PARALLEL = "_faccel_tensor_parallel"
+REPLACED_BY = "_faccel_replaced_by"
