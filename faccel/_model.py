@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._materialize import materialize, prepare_meta
 from faccel._mesh import data_mesh
 from faccel._parallel import apply_plan
 from faccel._state import DistState
@@ -268,9 +269,15 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
         return _check_prepared(dist, wrapper)
     if is_sharded(model):  # after the wrapper: tensor parallelism alone may wear an Autocast
         return model
-    model.to(dist.device)  # in place: the optimizer's parameter references stay valid
+    # A meta-built model is sharded first, then only this rank's part is allocated (_materialize).
+    shards_first = dist.distributed and (uses_mesh(dist) or dist.strategy == "fsdp")
+    meta = prepare_meta(model, dist.device, options.get("init", "reset"), shards_first=shards_first)
+    if not meta:
+        model.to(dist.device)  # in place: the optimizer's parameter references stay valid
     wrap = _wrap_layout if dist.distributed and uses_mesh(dist) else _STRATEGIES[dist.strategy]
     wrapped = wrap(dist, model, options)
+    if meta and shards_first:
+        materialize(model, dist.device, options.get("init", "reset"))
     if wrapped is not model:
         # object.__setattr__: nn.Module's own would register the wrapper as a submodule.
         object.__setattr__(model, _WRAPPED_AS, weakref.ref(wrapped))

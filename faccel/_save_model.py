@@ -48,7 +48,9 @@ from faccel._checkpoint._safetensors import TensorInfo, plan, read_header, read_
 from faccel._checkpoint._sharded_state import full_state
 from faccel._checkpoint._weights import alias_groups, compare_tensors, model_tensors
 from faccel._consensus import DEFAULT_ARRIVAL, arrive, together
+from faccel._dtensor import copy_box, is_dtensor
 from faccel._model import is_sharded, unwrap_model
+from faccel._shard_read import load_rows
 from faccel._state import DistState
 from faccel._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
 from faccel._typecheck import setup_checked
@@ -482,6 +484,16 @@ def load_model(
             by_file.setdefault(file, []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
+            # A sharded model's DTensors: each rank reads (or keeps) its own rows only (_shard_read).
+            shards = {name: (layout[name][1], target[name]) for name in names if is_dtensor(target[name])}
+            names = [name for name in names if name not in shards]
+            if isinstance(layout[next(iter(shards), names[0] if names else "")][1], torch.Tensor):
+                for entry, live in shards.values():  # .bin: read whole, then kept by rows
+                    copy_box(entry, live)
+            elif shards:
+                load_rows(folder / file, shards, within=within)
+            if not names:
+                continue
             if isinstance(layout[names[0]][1], torch.Tensor):  # .bin: the entries are the tensors
                 tensors = {name: layout[name][1] for name in names}
             else:  # safetensors: the entries say where to read
