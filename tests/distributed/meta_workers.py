@@ -156,7 +156,25 @@ def empty_then_load(*, root: str, layout: str | None, strategy: str, legacy: boo
 
     tdist.barrier()
     prepared = faccel.prepare(dist, on_meta(), init="empty", tp_plan=tp_plan())
-    faccel.load_model(dist, prepared, root)
+    import faccel._shard_read as shard_read
+
+    read = shard_read._read_exact
+    counted: list[int] = []
+
+    def counting(fd: int, view: memoryview, start: int, where: str) -> None:
+        counted.append(len(view))  # the real read, counted: how many bytes of rows this rank took
+        read(fd, view, start, where)
+
+    shard_read._read_exact = counting  # type: ignore[assignment]
+    try:
+        faccel.load_model(dist, prepared, root)
+    finally:
+        shard_read._read_exact = read  # type: ignore[assignment]
+    sharded_bytes = sum(
+        p.numel() * p.element_size()
+        for p in faccel.unwrap_model(prepared).parameters()
+        if hasattr(p, "to_local")
+    )
     want, got = {k: v for k, v in [*source.named_parameters(), *source.named_buffers()]}, full_state(prepared)
     tokens = torch.arange(12).reshape(2, 6) % 11
     source.eval()
@@ -167,4 +185,6 @@ def empty_then_load(*, root: str, layout: str | None, strategy: str, legacy: boo
         "equal": sorted(n for n in want if torch.equal(want[n].detach(), got[n])),
         "names": sorted(want),
         "gap": gap,
+        "read": sum(counted),
+        "sharded_bytes": sharded_bytes,
     }

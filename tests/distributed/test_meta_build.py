@@ -42,6 +42,9 @@ def test_init_empty_then_load_model_reads_each_rank_s_rows_into_its_shards(
         assert r["equal"] == r["names"]  # the weights: bitwise
         # logits: bitwise, except where a row-wise split sums its partial products in another order
         assert r["gap"] <= (1e-5 if layout == "tensor=2" else 0.0)
+    if layout is None and strategy == "fsdp":  # each rank read about half the rows of the sharded weights
+        assert 0 < ranks[0]["read"] < ranks[0]["sharded_bytes"] * 0.7, ranks[0]
+        assert 0 < ranks[1]["read"] < ranks[1]["sharded_bytes"] * 0.7, ranks[1]
 
 
 def test_a_legacy_bin_is_read_whole_and_each_rank_keeps_its_rows(tmp_path: Path) -> None:
