@@ -26,8 +26,10 @@ __all__ = [
     "compiled_original",
     "default_store",
     "is_dtensor",
+    "local_box",
     "local_rows",
     "module_dicts",
+    "non_persistent_buffers",
     "pytree",
     "random_sampler_draws_all",
     "rebuild_ddp_buckets",
@@ -74,15 +76,21 @@ def rebuild_ddp_buckets(ddp: Any) -> None:
     ddp.reducer._rebuild_buckets()
 
 
-def local_rows(tensor: Any) -> tuple[int, int]:
-    """``(start, stop)``: the rows of the global tensor that this rank's shard of DTensor ``tensor`` holds.
+def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offset, shape)`` of this rank's part of the DTensor ``tensor`` in the whole tensor.
 
-    For a DTensor sharded on dimension 0 (FSDP2's ``Shard(0)``, possibly
-    uneven), through torch's own placement arithmetic.
+    Through torch's own placement arithmetic (``compute_local_shape_and_global_offset``),
+    for any placement FSDP2, HSDP and tensor parallelism use, uneven shards included.
     """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
+
+
+def local_rows(tensor: Any) -> tuple[int, int]:
+    """``(start, stop)``: the rows of the whole tensor that this rank's part of DTensor ``tensor`` holds."""
+    offset, shape = local_box(tensor)
     return offset[0], offset[0] + shape[0]
 
 
@@ -104,6 +112,11 @@ def module_dicts(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], dic
     through ``torch.nn.utils.stateless``.
     """
     return module._modules, module._parameters, module._buffers  # type: ignore[return-value]
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers registered with ``persistent=False`` (no state dict holds them)."""
+    return module._non_persistent_buffers_set
 
 
 def compiled_original(model: object) -> nn.Module | None:

@@ -139,9 +139,8 @@ def _real(sharding) -> list[int]:
 
 @given(plans())
 def test_plan_for_a_whole_epoch_keeps_each_sample_once_in_position_order(kwargs: dict) -> None:
-    from faccel._data._metrics import metrics_plan
-
     import faccel
+    from faccel._data._metrics import metrics_plan
 
     sharding = faccel.Sharding(**kwargs)
     per_rank = [sharding.positions(r) for r in range(sharding.world_size)]
@@ -152,9 +151,8 @@ def test_plan_for_a_whole_epoch_keeps_each_sample_once_in_position_order(kwargs:
 
 @given(plans(max_samples=400, max_world=12), st.integers(0, 5))
 def test_plan_per_batch_concatenates_to_the_whole_epoch(kwargs: dict, start: int) -> None:
-    from faccel._data._metrics import metrics_plan
-
     import faccel
+    from faccel._data._metrics import metrics_plan
 
     sharding = faccel.Sharding(**kwargs)
     b, world = sharding.batch_size, sharding.world_size
@@ -174,9 +172,8 @@ def test_plan_per_batch_concatenates_to_the_whole_epoch(kwargs: dict, start: int
 
 @given(plans(max_samples=200, max_world=8), st.data())
 def test_plan_refuses_row_counts_that_do_not_match_the_loader(kwargs: dict, data: st.DataObject) -> None:
-    from faccel._data._metrics import metrics_plan
-
     import faccel
+    from faccel._data._metrics import metrics_plan
 
     sharding = faccel.Sharding(**kwargs)
     counts = [len(sharding.positions(r)) for r in range(sharding.world_size)]
@@ -187,9 +184,8 @@ def test_plan_refuses_row_counts_that_do_not_match_the_loader(kwargs: dict, data
 
 
 def test_plan_refuses_a_batch_outside_the_epoch() -> None:
-    from faccel._data._metrics import metrics_plan
-
     import faccel
+    from faccel._data._metrics import metrics_plan
 
     sharding = faccel.Sharding(num_samples=5, batch_size=2, world_size=2)
     with pytest.raises(faccel.errors.ArgumentValueError, match=r"batch must be .* in \[0, 2\)"):
@@ -211,9 +207,8 @@ def test_simulated_ranks_through_the_real_loader_give_back_the_dataset(
     n: int, b: int, world: int, shuffle: bool, even: bool, drop_last: bool, epoch: int
 ) -> None:
     """Every rank's outputs, made by simulated ranks iterating prepared loaders, merge to the epoch."""
-    from faccel._data._metrics import metrics_plan
-
     import faccel
+    from faccel._data._metrics import metrics_plan
 
     data = TensorDataset(torch.arange(n) * 10)
     loaders = [

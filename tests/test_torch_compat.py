@@ -42,6 +42,8 @@ def test_module_dicts_are_the_ones_the_module_reads() -> None:
     module.register_buffer("scale", torch.ones(1))
     modules, params, buffers = compat.module_dicts(module)
     assert modules == {} and sorted(params) == ["bias", "weight"] and sorted(buffers) == ["scale"]
+    module.register_buffer("mask", torch.ones(1), persistent=False)
+    assert compat.non_persistent_buffers(module) == {"mask"}
     params["weight"] = nn.Parameter(torch.zeros(1, 2))  # a write there is what forward reads
     assert module(torch.ones(1, 2)).item() == pytest.approx(module.bias.item())
 
@@ -74,7 +76,7 @@ def test_the_process_group_apis_on_two_real_ranks() -> None:
 # from torch (torch.x._y, tdist.distributed_c10d._y) or an object's private torch slot.
 _PRIVATE = re.compile(
     r"(torch(\.\w+)*\._[a-z]\w*|distributed_c10d\._\w+|\.reducer\._\w+|\._orig_mod\b"
-    r"|\._(modules|parameters|buffers|num_samples)\b|_set_pg_timeout)"
+    r"|\._(modules|parameters|buffers|num_samples|non_persistent_buffers_set)\b|_set_pg_timeout)"
 )
 
 

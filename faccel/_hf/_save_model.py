@@ -38,7 +38,9 @@ from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA, shard_name
 from faccel._checkpoint._sharded._fsdp_state import full_state
 from faccel._dist._consensus import DEFAULT_ARRIVAL, arrive, together
+from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
+from faccel._hf._shard_read import load_rows
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import (
     MAX_JSON,
@@ -51,6 +53,7 @@ from faccel._storage._durable import (
 from faccel._storage._safetensors import TensorInfo, plan, read_header, read_tensors
 from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
 from faccel._storage._weights import alias_groups, compare_tensors, model_tensors
+from faccel._torch_compat import is_dtensor
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError, StorageError
 
@@ -482,6 +485,16 @@ def load_model(
             by_file.setdefault(file, []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
+            # A sharded model's DTensors: each rank reads (or keeps) its own rows only (_shard_read).
+            shards = {name: (layout[name][1], target[name]) for name in names if is_dtensor(target[name])}
+            names = [name for name in names if name not in shards]
+            if isinstance(layout[next(iter(shards), names[0] if names else "")][1], torch.Tensor):
+                for entry, live in shards.values():  # .bin: read whole, then kept by rows
+                    copy_box(entry, live)
+            elif shards:
+                load_rows(folder / file, shards, within=within)
+            if not names:
+                continue
             if isinstance(layout[names[0]][1], torch.Tensor):  # .bin: the entries are the tensors
                 tensors = {name: layout[name][1] for name in names}
             else:  # safetensors: the entries say where to read

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._mesh import data_mesh
 from faccel._dist._state import DistState
+from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._parallel import apply_plan
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
@@ -271,9 +272,15 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
         return _check_prepared(dist, wrapper)
     if is_sharded(model):  # after the wrapper: tensor parallelism alone may wear an Autocast
         return model
-    model.to(dist.device)  # in place: the optimizer's parameter references stay valid
+    # A meta-built model is sharded first, then only this rank's part is allocated (_materialize).
+    shards_first = dist.distributed and (uses_mesh(dist) or dist.strategy == "fsdp")
+    meta = prepare_meta(model, dist.device, options.get("init", "reset"), shards_first=shards_first)
+    if not meta:
+        model.to(dist.device)  # in place: the optimizer's parameter references stay valid
     wrap = _wrap_layout if dist.distributed and uses_mesh(dist) else _STRATEGIES[dist.strategy]
     wrapped = wrap(dist, model, options)
+    if meta and shards_first:
+        materialize(model, dist.device, options.get("init", "reset"))
     if wrapped is not model:
         # object.__setattr__: nn.Module's own would register the wrapper as a submodule.
         object.__setattr__(model, _WRAPPED_AS, weakref.ref(wrapped))

@@ -13,10 +13,11 @@ from torch.utils.data import DataLoader, Dataset
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._materialize import INITS
 from faccel._loop._model import prepare_module
 from faccel._marks import REPLACED_BY
 from faccel._typecheck import setup_checked
-from faccel.errors import PrepareError
+from faccel.errors import ArgumentValueError, PrepareError
 
 __all__ = ["prepare"]
 
@@ -177,6 +178,7 @@ def prepare(
     split_batches: bool = False,
     worker_seeds: str = "rank",
     tp_plan: Mapping[str, Any] | None = None,
+    init: str | Callable[[nn.Module], None] = "reset",
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -235,6 +237,15 @@ def prepare(
             with ``*`` for any one name. Applied first, then FSDP2 shards over
             the data-parallel ranks (docs/parallelism.md). Unused when the
             layout has no tensor parallelism, so one script runs on any layout.
+        init: For a model built under ``torch.device("meta")`` (docs/large-models.md):
+            it is sharded first, then only this rank's shards are allocated on
+            ``dist.device`` and initialized. ``'reset'`` (default): each module's
+            ``reset_parameters()`` in registration order, bitwise the eager
+            build after the same ``torch.manual_seed`` at any world size and
+            layout; ``'empty'``: allocated only, for a ``load_model`` that
+            follows; a callable ``init(module)``: run on each module that owns
+            meta tensors, with those tensors whole and plain on the CPU. Unused
+            for a model that is not on meta.
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -245,8 +256,12 @@ def prepare(
             world size does not divide), an object prepared for another
             ``DistState``, one of the refused objects above, or a layout with
             tensor parallelism and no ``tp_plan`` (or a plan key that names no
-            submodule).
-        ArgumentValueError: ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
+            submodule); a model partly on the meta device, or a meta model
+            ``init`` cannot fill (a module without ``reset_parameters``, a tensor
+            the initializer left unset, a meta non-persistent buffer under
+            ``'empty'``).
+        ArgumentValueError: ``init`` is not ``'reset'``, ``'empty'`` or a callable;
+            ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
 
     Example:
         >>> import torch, faccel
@@ -260,7 +275,11 @@ def prepare(
         (3, 4, 'tag')
     """
     breadcrumb(dist, "prepare")  # what this rank was last doing, should a peer's collective time out
+    if not callable(init) and init not in INITS:
+        msg = f"init must be 'reset', 'empty' or a callable init(module), got {init!r}"
+        raise ArgumentValueError(msg)
     options = {
+        "init": init,
         "even_batches": even_batches,
         "ddp_kwargs": ddp_kwargs,
         "shard_policy": shard_policy,

@@ -1,0 +1,190 @@
+"""Workers for tests/distributed/test_meta_build.py: a tiny GPT built eagerly and on meta, then prepared."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+import faccel
+
+
+class Rotary(nn.Module):
+    """A non-persistent table computed from the shape, refilled by ``reset_parameters`` (for a meta build)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.inv_freq.copy_(
+                1.0 / (10000 ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], dtype=torch.float32, device=x.device)
+        angles = torch.outer(positions, self.inv_freq.to(x.device))
+        return x + torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+class TinyGPT(nn.Module):
+    """Embedding, blocks, a tied head, a rotary table: what the meta path must get right."""
+
+    def __init__(self, vocab: int = 11, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.rotary = Rotary(width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied after construction: the head's own draw is discarded
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.rotary(self.embed(tokens))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+PLAN_KEYS = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
+def tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return {key: styles[style]() for key, style in PLAN_KEYS.items()}
+
+
+def eager(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def on_meta() -> TinyGPT:
+    with torch.device("meta"):
+        return TinyGPT()
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole tensors of a prepared model's parameters and buffers, by name (DTensors gathered)."""
+    inner = faccel.unwrap_model(model)
+    out = {}
+    for name, tensor in [*inner.named_parameters(), *inner.named_buffers()]:
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        out[name] = full.detach().cpu()
+    return out
+
+
+def meta_matches_eager(*, layout: str | None, strategy: str, init: str = "reset") -> dict[str, Any]:
+    """Prepare the eager build and the meta build in ``layout``; compare weights, shard sizes and a step."""
+    kwargs: dict[str, Any] = {"strategy": strategy}
+    if layout is not None:
+        kwargs["layout"] = layout
+    dist = faccel.detect(**kwargs)
+    plan = tp_plan()
+    reference = faccel.prepare(dist, eager(), tp_plan=plan)
+    torch.manual_seed(0)
+    meta = on_meta()
+    prepared = faccel.prepare(dist, meta, tp_plan=plan)
+    after_rng = torch.rand(3).tolist()  # the generator is where the eager build left it
+    torch.manual_seed(0)
+    TinyGPT()
+    expected_rng = torch.rand(3).tolist()
+    want, got = full_state(reference), full_state(prepared)
+    inner = faccel.unwrap_model(prepared)
+    # local storage: a sharded parameter holds its rows only
+    local = {
+        name: list((p.to_local() if hasattr(p, "to_local") else p).shape)
+        for name, p in inner.named_parameters()
+    }
+    tokens = torch.arange(12).reshape(2, 6) % 11
+    torch.manual_seed(1)
+    loss = prepared(tokens).float().square().mean()
+    loss.backward()
+    grads = {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
+        for name, p in inner.named_parameters()
+    }
+    return {
+        "equal": sorted(n for n in want if torch.equal(want[n], got[n])),
+        "names": sorted(want),
+        "tied": inner.head.weight is inner.embed.weight,
+        "rng": after_rng == expected_rng,
+        "local": local,
+        "loss": loss.item(),
+        "grads": grads,
+        "finite": all(math.isfinite(v) for t in got.values() for v in t.flatten().tolist()),
+    }
+
+
+def empty_then_load(*, root: str, layout: str | None, strategy: str, legacy: bool = False) -> dict[str, Any]:
+    """``init='empty'``, then ``load_model`` of an eager build's save: the eager weights and logits."""
+    kwargs: dict[str, Any] = {"strategy": strategy}
+    if layout is not None:
+        kwargs["layout"] = layout
+    dist = faccel.detect(**kwargs)
+    source = eager(seed=3)
+    if dist.is_main_process:
+        if legacy:  # a legacy pytorch_model.bin: read whole, each rank keeps its rows
+            from pathlib import Path
+
+            Path(root).mkdir(exist_ok=True)
+            torch.save(
+                {k: v.clone() for k, v in source.state_dict().items()}, Path(root) / "pytorch_model.bin"
+            )
+        else:
+            faccel.save_model(faccel.detect({}), source, root)
+    import torch.distributed as tdist
+
+    tdist.barrier()
+    prepared = faccel.prepare(dist, on_meta(), init="empty", tp_plan=tp_plan())
+    import faccel._hf._shard_read as shard_read
+
+    read = shard_read._read_exact
+    counted: list[int] = []
+
+    def counting(fd: int, view: memoryview, start: int, where: str) -> None:
+        counted.append(len(view))  # the real read, counted: how many bytes of rows this rank took
+        read(fd, view, start, where)
+
+    shard_read._read_exact = counting  # type: ignore[assignment]
+    try:
+        faccel.load_model(dist, prepared, root)
+    finally:
+        shard_read._read_exact = read  # type: ignore[assignment]
+    sharded_bytes = sum(
+        p.numel() * p.element_size()
+        for p in faccel.unwrap_model(prepared).parameters()
+        if hasattr(p, "to_local")
+    )
+    want, got = {k: v for k, v in [*source.named_parameters(), *source.named_buffers()]}, full_state(prepared)
+    tokens = torch.arange(12).reshape(2, 6) % 11
+    source.eval()
+    prepared.eval()
+    with torch.no_grad():
+        gap = (source(tokens) - prepared(tokens).float()).abs().max().item()
+    return {
+        "equal": sorted(n for n in want if torch.equal(want[n].detach(), got[n])),
+        "names": sorted(want),
+        "gap": gap,
+        "read": sum(counted),
+        "sharded_bytes": sharded_bytes,
+    }
