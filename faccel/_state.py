@@ -9,6 +9,7 @@ process group. :func:`faccel.detect`, the thin edge that does, lives in
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -40,6 +41,8 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
 # ordinary skew between ranks, short enough that a hung rank ends the job within
 # minutes, not torch's 30 (docs/distributed.md, "When a rank hangs").
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+# FACCEL_TIMEOUT's grammar: ASCII digits, an optional decimal part; at most ~115 days.
+_SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
 STRATEGIES = frozenset({"ddp", "fsdp"})
 
@@ -276,14 +279,17 @@ def _env_timeout(env: Mapping[str, str]) -> datetime.timedelta:
     name = OPTION_VARIABLES["timeout"]
     if name not in env:
         return DEFAULT_TIMEOUT
-    try:
-        timeout = datetime.timedelta(seconds=float(env[name]))
-    except (ValueError, OverflowError):  # not a number, nan, or beyond timedelta's range
-        timeout = datetime.timedelta(0)
+    raw = env[name]
+    # Strict, like RANK (``read_int``): float() also takes "1_0", "1e-6", " 10" and
+    # non-ASCII digits, none of which anyone means as a number of seconds.
+    timeout = datetime.timedelta(0)
+    if _SECONDS.fullmatch(raw):
+        timeout = datetime.timedelta(seconds=float(raw))
     if timeout <= datetime.timedelta(0):
         msg = (
-            f"{name} must be a positive number of seconds, got {name}={env[name]!r}; "
-            f"unset it for the default ({DEFAULT_TIMEOUT.total_seconds():.0f} s)"
+            f"{name} must be a positive number of seconds, got {name}={raw!r}; write ASCII digits "
+            f"with an optional decimal part ({name}=30 or 12.5), or unset it for the default "
+            f"({DEFAULT_TIMEOUT.total_seconds():.0f} s)"
         )
         raise LaunchError(msg)
     return timeout
