@@ -64,6 +64,8 @@ if TYPE_CHECKING:  # _PUBLIC["faccel"] again, for type checkers and IDEs (tests/
     from faccel._save_model import load_model as load_model
     from faccel._save_model import save_model as save_model
     from faccel._sharding import Sharding as Sharding
+    from faccel._signals import StopSignal as StopSignal
+    from faccel._signals import stop_signal as stop_signal
     from faccel._split import split_between_processes as split_between_processes
     from faccel._state import DistState as DistState
     from faccel._state import state_from_env as state_from_env
@@ -107,6 +109,7 @@ _PUBLIC: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._random": ("set_seed",),
         "faccel._save_model": ("load_model", "save_model"),
         "faccel._sharding": ("Sharding",),
+        "faccel._signals": ("StopSignal", "stop_signal"),
         "faccel._split": ("split_between_processes",),
         "faccel._state": ("DistState", "state_from_env"),
         "faccel._train_state": ("TrainState",),

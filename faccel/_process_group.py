@@ -29,6 +29,7 @@ __all__ = [
     "at_shutdown",
     "comm_device",
     "detect",
+    "drop_at_shutdown",
     "main_process_first",
     "peers_answer",
     "require_group",
@@ -147,7 +148,7 @@ def start_process_group(dist: DistState) -> None:
     try:
         # An explicit store (not init_method="env://") so the record, not os.environ,
         # decides where to meet. torchrun's agent already hosts the store: connect only.
-        store = tdist.TCPStore(
+        server = tdist.TCPStore(
             host_name=dist.master_addr,
             port=dist.master_port,
             world_size=dist.world_size,
@@ -155,6 +156,9 @@ def start_process_group(dist: DistState) -> None:
             timeout=dist.timeout,
             multi_tenant=True,
         )
+        # Each attempt under its own keys: torchrun's agent keeps its store across restarts,
+        # and the keys of the attempt before would send gloo to dead peers (docs/preemption.md).
+        store = tdist.PrefixStore(f"faccel/attempt{dist.attempt}", server)
         device_id = dist.device if dist.device.type == "cuda" else None
         tdist.init_process_group(
             backend=dist.backend,
@@ -191,6 +195,19 @@ def at_shutdown(hook: Callable[[], None]) -> None:
     """
     if hook not in _AT_SHUTDOWN:
         _AT_SHUTDOWN.append(hook)
+
+
+def drop_at_shutdown(hook: Callable[[], None]) -> None:
+    """Forget ``hook`` registered with :func:`at_shutdown` (nothing if it is not registered).
+
+    Example:
+        >>> at_shutdown(print)
+        >>> drop_at_shutdown(print)
+        >>> print in _AT_SHUTDOWN
+        False
+    """
+    if hook in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.remove(hook)
 
 
 def _stop_at_exit() -> None:

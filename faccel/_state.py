@@ -92,6 +92,9 @@ class DistState:
         master_addr: Rendezvous host, for more than one process.
         master_port: Rendezvous port, for more than one process.
         external_store: Whether the rendezvous store is hosted by the launcher.
+        attempt: Which attempt of the job this is (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``: 0, then 1 after the agent's first
+            restart ...); each attempt meets under its own keys of the store.
         layout: How the ranks split into replicas, shards and tensor-parallel
             groups (:class:`Layout`); None: as ``strategy`` says (DDP
             replicates over every rank, FSDP shards over them). The one in
@@ -121,6 +124,7 @@ class DistState:
     master_port: int | None = None
     external_store: bool = False
     layout: Layout | None = None
+    attempt: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.layout is not None:
@@ -391,4 +395,5 @@ def state_from_env(
         master_port=info.master_port,
         external_store=info.external_store,
         layout=chosen_layout,
+        attempt=info.attempt,
     )
