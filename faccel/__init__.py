@@ -47,6 +47,8 @@ if (
     from faccel._dist._process_group import shutdown as shutdown
     from faccel._dist._process_group import wait_for_everyone as wait_for_everyone
     from faccel._dist._random import set_seed as set_seed
+    from faccel._dist._signals import StopSignal as StopSignal
+    from faccel._dist._signals import stop_signal as stop_signal
     from faccel._dist._state import DistState as DistState
     from faccel._dist._state import state_from_env as state_from_env
     from faccel._hf._save_model import load_model as load_model

@@ -54,6 +54,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._hf._save_model": ("load_model", "save_model"),
         "faccel._data._sharding": ("Sharding",),
         "faccel._data._split": ("split_between_processes",),
+        "faccel._dist._signals": ("StopSignal", "stop_signal"),
         "faccel._dist._state": ("DistState", "state_from_env"),
         "faccel._train_state": ("TrainState",),
         "faccel._report._tracking": ("Tracker", "end_training", "init_tracker", "log"),

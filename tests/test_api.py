@@ -75,6 +75,9 @@ PINNED: dict[str, list[str]] = {
         # N-D parallelism: the layout of the ranks and the DeviceMesh built from it
         "Layout",
         "device_mesh",
+        # preemption: a stop signal as a flag, read with any_rank at a step boundary
+        "StopSignal",
+        "stop_signal",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers
     "faccel.func": [

@@ -344,3 +344,15 @@ def test_the_report_shows_the_strategy_from_the_environment(strategy: str) -> No
 
     report = env_report({"FACCEL_STRATEGY": strategy}, versions={}, hardware=Hardware())
     assert report.state is not None and report.state["strategy"] == strategy
+
+
+def test_a_lenient_timeout_is_a_problem_of_the_report() -> None:
+    from faccel._dist._env_report import Hardware, env_report
+
+    for bad in ("1_0", "1e-6", "\u0661\u0660", "\uff11\uff10"):
+        report = env_report({"FACCEL_TIMEOUT": bad}, versions={}, hardware=Hardware())
+        assert report.problems == (
+            f"LaunchError: FACCEL_TIMEOUT must be a positive number of seconds, got FACCEL_TIMEOUT={bad!r}; "
+            "write ASCII digits with an optional decimal part (FACCEL_TIMEOUT=30 or 12.5), "
+            "or unset it for the default (300 s)",
+        )

@@ -75,3 +75,19 @@ def test_any_rank_tells_every_rank_at_the_same_step() -> None:
 
     assert faccel.launch(loop, nprocs=3) == [3, 3, 3]
     assert faccel.any_rank(faccel.detect({}), False) is False
+
+
+def test_a_launched_function_may_start_dataloader_workers() -> None:
+    import faccel
+
+    def work() -> list[float]:
+        dist = faccel.detect()
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1
+        )
+        loader = faccel.prepare(dist, loader)
+        return sorted(float(x) for (batch,) in loader for x in batch)
+
+    # Daemonic children may not have children of their own: the loader's workers need them.
+    seen = faccel.launch(work, nprocs=2)
+    assert len(seen) == 4 and set(seen) <= set(range(8))  # rank 0's half of the samples

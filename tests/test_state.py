@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 
 import attrs
 import pytest
@@ -94,11 +95,12 @@ def test_the_timeout_ends_a_hung_job_within_minutes_and_is_configurable() -> Non
     assert detect({"FACCEL_TIMEOUT": "60"}, start=False).timeout == datetime.timedelta(minutes=1)
     given = datetime.timedelta(hours=1)
     assert state_from_env({"FACCEL_TIMEOUT": "60"}, timeout=given).timeout == given  # the option wins
-    for bad in ("soon", "0", "-5", "nan", "inf", "1e300", ""):
-        with pytest.raises(
-            LaunchError,
-            match=f"FACCEL_TIMEOUT must be a positive number of seconds, got FACCEL_TIMEOUT={bad!r}",
-        ):
+    assert state_from_env({"FACCEL_TIMEOUT": "0.5"}).timeout == datetime.timedelta(seconds=0.5)
+    # Strict like RANK: ASCII digits with an optional decimal part, nothing else float() takes.
+    bad_values = ("soon", "0", "-5", "nan", "inf", "1e300", "", "1_0", "1e-6", "\u0661\u0660", "\uff11\uff10")
+    for bad in (*bad_values, " 10", "+10", "10.", ".5", "0.0000001", "99999999999"):
+        expected = f"FACCEL_TIMEOUT must be a positive number of seconds, got FACCEL_TIMEOUT={bad!r}"
+        with pytest.raises(LaunchError, match=re.escape(expected)):
             state_from_env({"FACCEL_TIMEOUT": bad})
 
 

@@ -76,6 +76,24 @@ def arrive(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: t
     if not dist.distributed:
         return
     require_group(dist, name)
+    # Never longer than the job's own timeout (FACCEL_TIMEOUT): a peer that is gone must not
+    # keep the survivors waiting a fixed minute the user did not ask for.
+    timeout = min(timeout, dist.timeout)
+    try:
+        _check_in(dist, name, timeout=timeout, raises=raises)
+    except FaccelError:
+        raise
+    except RuntimeError as error:  # torch's DistNetworkError: the store's host is gone
+        msg = (
+            f"{name}() on rank {dist.rank}: the rendezvous store at {dist.master_addr}:"
+            f"{dist.master_port} cannot be reached ({str(error).strip().splitlines()[0][:200]}); "
+            "the process that hosts it (rank 0, or torchrun's agent) has probably died: its log "
+            "says why. Restart the job from the latest checkpoint"
+        )
+        raise raises(msg) from error
+
+
+def _check_in(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: type[Exception]) -> None:
     store = default_store()
     # This rank's n-th call of ``name``, counted in the group's own store: it lives and dies
     # with the process group (a module-level counter would outlive a shutdown and disagree
@@ -101,11 +119,13 @@ def arrive(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: t
             came = [rank for rank in range(dist.world_size) if rank not in missing]
             msg = (
                 f"{name}() was called on rank(s) {came} only: rank(s) {missing} did not call it "
-                f"within {timeout} (arrival_timeout){last_calls(dist, missing)}. {name}() is a "
-                f"collective: every rank must call it, at the same point of the program, not "
-                f"under `if dist.is_main_process:` "
-                f"(faccel writes from the main process by itself). If a rank is only slow to "
-                f"arrive (a long evaluation), pass a larger arrival_timeout"
+                f"within {timeout} (the smaller of arrival_timeout and the job's timeout, "
+                f"FACCEL_TIMEOUT){last_calls(dist, missing)}. Either that rank crashed, was killed "
+                f"or left the program (its "
+                f"log or exit code says which), or it runs another part of the program: {name}() "
+                f"is a collective, every rank must call it at the same point, not under `if "
+                f"dist.is_main_process:` (faccel writes from the main process by itself). If a "
+                f"rank is only slow to arrive (a long evaluation), raise both timeouts"
             )
             raise raises(msg)
         _waited(store, [decided], timeout)  # the last arrival came just now: it is deciding

@@ -56,6 +56,9 @@ class LaunchInfo:
     # True when the rendezvous store already runs elsewhere (torchrun's agent,
     # or a test harness), so rank 0 must connect to it rather than host it.
     external_store: bool
+    # Which attempt of the job this is: torchrun's TORCHELASTIC_RESTART_COUNT (0 on the first
+    # run, +1 each time the agent restarts the workers), so each attempt meets apart.
+    attempt: int = 0
 
 
 @attrs.frozen
@@ -96,6 +99,7 @@ _SLURM_JOB_ID = "SLURM_JOB_ID"
 _MASTER_ADDR = "MASTER_ADDR"
 _MASTER_PORT = "MASTER_PORT"
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 #: faccel's own options in the environment: ``DistState`` field -> variable.
 #: Read by ``faccel._dist._state.state_from_env``; an explicit argument wins over each.
@@ -124,7 +128,7 @@ ENV_VARIABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         _TORCHRUN.name: _row_variables(_TORCHRUN),
         _SLURM.name: (*_row_variables(_SLURM), _SLURM_NODELIST, _SLURM_JOB_ID),
         _MPI.name: _row_variables(_MPI),
-        "rendezvous": (_MASTER_ADDR, _MASTER_PORT, _AGENT_STORE),
+        "rendezvous": (_MASTER_ADDR, _MASTER_PORT, _AGENT_STORE, _RESTART_COUNT),
         "faccel": tuple(OPTION_VARIABLES.values()),
     }
 )
@@ -291,7 +295,10 @@ def _rendezvous(env: Mapping[str, str], info: LaunchInfo) -> LaunchInfo:
         )
         raise LaunchError(msg)
     external = env.get(_AGENT_STORE) == "True"
-    return attrs.evolve(info, master_addr=addr or None, master_port=port, external_store=external)
+    attempt = read_int(env, _RESTART_COUNT, minimum=0) if _RESTART_COUNT in env else 0
+    return attrs.evolve(
+        info, master_addr=addr or None, master_port=port, external_store=external, attempt=attempt
+    )
 
 
 def _check_agree(first: LaunchInfo, second: LaunchInfo) -> None:

@@ -137,7 +137,9 @@ def launch(
         process = context.Process(
             target=_child,
             args=(fn, rank, nprocs, store.port, tuple(args), dict(kwargs or {}), send),
-            daemon=True,
+            # Not daemonic: a daemonic process may not start children, and a DataLoader
+            # with workers inside ``fn`` needs them. ``_stop`` below ends every child.
+            daemon=False,
         )
         process.start()
         send.close()

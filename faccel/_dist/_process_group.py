@@ -157,7 +157,7 @@ def start_process_group(dist: DistState) -> None:
     try:
         # An explicit store (not init_method="env://") so the record, not os.environ,
         # decides where to meet. torchrun's agent already hosts the store: connect only.
-        store = tdist.TCPStore(
+        server = tdist.TCPStore(
             host_name=dist.master_addr,
             port=dist.master_port,
             world_size=dist.world_size,
@@ -165,6 +165,9 @@ def start_process_group(dist: DistState) -> None:
             timeout=dist.timeout,
             multi_tenant=True,
         )
+        # Each attempt under its own keys: torchrun's agent keeps its store across restarts,
+        # and the keys of the attempt before would send gloo to dead peers (docs/preemption.md).
+        store = tdist.PrefixStore(f"faccel/attempt{dist.attempt}", server)
         device_id = dist.device if dist.device.type == "cuda" else None
         tdist.init_process_group(
             backend=dist.backend,

@@ -187,6 +187,10 @@ class Runtime:
         """Have :meth:`close` call ``hook`` first (once per ``name``, however often it is registered)."""
         self.hooks[name] = hook
 
+    def drop_hook(self, name: str) -> None:
+        """Forget the hook registered under ``name`` (nothing if there is none)."""
+        self.hooks.pop(name, None)
+
     def release_staging(self) -> None:
         """Drop the staging buffers (the background checkpoint must be done: see ``free_memory``)."""
         self.staging.clear()

@@ -9,6 +9,7 @@ process group. :func:`faccel.detect`, the thin edge that does, lives in
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -41,6 +42,8 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
 # ordinary skew between ranks, short enough that a hung rank ends the job within
 # minutes, not torch's 30 (docs/distributed.md, "When a rank hangs").
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+# FACCEL_TIMEOUT's grammar: ASCII digits, an optional decimal part; at most ~115 days.
+_SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
 STRATEGIES = frozenset({"ddp", "fsdp"})
 
@@ -94,6 +97,9 @@ class DistState:
         master_addr: Rendezvous host, for more than one process.
         master_port: Rendezvous port, for more than one process.
         external_store: Whether the rendezvous store is hosted by the launcher.
+        attempt: Which attempt of the job this is (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``: 0, then 1 after the agent's first
+            restart ...); each attempt meets under its own keys of the store.
         layout: How the ranks split into replicas, shards and tensor-parallel
             groups (:class:`Layout`); None: as ``strategy`` says (DDP
             replicates over every rank, FSDP shards over them). The one in
@@ -131,6 +137,7 @@ class DistState:
     external_store: bool = False
     layout: Layout | None = None
     runtime: Runtime = attrs.field(factory=Runtime, eq=False, repr=False)
+    attempt: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.layout is not None:
@@ -289,14 +296,16 @@ def _env_timeout(env: Mapping[str, str], option: str = "timeout") -> datetime.ti
     name = OPTION_VARIABLES[option]
     if name not in env:
         return DEFAULT_TIMEOUT if option == "timeout" else None
-    try:
-        timeout = datetime.timedelta(seconds=float(env[name]))
-    except (ValueError, OverflowError):  # not a number, nan, or beyond timedelta's range
-        timeout = datetime.timedelta(0)
+    raw = env[name]
+    # Strict, like RANK (``read_int``): float() also takes "1_0", "1e-6", " 10" and
+    # non-ASCII digits, none of which anyone means as a number of seconds.
+    timeout = datetime.timedelta(0)
+    if _SECONDS.fullmatch(raw):
+        timeout = datetime.timedelta(seconds=float(raw))
     if timeout <= datetime.timedelta(0):
         msg = (
-            f"{name} must be a positive number of seconds, got {name}={env[name]!r}; "
-            "unset it for the default"
+            f"{name} must be a positive number of seconds, got {name}={raw!r}; write ASCII digits "
+            f"with an optional decimal part ({name}=30 or 12.5), or unset it for the default"
             + (f" ({DEFAULT_TIMEOUT.total_seconds():.0f} s)" if option == "timeout" else " (none)")
         )
         raise LaunchError(msg)
@@ -403,4 +412,5 @@ def state_from_env(
         master_port=info.master_port,
         external_store=info.external_store,
         layout=chosen_layout,
+        attempt=info.attempt,
     )

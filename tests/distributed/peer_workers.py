@@ -144,3 +144,18 @@ def fsdp_eval_on_every_rank() -> dict[str, Any]:
             loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
             losses.append(faccel.reduce(dist, loss).item())
     return {"losses": losses}
+
+
+def peer_gone_before_checkpoint(root: str, timeout_s: float) -> dict[str, Any]:
+    """Rank 1 leaves (its process ends) just before a checkpoint; rank 0 calls it (issue 26.10)."""
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=timeout_s))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer)
+    faccel.wait_for_everyone(dist)
+    if dist.rank == 1:
+        return {"error": None, "message": "left", "seconds": 0.0}
+    return _outcome(lambda: faccel.checkpoint(dist, state, root))

@@ -105,3 +105,16 @@ def test_a_torchrun_script_without_shutdown_stops_its_group_at_exit() -> None:
     reports = sorted(re.findall(r"rank (\d): process group running at exit: (\w+)", done.stdout))
     assert reports == [("0", "False"), ("1", "False")], done.stdout
     assert "terminate called" not in output
+
+
+def test_a_peer_gone_before_a_checkpoint_ends_within_the_process_groups_timeout(tmp_path: Path) -> None:
+    # Before: the survivor waited the fixed 60 s arrival_timeout though the job's timeout was
+    # shorter, and the message only blamed an `if dist.is_main_process:` guard.
+    timeout_s = 3.0
+    survivor, _ = harness.run(
+        peer_workers.peer_gone_before_checkpoint, timeout=60, root=str(tmp_path), timeout_s=timeout_s
+    )
+    assert survivor["error"] == "CheckpointError", survivor
+    assert "rank(s) [1] did not call it within 0:00:03" in survivor["message"]
+    assert "crashed, was killed or left" in survivor["message"]
+    assert timeout_s - 0.5 < survivor["seconds"] < 30  # the job's timeout ended it, not the 60 s
