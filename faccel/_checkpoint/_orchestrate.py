@@ -9,7 +9,7 @@ some ranks only fails within ``arrival_timeout``) and agree on the step, that
 it is new (or ``replace=True``) and that their extras are equal; rank 0 writes
 everything but the other ranks' RNG files, and the ranks meet three times
 (prepare, write, commit). In the sharded format (version 2, the default for
-FSDP2) every rank writes its own chunks (``_sharded_files``), and rank 0
+FSDP2) every rank writes its own chunks (``_flow``), and rank 0
 commits once every rank's records have reached it. ``blocking=False`` runs the
 write and the commit on a thread (``_background``). All ranks must see one
 shared file system.

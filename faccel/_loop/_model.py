@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._dist._mesh import data_mesh
 from faccel._dist._state import DistState
 from faccel._loop._materialize import materialize, prepare_meta
+from faccel._loop._options import PrepareOptions
 from faccel._loop._parallel import apply_plan
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
@@ -141,13 +142,13 @@ def default_shard_policy(root: nn.Module) -> ShardPolicy:
     return lambda module: id(module) in units and any(True for _ in module.parameters())
 
 
-def _wrap_ddp(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+def _wrap_ddp(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.Module:
     wrapped: nn.Module = model
     if dist.autocast_dtype is not None:
         wrapped = Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
     if dist.distributed:
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.get("ddp_kwargs") or {}))
+        ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.ddp_kwargs or {}))
         if dist.world_size > 2:
             _fix_bucket_layout(ddp)
         wrapped = ddp
@@ -171,7 +172,7 @@ def _fix_bucket_layout(ddp: DistributedDataParallel) -> None:
     rebuild_ddp_buckets(ddp)
 
 
-def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any], mesh: Any = None) -> nn.Module:
+def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh: Any = None) -> nn.Module:
     if not dist.distributed:
         return _wrap_ddp(dist, model, options)  # one process: nothing to shard over
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -183,7 +184,7 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: Mapping[str, Any], me
     # Float32 outputs from the root only: a block that returned float32 would hand the root's
     # own layers (a read-out after the blocks, in low precision) an input of another dtype.
     root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=reduce_dtype)
-    should_shard = options.get("shard_policy") or default_shard_policy(model)
+    should_shard = options.shard_policy or default_shard_policy(model)
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
         if module is not model and should_shard(module):
@@ -229,7 +230,7 @@ def _check_in_before_eval_forwards(dist: DistState, model: nn.Module) -> None:
     model.register_forward_pre_hook(check_in, prepend=True)
 
 
-def _wrap_layout(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+def _wrap_layout(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.Module:
     """Tensor parallelism from the plan first, then FSDP2 over the data-parallel part of the mesh.
 
     That order is PyTorch's (and torchtitan's): ``fully_shard`` then shards
@@ -237,7 +238,7 @@ def _wrap_layout(dist: DistState, model: nn.Module, options: Mapping[str, Any]) 
     """
     layout = dist.parallel
     if layout.tensor > 1:
-        apply_plan(dist, model, options.get("tp_plan"))
+        apply_plan(dist, model, options.tp_plan)
     if layout.data_size > 1:
         return _wrap_fsdp(dist, model, options, mesh=data_mesh(dist))
     # Tensor parallelism alone: no data-parallel ranks to shard over or average with.
@@ -249,13 +250,13 @@ def _wrap_layout(dist: DistState, model: nn.Module, options: Mapping[str, Any]) 
 
 
 # How each strategy wraps a model that has been moved to its device.
-_STRATEGIES: Mapping[str, Callable[[DistState, nn.Module, Mapping[str, Any]], nn.Module]] = {
+_STRATEGIES: Mapping[str, Callable[[DistState, nn.Module, PrepareOptions], nn.Module]] = {
     "ddp": _wrap_ddp,
     "fsdp": _wrap_fsdp,
 }
 
 
-def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+def prepare_module(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.Module:
     """Move ``model`` to ``dist.device`` (in place) and wrap it as ``dist.strategy`` says.
 
     Under ``'fsdp'`` FSDP2's ``fully_shard`` changes the module in place (its
@@ -274,13 +275,13 @@ def prepare_module(dist: DistState, model: nn.Module, options: Mapping[str, Any]
         return model
     # A meta-built model is sharded first, then only this rank's part is allocated (_materialize).
     shards_first = dist.distributed and (uses_mesh(dist) or dist.strategy == "fsdp")
-    meta = prepare_meta(model, dist.device, options.get("init", "reset"), shards_first=shards_first)
+    meta = prepare_meta(model, dist.device, options.init, shards_first=shards_first)
     if not meta:
         model.to(dist.device)  # in place: the optimizer's parameter references stay valid
     wrap = _wrap_layout if dist.distributed and uses_mesh(dist) else _STRATEGIES[dist.strategy]
     wrapped = wrap(dist, model, options)
     if meta and shards_first:
-        materialize(model, dist.device, options.get("init", "reset"))
+        materialize(model, dist.device, options.init)
     if wrapped is not model:
         # object.__setattr__: nn.Module's own would register the wrapper as a submodule.
         object.__setattr__(model, _WRAPPED_AS, weakref.ref(wrapped))

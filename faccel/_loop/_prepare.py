@@ -15,13 +15,14 @@ from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._materialize import INITS
 from faccel._loop._model import prepare_module
+from faccel._loop._options import PrepareOptions
 from faccel._marks import REPLACED_BY
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, PrepareError
 
 __all__ = ["prepare"]
 
-_Options = Mapping[str, Any]
+_Options = PrepareOptions
 
 
 # Set on a Parameter that preparing its module replaced by another object (FSDP2's
@@ -88,9 +89,9 @@ def _loader(dist: DistState, loader: Any, options: _Options) -> Any:
     return prepare_loader(
         dist,
         loader,
-        even_batches=options["even_batches"],
-        split_batches=options["split_batches"],
-        worker_seeds=options["worker_seeds"],
+        even_batches=options.even_batches,
+        split_batches=options.split_batches,
+        worker_seeds=options.worker_seeds,
     )
 
 
@@ -278,15 +279,15 @@ def prepare(
     if not callable(init) and init not in INITS:
         msg = f"init must be 'reset', 'empty' or a callable init(module), got {init!r}"
         raise ArgumentValueError(msg)
-    options = {
-        "init": init,
-        "even_batches": even_batches,
-        "ddp_kwargs": ddp_kwargs,
-        "shard_policy": shard_policy,
-        "split_batches": split_batches,
-        "worker_seeds": worker_seeds,
-        "tp_plan": tp_plan,
-    }
+    options = PrepareOptions(
+        init=init,
+        even_batches=even_batches,
+        ddp_kwargs=ddp_kwargs,
+        shard_policy=shard_policy,
+        split_batches=split_batches,
+        worker_seeds=worker_seeds,
+        tp_plan=tp_plan,
+    )
     # Modules first, whatever the order given: preparing one may replace its parameters,
     # and optimizers in the same call must see the replacements.
     ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}

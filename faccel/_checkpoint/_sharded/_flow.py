@@ -1,7 +1,7 @@
 """The sharded format's files (version 2): what each rank writes, the rank pages, what a rank reads.
 
 Writing: :func:`plan_pieces` turns the model's and optimizer's tensors (FSDP2
-DTensors or whole, replicated tensors) into the index (``_layout``'s chunk
+DTensors or whole, replicated tensors) into the index (``_chunks``'s chunk
 rule per tensor, the same on every rank) and the chunks this rank writes, as
 views of the tensors it holds: no rank gathers another's shard. Each rank
 writes ``shard-RANK.safetensors`` and ``rng-RANK.json``; their records

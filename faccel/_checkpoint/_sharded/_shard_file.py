@@ -1,7 +1,7 @@
 """A rank's shard file: its chunks as safetensors, every hash block's SHA-256 in the header.
 
 ``shard-RANK.safetensors`` (format version 2) is a standard safetensors file
-holding the chunks rank RANK writes (``_layout``), each under its tensor's
+holding the chunks rank RANK writes (``_chunks``), each under its tensor's
 key (``model/<name>``, ``optimizer/<key>``) with the chunk's own shape. Its
 ``__metadata__`` holds ``{"faccel": JSON}`` with, for each chunk, the rows per
 hash block and the SHA-256 of each block. The header's own SHA-256 (and the
