@@ -3,7 +3,7 @@
 Checks of keys, classes, shapes and dtypes cannot foresee everything an
 object's ``load_state_dict`` refuses (a SequentialLR with fewer schedulers,
 an optimizer's groups split otherwise, a step that is not a number). So
-:func:`refusal` loads the saved state into a throwaway copy of the object and
+:func:`load_problem` loads the saved state into a throwaway copy of the object and
 reports what it raised; the live object is loaded only once every copy took
 its state.
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from faccel._tree import flatten_with_paths, map_tensors
 
-__all__ = ["refusal", "stand_ins"]
+__all__ = ["load_problem", "stand_ins"]
 
 
 def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def stand_ins(objects: Iterable[Any]) -> dict[int, Any]:
     return found
 
 
-def refusal(obj: Any, saved: Any, stand_in: dict[int, Any]) -> str | None:
+def load_problem(obj: Any, saved: Any, stand_in: dict[int, Any]) -> str | None:
     """What ``obj.load_state_dict(saved)`` raises on a throwaway copy of ``obj``; None if it loads.
 
     The copy is ``copy.deepcopy(obj)`` with each tensor in ``stand_in`` (see
@@ -85,9 +85,9 @@ def refusal(obj: Any, saved: Any, stand_in: dict[int, Any]) -> str | None:
     Example:
         >>> import torch
         >>> model = torch.nn.Linear(2, 1)
-        >>> refusal(model, torch.nn.Linear(2, 1).state_dict(), stand_ins([model])) is None
+        >>> load_problem(model, torch.nn.Linear(2, 1).state_dict(), stand_ins([model])) is None
         True
-        >>> print(refusal(model, {}, stand_ins([model])))  # doctest: +ELLIPSIS
+        >>> print(load_problem(model, {}, stand_ins([model])))  # doctest: +ELLIPSIS
         RuntimeError: Error(s) in loading state_dict for Linear: Missing key(s) ...
     """
     try:

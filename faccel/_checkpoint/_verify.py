@@ -35,7 +35,7 @@ from faccel._checkpoint._format import (
     VERSION_SHARDED,
     expected_files,
 )
-from faccel._checkpoint._stage import refusal, stand_ins
+from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._dist._state import DistState
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import FileRecord
@@ -301,7 +301,7 @@ def _stage(
     for field, obj, saved in trials:
         if obj is None or saved is None or (field == "scaler" and not saved):
             continue
-        refused = refusal(obj, saved, stand_in)
+        refused = load_problem(obj, saved, stand_in)
         if refused is not None:
             target_kind = class_name(obj)
             problems.add(
@@ -640,7 +640,7 @@ def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -
     stand_in = stand_ins(_objects(state))
     for name, value in states["extras"].items():
         live = state.rank_extras[name]
-        refused = refusal(live, value, stand_in) if is_stateful(live) else None
+        refused = load_problem(live, value, stand_in) if is_stateful(live) else None
         if refused is not None:
             problems.add(
                 file,

@@ -515,7 +515,7 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:  # type: ignore[type-
 _WORKER_SEEDS = ("rank", "shared", "torch")
 
 
-def _refuse_distributed_sampler(sampler: object) -> None:
+def _check_no_distributed_sampler(sampler: object) -> None:
     if isinstance(sampler, DistributedSampler):
         msg = (
             f"this DataLoader already shards with a DistributedSampler (rank {sampler.rank} of "
@@ -589,7 +589,7 @@ def _plan(
     }
     if batcher is not None and type(batcher) is not BatchSampler:
         # A custom batch sampler: its batches are the units, dealt whole.
-        _refuse_distributed_sampler(getattr(batcher, "sampler", None))
+        _check_no_distributed_sampler(getattr(batcher, "sampler", None))
         if split_batches:
             msg = (
                 f"split_batches=True splits batches of one fixed size, but this DataLoader has a "
@@ -604,7 +604,7 @@ def _plan(
         )
         return sharding, False
     sampler = loader.sampler if batcher is None else batcher.sampler
-    _refuse_distributed_sampler(sampler)
+    _check_no_distributed_sampler(sampler)
     batch_size, drop_last = (1, False) if batcher is None else (batcher.batch_size, batcher.drop_last)
     if split_batches:
         batch_size = _split_size(dist, batch_size if batcher is not None else None)

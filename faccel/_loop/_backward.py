@@ -53,7 +53,7 @@ def backward(
         [3.0, 3.0]
     """
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        _refuse(dist, loss)
+        _check_loss(dist, loss)
     if micro is not None:
         if micro.group_size != 1:
             loss = loss / micro.group_size
@@ -83,7 +83,7 @@ def backward(
     loss.backward(**kwargs)
 
 
-def _refuse(dist: Any, loss: Any) -> None:
+def _check_loss(dist: Any, loss: Any) -> None:
     """Raise the error that names the fix for a loss ``backward`` cannot take."""
     if isinstance(dist, torch.Tensor):
         msg = "backward() got a tensor where the DistState goes; call faccel.backward(dist, loss)"

@@ -57,7 +57,7 @@ def load_bin(path: Path, within: Sequence[Path] = ()) -> dict[str, torch.Tensor]
                 raise
             # Files from torch < 1.6 (the legacy, non-zip format) cannot be memory-mapped.
             loaded = torch.load(real, map_location="cpu", weights_only=True)
-    except Exception as error:  # the restricted unpickler's refusal, or a damaged file
+    except Exception as error:  # the restricted unpickler's load_problem, or a damaged file
         msg = (
             f"{path}: holds something other than tensors, or is damaged; faccel reads .bin weights "
             f"with torch.load(weights_only=True) only, which refused it ({type(error).__name__}: "
