@@ -58,6 +58,7 @@ from faccel._checkpoint._folders import (
     blocking_file,
     check_lock,
     complete_checkpoints,
+    damaged_checkpoints,
     hold_lock,
     latest_checkpoint,
     manifest_step,
@@ -869,7 +870,8 @@ def restore(
     # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
     single = manifest_step(Path(path)) is not None
     older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
-    passed: list[tuple[Path, str]] = []
+    # Later step folders whose manifest is missing or damaged are passed over, with a warning too.
+    passed: list[tuple[Path, str]] = [] if single else damaged_checkpoints(Path(path), after=step)
     for candidate in [directory, *older]:
         if candidate is not directory:
             step = manifest_step(candidate) or 0
