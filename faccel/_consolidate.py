@@ -8,8 +8,8 @@ Each file's header is computed from the checkpoint's index before any tensor
 is read, then each tensor is read whole (from every shard file that holds a
 chunk of it, each hash block checked), written, and dropped: peak memory is
 about the largest tensor. The sharded format (version 2) is read in chunks;
-a version 1 checkpoint's ``model.safetensors`` is hashed in a streaming
-pass first, then read a tensor at a time.
+a version 1 checkpoint's ``model.safetensors`` is opened once, hashed in a
+streaming pass, then read a tensor at a time from that same open file.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from faccel._checkpoint._format import (
     shard_name,
 )
 from faccel._checkpoint._layout import Placed, chunks, parse_index, rows_of
-from faccel._checkpoint._safetensors import header_bytes, read_header, read_tensors
+from faccel._checkpoint._safetensors import header_bytes, header_of_open, read_open
 from faccel._checkpoint._sharded_files import Pages
 from faccel._checkpoint._shards import ShardFile, byte_view, empty_rows
 from faccel._save_model import INDEX_NAME, parse_size, shard_names, split_shards
@@ -76,13 +76,18 @@ def _specs_and_reader(
         raise CheckpointError(msg) from None
     if manifest.get("version") != VERSION_SHARDED:
         path = folder / MODEL
-        _check_streaming(path, records.get(MODEL))
-        header = read_header(path, where=str(path))
+        # One open file from the hash on: a replace=True save renamed in meanwhile cannot mix in.
+        fd = _open_checked(path, records.get(MODEL))
+        try:
+            header = header_of_open(fd, where=str(path))
+        except BaseException:
+            os.close(fd)
+            raise
         specs = {name: (info.dtype, info.shape) for name, info in header.tensors.items()}
         return (
             specs,
-            lambda name: read_tensors(path, {name: header.tensors[name]}, where=str(path))[name],
-            lambda: None,
+            lambda name: read_open(fd, header, {name: header.tensors[name]}, where=str(path))[name],
+            lambda: os.close(fd),
         )
     world = manifest.get("world_size")
     if type(world) is not int or world < 1:
@@ -120,8 +125,9 @@ def _specs_and_reader(
     return {name: (p.dtype, p.shape) for name, p in model.items()}, read, close
 
 
-def _check_streaming(path: Path, record: FileRecord | None) -> None:
-    """A version 1 model file's size and SHA-256 against the manifest, read in bounded pieces."""
+def _open_checked(path: Path, record: FileRecord | None) -> int:
+    """A version 1 model file, open, its size and SHA-256 checked against the manifest in bounded
+    pieces; the caller reads the tensors from this descriptor and closes it."""
     where = str(path)
     if record is None:
         msg = f"{path.parent}/{MANIFEST}: does not list {MODEL}"
@@ -134,11 +140,13 @@ def _check_streaming(path: Path, record: FileRecord | None) -> None:
         digest = hashlib.sha256()
         while chunk := os.read(fd, _READ_CHUNK):
             digest.update(chunk)
-    finally:
+        if digest.hexdigest() != record.sha256:
+            msg = f"{where}: the sha256 checksum differs from the manifest's (the file is corrupted)"
+            raise CheckpointError(msg)
+    except BaseException:
         os.close(fd)
-    if digest.hexdigest() != record.sha256:
-        msg = f"{where}: the sha256 checksum differs from the manifest's (the file is corrupted)"
-        raise CheckpointError(msg)
+        raise
+    return fd
 
 
 def _header(
