@@ -14,6 +14,7 @@ streaming pass, then read a tensor at a time from that same open file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -210,12 +211,17 @@ def consolidate(
     if target.exists() and not target.is_dir():
         msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"
         raise StorageError(msg)
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        _remove_temporaries(target)
+    except OSError as error:
+        raise _storage_error(target, error) from error
     held = [name for name in os.listdir(target) if name.endswith(".safetensors") or name == INDEX_NAME]
     if held:
         msg = f"{target} already holds weights ({sorted(held)[:3]}); consolidate into a new folder"
         raise StorageError(msg)
     specs, read, close = _specs_and_reader(folder)
+    written: list[Path] = []
     try:
         sizes = {
             name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()
@@ -224,6 +230,7 @@ def consolidate(
         names = shard_names(len(groups))
         for name, group in zip(names, groups, strict=True):
             header, order = _header(specs, group)
+            written.append(target / name)
             _write_file(target / name, header, order, read)
         if len(groups) > 1:
             index = {
@@ -231,8 +238,43 @@ def consolidate(
                 "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
             }
             content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+            written.append(target / INDEX_NAME)
             _write_file(target / INDEX_NAME, content, [], read)
         fsync_dir(target)
+    except BaseException as error:
+        # A failed run leaves nothing of its own: its rerun finds the folder as it was.
+        for path in written:
+            for each in (path, path.with_name(f".tmp-{path.name}")):
+                with contextlib.suppress(OSError):
+                    each.unlink()
+        if isinstance(error, OSError) and not isinstance(error, StorageError):
+            raise _storage_error(target, error) from error
+        raise
     finally:
         close()
     return target
+
+
+def _remove_temporaries(target: Path) -> None:
+    """Remove what a killed run left (``.tmp-`` files of its own names); a folder there is refused."""
+    for name in os.listdir(target):
+        if not name.startswith(".tmp-"):
+            continue
+        own = name[len(".tmp-") :]
+        if not (own.endswith(".safetensors") or own == INDEX_NAME):
+            continue
+        path = target / name
+        if path.is_dir() and not path.is_symlink():
+            msg = (
+                f"{path} is a folder, where consolidate writes its temporary file; "
+                "move it away or consolidate into another folder"
+            )
+            raise StorageError(msg)
+        path.unlink()
+
+
+def _storage_error(target: Path, error: OSError) -> StorageError:
+    return StorageError(
+        f"consolidating into {target} failed: {error.strerror or error} ({error.filename or target}); "
+        "free space or correct the path or permissions, then run it again (nothing of this run was kept)"
+    )
