@@ -338,7 +338,13 @@ def checkpoint(
     step = train_state.step
     final = root / checkpoint_name(step)
     temporary = root / temporary_name(step)
-    rng = capture_rng(dist, train_state.rank_extras)
+    # A value one rank cannot store fails every rank alike, before they agree (issue 26, item 7).
+    rng = together(
+        dist,
+        lambda: capture_rng(dist, train_state.rank_extras),
+        what="capturing the generators and rank_extras",
+        raises=CheckpointError,
+    )
     _agree(dist, root, train_state, replace=replace)
 
     model = unwrap_model(train_state.model)

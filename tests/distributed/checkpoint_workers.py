@@ -832,3 +832,27 @@ def seconds_of_one_crash_trial(root: str) -> float:
     faccel.checkpoint(dist, at_step(state, 1), os.path.join(root, ".calibrate"))
     crash_check(os.path.join(root, ".calibrate"))
     return time.monotonic() - start
+
+
+def unstorable_rank_extras(root: str) -> dict:
+    """Rank 1's ``rank_extras`` holds a value checkpoints cannot store; each rank catches the error,
+    then both train on (one all_reduce) and checkpoint again without it (issue 26, item 7)."""
+    import datetime
+
+    import attrs
+    import torch.distributed as tdist
+
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=10))
+    state, _ = fresh(dist, example_spec(), seed=0)
+    bad = attrs.evolve(state, rank_extras={"handle": object()} if dist.rank == 1 else {})
+    try:
+        faccel.checkpoint(dist, bad, root)
+        error = ""
+    except Exception as caught:  # what each rank sees is the point
+        error = f"{type(caught).__name__}: {caught}"
+    total = torch.ones(1)
+    tdist.all_reduce(total)  # the user caught it and trains on
+    after = faccel.checkpoint(dist, attrs.evolve(state, step=state.step + 1), root).name
+    return {"error": error, "sum": float(total.item()), "after": after}
