@@ -26,16 +26,27 @@ from tests.distributed import checkpoint_workers as cw
 from tests.distributed import harness
 
 TRIALS = 60
+# Each kill comes within this many writes of the writer's start, a duration the loop measures
+# (:func:`tests.distributed.checkpoint_workers.kill_loop`), never a fixed number of seconds.
+DELAY_IN_WRITES = 3.0
 
 
-def _crash_loop(root: Path, *, trials: int, replace: bool, seed: int, timeout: float = 90) -> list:
+def deadline(trials: int, one_trial: float) -> float:
+    """The helper's deadline for ``trials`` kills: from one trial's measured duration, with room for a
+    machine that slows down tenfold and for the helper's start; at least the harness's default."""
+    return max(90.0, 60.0 + 10 * trials * (DELAY_IN_WRITES + 1) * one_trial)
+
+
+def _crash_loop(root: Path, *, trials: int, replace: bool, seed: int) -> list:
+    (calibration := root / ".calibration").mkdir()
+    timeout = deadline(trials, cw.seconds_of_one_crash_trial(str(calibration)))
     (result,) = harness.run(
         cw.crash_trials,
         world_size=1,
         timeout=timeout,
         root=str(root),
         trials=trials,
-        max_delay=0.1,
+        delay_in_writes=DELAY_IN_WRITES,
         seed=seed,
         replace=replace,
     )
@@ -93,9 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        outcomes = _crash_loop(
-            Path(root), trials=args.trials, replace=args.replace, seed=args.seed, timeout=args.trials * 2 + 60
-        )
+        outcomes = _crash_loop(Path(root), trials=args.trials, replace=args.replace, seed=args.seed)
     mid = sum(restored == committed for committed, restored in outcomes)
     print(
         f"{args.trials} SIGKILLs ({mid} mid-write): every restore was whole, the last committed or the next"

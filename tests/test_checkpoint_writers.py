@@ -266,6 +266,37 @@ def test_restore_of_a_root_falls_back_past_a_broken_latest_with_a_warning(tmp_pa
         faccel.restore(dist, _state(0), tmp_path)
 
 
+def _damage_manifest(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "flipped-byte":
+        path.write_bytes(data[:10] + bytes([data[10] ^ 0x5A]) + data[11:])
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "deleted":
+        path.unlink()
+    else:  # the format field edited
+        path.write_bytes(data.replace(b'"format"', b'"formaX"', 1))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["v1", "v2-sharded"])
+@pytest.mark.parametrize("how", ["flipped-byte", "truncated", "deleted", "format-edited"])
+def test_a_damaged_latest_manifest_is_passed_over_with_a_warning(
+    tmp_path: Path, how: str, sharded: bool
+) -> None:
+    """Issue 26, item 2: the manifest is a file of the checkpoint like any other."""
+    dist = faccel.detect({})
+    for step in (1, 2):
+        faccel.checkpoint(dist, _state(step), tmp_path, sharded=sharded)
+    _damage_manifest(tmp_path / "step-000000000002" / "manifest.json", how)
+    with pytest.warns(
+        CheckpointWarning, match=r"restored step-000000000001.*step-000000000002.*manifest\.json"
+    ):
+        assert faccel.restore(dist, _state(0), tmp_path).step == 1
+    (tmp_path / "step-000000000001" / "manifest.json").unlink()  # nothing whole left: an error, loud
+    with pytest.raises(CheckpointError, match=r"no checkpoint there"):
+        faccel.restore(dist, _state(0), tmp_path)
+
+
 def test_a_folder_emptied_before_the_commit_is_not_committed(tmp_path: Path, monkeypatch) -> None:
     from faccel._checkpoint import _orchestrate
 

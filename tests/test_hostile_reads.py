@@ -134,6 +134,12 @@ def _attacks(tmp: Path) -> list[tuple[str, str, str, bool]]:
     os.truncate(folder / "manifest.json", 20 << 30)
     folder = restore_case("sparse 20 GB model file in a checkpoint")
     os.truncate(folder / "model.safetensors", 20 << 30)
+    # issue 26, item 3: the manifest's size edited to match, so the size check alone passes
+    folder = restore_case("sparse 20 GB model file with the manifest's size to match")
+    os.truncate(folder / "model.safetensors", 20 << 30)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"]["size"] = 20 << 30
+    (folder / "manifest.json").write_text(json.dumps(manifest))
     folder = restore_case("FIFO manifest.json")
     (folder / "manifest.json").unlink()
     os.mkfifo(folder / "manifest.json")
@@ -220,6 +226,7 @@ REFUSED = {
     "manifest world_size 10**12": "world_size",
     "sparse 20 GB manifest": "no checkpoint there",
     "sparse 20 GB model file in a checkpoint": "model.safetensors: the file has 21474836480 bytes",
+    "sparse 20 GB model file with the manifest's size to match": "21474836480 bytes, more than the",
     "FIFO manifest.json": "no checkpoint there",
     "FIFO model.safetensors in a checkpoint": "model.safetensors: a FIFO, not a regular file",
     "model.safetensors a directory in a checkpoint": "model.safetensors: a folder, not a regular file",

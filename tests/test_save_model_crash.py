@@ -24,18 +24,28 @@ from tests.distributed import harness
 from tests.distributed import save_model_workers as sw
 
 TRIALS = 40
+# Each kill comes within this many saves of the writer's start, a duration the loop measures
+# (:func:`tests.distributed.checkpoint_workers.kill_loop`), never a fixed number of seconds.
+DELAY_IN_WRITES = 3.0
 
 
-def _crash_loop(folder: Path, *, trials: int, seed: int, timeout: float = 90) -> list:
+def _run_trials(folder: Path, *, trials: int, seed: int) -> dict:
+    """The kill loop in the harness's helper, under a deadline scaled from one measured save and load."""
+    one_trial = sw.seconds_of_one_crash_trial(str(folder / "calibration"))
     (result,) = harness.run(
         sw.save_model_crash_trials,
         world_size=1,
-        timeout=timeout,
+        timeout=max(90.0, 60.0 + 10 * trials * (DELAY_IN_WRITES + 1) * one_trial),
         directory=str(folder / "model"),
         trials=trials,
-        max_delay=0.1,
+        delay_in_writes=DELAY_IN_WRITES,
         seed=seed,
     )
+    return result
+
+
+def _crash_loop(folder: Path, *, trials: int, seed: int) -> list:
+    result = _run_trials(folder, trials=trials, seed=seed)
     outcomes = result["outcomes"]
     assert len(outcomes) == trials
     mixed = [pair for pair in outcomes if pair[1] == sw.MIXED]
@@ -92,15 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
-        (result,) = harness.run(
-            sw.save_model_crash_trials,
-            world_size=1,
-            timeout=args.trials * 2 + 60,
-            directory=str(Path(folder) / "model"),
-            trials=args.trials,
-            max_delay=0.1,
-            seed=args.seed,
-        )
+        result = _run_trials(Path(folder), trials=args.trials, seed=args.seed)
     outcomes = result["outcomes"]
     mixed = sum(loaded == sw.MIXED for _, loaded in outcomes)
     unloadable = sum(loaded == sw.UNLOADABLE for _, loaded in outcomes)

@@ -39,6 +39,7 @@ __all__ = [
     "blocking_file",
     "check_lock",
     "complete_checkpoints",
+    "damaged_checkpoints",
     "hold_lock",
     "latest_checkpoint",
     "manifest_step",
@@ -52,14 +53,43 @@ LOCK = ".lock"
 
 def manifest_step(directory: Path) -> int | None:
     """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
+    step = _manifest(directory)
+    return step if isinstance(step, int) else None
+
+
+def _manifest(directory: Path) -> int | str:
+    """The step of ``directory``'s faccel manifest, or why it has none that counts."""
+    where = str(directory / MANIFEST)
     try:
-        manifest = read_json(directory / MANIFEST, where=str(directory / MANIFEST), limit=MAX_MANIFEST)
-    except (CheckpointError, OSError):
-        return None
+        manifest = read_json(directory / MANIFEST, where=where, limit=MAX_MANIFEST)
+    except (CheckpointError, OSError) as error:
+        return str(error) if isinstance(error, CheckpointError) else f"{where}: {error}"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None
+        return f"{where}: not a faccel manifest (its format is not {FORMAT!r})"
     step = manifest.get("step")
-    return step if type(step) is int else None
+    return step if type(step) is int else f"{where}: its step is not an integer, got {step!r}"
+
+
+def damaged_checkpoints(root: Path, *, after: int) -> list[tuple[Path, str]]:
+    """``(folder, why)`` of every ``step-N`` folder under ``root`` with ``N > after`` whose manifest is
+    missing or damaged, newest first.
+
+    A ``step-N`` folder appears only by the rename of a complete written folder,
+    so one without a valid manifest was damaged after its commit: ``restore``
+    warns when it passes one over, as for any other damaged file.
+    """
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        match = STEP_FOLDER.fullmatch(entry.name)
+        if match and int(match.group(1)) > after and entry.is_dir():
+            why = _manifest(Path(entry.path))
+            if isinstance(why, str):
+                found.append((int(match.group(1)), Path(entry.path), why))
+    return [(folder, why) for _, folder, why in sorted(found, reverse=True)]
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:

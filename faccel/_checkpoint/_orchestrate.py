@@ -47,6 +47,7 @@ from faccel._checkpoint._folders import (
     blocking_file,
     check_lock,
     complete_checkpoints,
+    damaged_checkpoints,
     hold_lock,
     latest_checkpoint,
     manifest_step,
@@ -339,7 +340,13 @@ def checkpoint(
     step = train_state.step
     final = root / checkpoint_name(step)
     temporary = root / temporary_name(step)
-    rng = capture_rng(dist, train_state.rank_extras)
+    # A value one rank cannot store fails every rank alike, before they agree (issue 26, item 7).
+    rng = together(
+        dist,
+        lambda: capture_rng(dist, train_state.rank_extras),
+        what="capturing the generators and rank_extras",
+        raises=CheckpointError,
+    )
     _agree(dist, root, train_state, replace=replace)
 
     model = unwrap_model(train_state.model)
@@ -684,11 +691,12 @@ def _read_checkpoint(
     # A rank beyond the writers' (resharding to more ranks) has no generators saved.
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
+    caps = _whole_file_caps(state) if version == VERSION else {}
+
     def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
-        limit = MAX_JSON if name.endswith(".json") else None
-        return lambda: read_verified(
-            directory / name, record or records[name], where=f"{directory}/{name}", limit=limit
-        )[0]
+        limit = MAX_JSON if name.endswith(".json") else caps.get(name)
+        where = f"{directory}/{name}"
+        return lambda: read_verified(directory / name, record or records[name], where=where, limit=limit)[0]
 
     # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
     whole = [MODEL, OPTIMIZER] if version == VERSION else []
@@ -730,6 +738,24 @@ def _read_checkpoint(
     if world != dist.world_size:
         loadable = _check_world_change(directory, world, dist.world_size, loadable, state)
     return loadable, rng
+
+
+# A safetensors header may hold up to 100 MB; a file is that, its tensors, and alignment padding.
+_HEADER_ROOM = 100_000_000 + (1 << 20)
+# Optimizer state per parameter byte: Adam's two moments (three with amsgrad) in up to twice the width.
+_OPTIMIZER_PER_PARAMETER_BYTE = 8
+
+
+def _whole_file_caps(state: TrainState) -> dict[str, int]:
+    """The most bytes a version 1 ``model.safetensors`` and ``optimizer.safetensors`` may have to fit
+    ``state``'s objects: a larger file is refused by name before a buffer for it is allocated, whatever
+    size the manifest claims (issue 26, item 3)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in state.model.state_dict().values())
+    return {
+        # twice the model: a checkpoint written in wider dtypes than the objects now hold still counts
+        MODEL: 2 * model_bytes + _HEADER_ROOM,
+        OPTIMIZER: _OPTIMIZER_PER_PARAMETER_BYTE * model_bytes + _HEADER_ROOM,
+    }
 
 
 def _check_world_change(
@@ -874,7 +900,8 @@ def restore(
     # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
     single = manifest_step(Path(path)) is not None
     older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
-    passed: list[tuple[Path, str]] = []
+    # Later step folders whose manifest is missing or damaged are passed over, with a warning too.
+    passed: list[tuple[Path, str]] = [] if single else damaged_checkpoints(Path(path), after=step)
     for candidate in [directory, *older]:
         if candidate is not directory:
             step = manifest_step(candidate) or 0

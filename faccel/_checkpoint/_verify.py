@@ -406,6 +406,9 @@ def _check_optimizer(
                 f"the target lacks them, {sorted(live_keys - saved_keys)} the other way round (LR "
                 "schedulers add keys such as initial_lr: create the same scheduler before restoring)",
             )
+        else:
+            for key in sorted(saved_keys, key=str):
+                _check_kind(group[key], live[key], f"param group {number}'s {key!r}", problems)
         params.update(zip(ids, live["params"], strict=True))
     elementwise = class_name(target) in _ELEMENTWISE
     for pid, entry in entries.items():
@@ -437,6 +440,30 @@ def _check_optimizer(
 
 def _number(value: Any) -> bool:
     return type(value) in (int, float)
+
+
+def _value_kind(value: Any) -> Any:
+    """What a hyperparameter or scheduler value is, for comparing a saved one with the live one:
+    int and float (and a one-element tensor) are one kind, numbers; a bool is not a number; a
+    sequence is its items' kinds."""
+    if _number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return tuple(_value_kind(item) for item in value)
+    if isinstance(value, dict):
+        return "dict"
+    return type(value).__name__
+
+
+def _check_kind(saved: Any, live: Any, what: str, problems: _Problems) -> None:
+    """A saved value must be of the live one's kind (None on either side is an option left unset)."""
+    if saved is None or live is None or _value_kind(saved) == _value_kind(live):
+        return
+    problems.add(
+        STATE,
+        f"{what} is {_short(saved)} ({type(saved).__name__}), but the target holds {_short(live)} "
+        f"({type(live).__name__}); a checkpoint of these objects holds a value of that kind",
+    )
 
 
 def _state_value(key: str, value: Any) -> bool:
@@ -503,6 +530,8 @@ def _check_scheduler(
                 "schedulers, milestones or param groups); create the scheduler as when saving",
             )
             return None
+    for place, value, other in paired_leaves(saved, live, "scheduler"):
+        _check_kind(value, other, f"the saved {place}", problems)
     return saved
 
 

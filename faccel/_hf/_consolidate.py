@@ -8,12 +8,13 @@ Each file's header is computed from the checkpoint's index before any tensor
 is read, then each tensor is read whole (from every shard file that holds a
 chunk of it, each hash block checked), written, and dropped: peak memory is
 about the largest tensor. The sharded format (version 2) is read in chunks;
-a version 1 checkpoint's ``model.safetensors`` is hashed in a streaming
-pass first, then read a tensor at a time.
+a version 1 checkpoint's ``model.safetensors`` is opened once, hashed in a
+streaming pass, then read a tensor at a time from that same open file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,7 +49,7 @@ from faccel._storage._durable import (
     read_json,
     read_verified,
 )
-from faccel._storage._safetensors import header_bytes, read_header, read_tensors
+from faccel._storage._safetensors import header_bytes, header_of_open, read_open
 from faccel.errors import CheckpointError, StorageError
 
 __all__ = ["consolidate"]
@@ -76,13 +77,18 @@ def _specs_and_reader(
         raise CheckpointError(msg) from None
     if manifest.get("version") != VERSION_SHARDED:
         path = folder / MODEL
-        _check_streaming(path, records.get(MODEL))
-        header = read_header(path, where=str(path))
+        # One open file from the hash on: a replace=True save renamed in meanwhile cannot mix in.
+        fd = _open_checked(path, records.get(MODEL))
+        try:
+            header = header_of_open(fd, where=str(path))
+        except BaseException:
+            os.close(fd)
+            raise
         specs = {name: (info.dtype, info.shape) for name, info in header.tensors.items()}
         return (
             specs,
-            lambda name: read_tensors(path, {name: header.tensors[name]}, where=str(path))[name],
-            lambda: None,
+            lambda name: read_open(fd, header, {name: header.tensors[name]}, where=str(path))[name],
+            lambda: os.close(fd),
         )
     world = manifest.get("world_size")
     if type(world) is not int or world < 1:
@@ -120,8 +126,9 @@ def _specs_and_reader(
     return {name: (p.dtype, p.shape) for name, p in model.items()}, read, close
 
 
-def _check_streaming(path: Path, record: FileRecord | None) -> None:
-    """A version 1 model file's size and SHA-256 against the manifest, read in bounded pieces."""
+def _open_checked(path: Path, record: FileRecord | None) -> int:
+    """A version 1 model file, open, its size and SHA-256 checked against the manifest in bounded
+    pieces; the caller reads the tensors from this descriptor and closes it."""
     where = str(path)
     if record is None:
         msg = f"{path.parent}/{MANIFEST}: does not list {MODEL}"
@@ -134,11 +141,13 @@ def _check_streaming(path: Path, record: FileRecord | None) -> None:
         digest = hashlib.sha256()
         while chunk := os.read(fd, _READ_CHUNK):
             digest.update(chunk)
-    finally:
+        if digest.hexdigest() != record.sha256:
+            msg = f"{where}: the sha256 checksum differs from the manifest's (the file is corrupted)"
+            raise CheckpointError(msg)
+    except BaseException:
         os.close(fd)
-    if digest.hexdigest() != record.sha256:
-        msg = f"{where}: the sha256 checksum differs from the manifest's (the file is corrupted)"
-        raise CheckpointError(msg)
+        raise
+    return fd
 
 
 def _header(
@@ -202,12 +211,17 @@ def consolidate(
     if target.exists() and not target.is_dir():
         msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"
         raise StorageError(msg)
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        _remove_temporaries(target)
+    except OSError as error:
+        raise _storage_error(target, error) from error
     held = [name for name in os.listdir(target) if name.endswith(".safetensors") or name == INDEX_NAME]
     if held:
         msg = f"{target} already holds weights ({sorted(held)[:3]}); consolidate into a new folder"
         raise StorageError(msg)
     specs, read, close = _specs_and_reader(folder)
+    written: list[Path] = []
     try:
         sizes = {
             name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()
@@ -216,6 +230,7 @@ def consolidate(
         names = shard_names(len(groups))
         for name, group in zip(names, groups, strict=True):
             header, order = _header(specs, group)
+            written.append(target / name)
             _write_file(target / name, header, order, read)
         if len(groups) > 1:
             index = {
@@ -223,8 +238,43 @@ def consolidate(
                 "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
             }
             content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+            written.append(target / INDEX_NAME)
             _write_file(target / INDEX_NAME, content, [], read)
         fsync_dir(target)
+    except BaseException as error:
+        # A failed run leaves nothing of its own: its rerun finds the folder as it was.
+        for path in written:
+            for each in (path, path.with_name(f".tmp-{path.name}")):
+                with contextlib.suppress(OSError):
+                    each.unlink()
+        if isinstance(error, OSError) and not isinstance(error, StorageError):
+            raise _storage_error(target, error) from error
+        raise
     finally:
         close()
     return target
+
+
+def _remove_temporaries(target: Path) -> None:
+    """Remove what a killed run left (``.tmp-`` files of its own names); a folder there is refused."""
+    for name in os.listdir(target):
+        if not name.startswith(".tmp-"):
+            continue
+        own = name[len(".tmp-") :]
+        if not (own.endswith(".safetensors") or own == INDEX_NAME):
+            continue
+        path = target / name
+        if path.is_dir() and not path.is_symlink():
+            msg = (
+                f"{path} is a folder, where consolidate writes its temporary file; "
+                "move it away or consolidate into another folder"
+            )
+            raise StorageError(msg)
+        path.unlink()
+
+
+def _storage_error(target: Path, error: OSError) -> StorageError:
+    return StorageError(
+        f"consolidating into {target} failed: {error.strerror or error} ({error.filename or target}); "
+        "free space or correct the path or permissions, then run it again (nothing of this run was kept)"
+    )

@@ -320,7 +320,10 @@ def _check_size(size: int, expected: FileRecord | None, limit: int | None, where
         )
         raise CheckpointError(msg)
     if limit is not None and size > limit:
-        msg = f"{where}: the file has {size} bytes, more than the {limit} such a file may have"
+        msg = (
+            f"{where}: the file has {size} bytes, more than the {limit} such a file may have here: "
+            "a corrupt or forged file, or objects other than those that wrote it"
+        )
         raise CheckpointError(msg)
 
 

@@ -33,9 +33,11 @@ __all__ = [
     "Header",
     "TensorInfo",
     "dtype_of_code",
+    "header_of_open",
     "parse_header",
     "plan",
     "read_header",
+    "read_open",
     "read_tensors",
     "tensor_views",
     "valid_shape",
@@ -278,6 +280,39 @@ def read_header(path: Path, *, where: str, within: Sequence[Path] = ()) -> Heade
         os.close(fd)
 
 
+def header_of_open(fd: int, *, where: str) -> Header:
+    """The checked header of the open safetensors file ``fd`` (at most the header's bytes are read)."""
+    return _header_of(fd, os.fstat(fd).st_size, where)
+
+
+def read_open(
+    fd: int, header: Header, infos: Mapping[str, TensorInfo], *, where: str
+) -> dict[str, torch.Tensor]:
+    """The tensors named in ``infos`` from the open file ``fd`` whose header is ``header``.
+
+    Reading from one open file, never reopening its path, is what keeps a
+    file checked once the file read: a writer that renames another file into
+    its place does not change what ``fd`` holds.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, info in infos.items():
+        buffer = torch.empty(info.end - info.start, dtype=torch.uint8)
+        view = buffer.numpy().data
+        offset, start = 0, header.data_start + info.start
+        while offset < len(view):
+            got = os.preadv(fd, [view[offset : offset + _READ_CHUNK]], start + offset)
+            if not got:
+                msg = f"{where}: the file shrank while it was read"
+                raise CheckpointError(msg)
+            offset += got
+        out[name] = (
+            buffer.view(info.dtype).reshape(info.shape)
+            if len(view)
+            else torch.empty(info.shape, dtype=info.dtype)
+        )
+    return out
+
+
 def read_tensors(
     path: Path, infos: Mapping[str, TensorInfo], *, where: str, within: Sequence[Path] = ()
 ) -> dict[str, torch.Tensor]:
@@ -295,22 +330,6 @@ def read_tensors(
         if any(header.tensors.get(name) != info for name, info in infos.items()):
             msg = f"{where}: the file changed since its header was checked; load again"
             raise CheckpointError(msg)
-        out: dict[str, torch.Tensor] = {}
-        for name, info in infos.items():
-            buffer = torch.empty(info.end - info.start, dtype=torch.uint8)
-            view = buffer.numpy().data
-            offset, start = 0, header.data_start + info.start
-            while offset < len(view):
-                got = os.preadv(fd, [view[offset : offset + _READ_CHUNK]], start + offset)
-                if not got:
-                    msg = f"{where}: the file shrank while it was read"
-                    raise CheckpointError(msg)
-                offset += got
-            out[name] = (
-                buffer.view(info.dtype).reshape(info.shape)
-                if len(view)
-                else torch.empty(info.shape, dtype=info.dtype)
-            )
-        return out
+        return read_open(fd, header, infos, where=where)
     finally:
         os.close(fd)

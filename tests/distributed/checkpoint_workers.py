@@ -489,7 +489,7 @@ def _wait(pid: int) -> int:
 REPLACED_STEP = 5
 
 
-def kill_loop(write: Any, check: Any, *, trials: int, max_delay: float, seed: int) -> list[list[int]]:
+def kill_loop(write: Any, check: Any, *, trials: int, delay_in_writes: float, seed: int) -> list[list[int]]:
     """Fork writers of versions ``latest + 1, latest + 2, ...``; SIGKILL each at a random moment; check.
 
     ``write(version)`` writes one version, whole; ``check()`` reads what is
@@ -498,35 +498,65 @@ def kill_loop(write: Any, check: Any, *, trials: int, max_delay: float, seed: in
     warmed-up code, so a trial costs the kill delay and one check, not a
     process start. Returns ``[committed, checked]`` per trial: the last version
     the killed writer had finished, and what ``check()`` returned after the kill.
+
+    The kill delay is drawn from ``[0, delay_in_writes * w]``, where ``w`` is the
+    duration of one write measured here, never a fixed number of seconds: first
+    one unkilled write in a forked writer, then, after every trial, the killed
+    writer's own pace (its time to its last commit over its commits; when it
+    committed nothing, at least the time it ran). A machine that slows down
+    mid-run slows the kills with it.
     """
     import mmap
     import signal
     import struct
     import time
 
-    shared = mmap.mmap(-1, 8)  # anonymous and shared with forked children: the last committed version
+    # anonymous and shared with forked children: the last committed version and the
+    # monotonic time of that commit
+    shared = mmap.mmap(-1, 16)
     chooser = random.Random(seed)
     latest, outcomes = check(), []
+
+    def body(first: int, count: float) -> None:
+        for version in itertools.count(first):
+            if version - first >= count:
+                return
+            write(version)
+            struct.pack_into("<qd", shared, 0, version, time.monotonic())
+
+    def pace(forked_at: float) -> tuple[int, float]:
+        """The writer's last commit and its duration per write; both from the shared page."""
+        committed, last = struct.unpack_from("<qd", shared, 0)
+        done = committed - latest_at_fork
+        if done > 0:
+            return committed, (last - forked_at) / done
+        return committed, time.monotonic() - forked_at  # a lower bound: it had not finished one
+
+    # one unkilled write, fork included, measures the speed the kills are scaled to
+    latest_at_fork = latest
+    struct.pack_into("<qd", shared, 0, latest, 0.0)
+    forked_at = time.monotonic()
+    pid = _fork(lambda: body(latest + 1, 1))
+    assert _wait(pid) == 0
+    latest, write_time = pace(forked_at)
     for _ in range(trials):
-        struct.pack_into("<q", shared, 0, latest)
-
-        def body(first: int = latest + 1) -> None:
-            for version in itertools.count(first):
-                write(version)
-                struct.pack_into("<q", shared, 0, version)
-
-        pid = _fork(body)
-        time.sleep(chooser.uniform(0, max_delay))
+        latest_at_fork = latest
+        struct.pack_into("<qd", shared, 0, latest, 0.0)
+        forked_at = time.monotonic()
+        pid = _fork(lambda first=latest + 1: body(first, float("inf")))
+        time.sleep(chooser.uniform(0, delay_in_writes * write_time))
         os.kill(pid, signal.SIGKILL)
         assert _wait(pid) == -signal.SIGKILL
-        committed = struct.unpack_from("<q", shared, 0)[0]
+        committed, measured = pace(forked_at)
+        # a writer that finished nothing ran at most this long: the estimate only grows from it
+        write_time = measured if committed > latest_at_fork else max(write_time, measured)
         checked = check()
         outcomes.append([committed, checked])
         latest = max(committed, checked)
     return outcomes
 
 
-def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: bool = False) -> dict:
+def crash_trials(root: str, trials: int, delay_in_writes: float, seed: int, replace: bool = False) -> dict:
     """Fork writers that checkpoint step after step; SIGKILL each at a random moment; restore.
 
     ``replace``: the writers rewrite one step (``REPLACED_STEP``) again and again with
@@ -551,7 +581,7 @@ def crash_trials(root: str, trials: int, max_delay: float, seed: int, replace: b
             faccel.checkpoint(dist, at_step(state, fixed, mark), root, keep=1, replace=True)
 
     outcomes = kill_loop(
-        write, lambda: crash_check(root, fixed), trials=trials, max_delay=max_delay, seed=seed
+        write, lambda: crash_check(root, fixed), trials=trials, delay_in_writes=delay_in_writes, seed=seed
     )
     return {"outcomes": outcomes}
 
@@ -784,3 +814,45 @@ def die_at_operation(
     if kill_at == 0:
         with open(count_file, "w") as handle:
             handle.write(str(count))
+
+
+def seconds_of_one_crash_trial(root: str) -> float:
+    """The duration, measured here, of one unkilled checkpoint of the crash loop's state and its restore.
+
+    The crash tests scale their deadline from it, never from a fixed number of seconds.
+    """
+    import time
+
+    import faccel
+
+    dist = faccel.detect({})
+    state = crash_state(0)
+    faccel.checkpoint(dist, state, os.path.join(root, ".calibrate"))  # one-time costs
+    start = time.monotonic()
+    faccel.checkpoint(dist, at_step(state, 1), os.path.join(root, ".calibrate"))
+    crash_check(os.path.join(root, ".calibrate"))
+    return time.monotonic() - start
+
+
+def unstorable_rank_extras(root: str) -> dict:
+    """Rank 1's ``rank_extras`` holds a value checkpoints cannot store; each rank catches the error,
+    then both train on (one all_reduce) and checkpoint again without it (issue 26, item 7)."""
+    import datetime
+
+    import attrs
+    import torch.distributed as tdist
+
+    import faccel
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=10))
+    state, _ = fresh(dist, example_spec(), seed=0)
+    bad = attrs.evolve(state, rank_extras={"handle": object()} if dist.rank == 1 else {})
+    try:
+        faccel.checkpoint(dist, bad, root)
+        error = ""
+    except Exception as caught:  # what each rank sees is the point
+        error = f"{type(caught).__name__}: {caught}"
+    total = torch.ones(1)
+    tdist.all_reduce(total)  # the user caught it and trains on
+    after = faccel.checkpoint(dist, attrs.evolve(state, step=state.step + 1), root).name
+    return {"error": error, "sum": float(total.item()), "after": after}

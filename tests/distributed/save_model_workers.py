@@ -71,7 +71,7 @@ def untagged(directory: str) -> list[str]:
     return sorted(re.sub(r"^model-[0-9a-f]{8}-", "model-TAG-", name) for name in os.listdir(directory))
 
 
-def save_model_crash_trials(directory: str, trials: int, max_delay: float, seed: int) -> dict:
+def save_model_crash_trials(directory: str, trials: int, delay_in_writes: float, seed: int) -> dict:
     """Save version after version over an earlier complete save; SIGKILL each writer at a random
     moment (:func:`kill_loop`); after each kill, load. Then one more save (a restarted job's)."""
     import faccel
@@ -91,7 +91,7 @@ def save_model_crash_trials(directory: str, trials: int, max_delay: float, seed:
         lambda version: _save(dist, model, directory, version),
         check,
         trials=trials,
-        max_delay=max_delay,
+        delay_in_writes=delay_in_writes,
         seed=seed,
     )
     final = max(max(pair) for pair in outcomes) + 1
@@ -102,6 +102,24 @@ def save_model_crash_trials(directory: str, trials: int, max_delay: float, seed:
         "final": [read_version(directory), final],
         "files": [untagged(directory), expected_files(final)],
     }
+
+
+def seconds_of_one_crash_trial(directory: str) -> float:
+    """The duration, measured here, of one unkilled save of the crash loop's model and its load check.
+
+    The crash test scales its deadline from it, never from a fixed number of seconds.
+    """
+    import time
+
+    import faccel
+
+    dist = faccel.detect({})
+    model = _model()
+    _save(dist, model, directory, 0)  # one-time costs
+    start = time.monotonic()
+    _save(dist, model, directory, 1)
+    read_version(directory)
+    return time.monotonic() - start
 
 
 def save_model_kill_at_every_operation(directory: str, before: int, after: int) -> dict:

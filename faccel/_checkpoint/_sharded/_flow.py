@@ -295,6 +295,10 @@ def read_tensors(
             if is_dtensor(live) and row_split(live, live.device_mesh.size()):
                 start, stop = local_rows(live)
             jobs.append((group, key, placed, live, start, stop))
+    if any(group == "model" and live is None for group, _, _, live, _, _ in jobs):
+        # A model tensor that does not fit: the checks will refuse the checkpoint, so nothing is
+        # read (every tensor stays a meta tensor of its saved shape) (issue 26, item 5).
+        jobs = [(group, key, placed, None, start, stop) for group, key, placed, _, start, stop in jobs]
     needed = sorted(
         {c.rank for _, _, p, live, a, b in jobs if live is not None for c in overlaps(p, world, a, b)}
     )
