@@ -20,3 +20,15 @@ def test_the_module_map_names_every_module_and_nothing_else() -> None:
 def test_the_docs_index_links_the_architecture_page() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "docs/architecture.md" in readme
+
+
+def test_the_top_level_holds_at_most_ten_modules() -> None:
+    """The grouping is in the folders, not only in the docs: the rest lives in packages by layer."""
+    top = sorted(path.name for path in (ROOT / "faccel").glob("*.py"))
+    assert len(top) <= 10, top
+
+
+def test_every_package_has_a_docstring_saying_what_it_holds() -> None:
+    for init in sorted((ROOT / "faccel").rglob("__init__.py")):
+        text = init.read_text().lstrip()
+        assert text.startswith('"""') and len(text.split('"""')[1].strip()) > 10, init
