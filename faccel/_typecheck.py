@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from faccel.errors import ArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
+_MISSING = object()  # an immutable sentinel: no dist given at all
 
 
 def setup_checked(fn: F) -> F:
@@ -30,10 +31,12 @@ def setup_checked(fn: F) -> F:
             wrapper.__dict__["_checked"] = checked
         from typeguard import TypeCheckError
 
-        if takes_dist and (not args or type(args[0]).__name__ != "DistState"):
+        # dist may come by position or by keyword (init_tracker(dist=dist, ...)).
+        first = args[0] if args else kwargs.get("dist", _MISSING)
+        if takes_dist and type(first).__name__ != "DistState":
             # The usual slip of an Accelerate user: the state left out of the call, which
             # would otherwise surface as a missing argument or a type error further on.
-            given = type(args[0]).__name__ if args else "nothing"
+            given = "nothing" if first is _MISSING else type(first).__name__
             msg = (
                 f"{fn.__qualname__}() takes the DistState first, got {given}; "
                 f"call it as faccel.{fn.__name__}(dist, ...) with dist = faccel.detect()"

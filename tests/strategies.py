@@ -367,3 +367,11 @@ def layout_sizes(draw: st.DrawFn, *, max_world: int = 96) -> tuple[int, int, int
 
 # Writes of any sizes, empty ones included: what a writer is handed, one call each.
 byte_chunks = st.lists(st.binary(min_size=0, max_size=300), max_size=12)
+
+
+@st.composite
+def token_groups(draw: st.DrawFn) -> tuple[int, list[list[int]]]:
+    """An accumulation size and an epoch of batches, each a list of sequence lengths (0 allowed)."""
+    k = draw(st.integers(min_value=1, max_value=4))
+    lengths = st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=3)
+    return k, draw(st.lists(lengths, min_size=1, max_size=7))

@@ -172,7 +172,7 @@ def test_trackers_any_rank_and_legacy_weights_on_the_gpu(tmp_path: Path) -> None
     with faccel.init_tracker(dist, tmp_path / "run") as tracker:
         faccel.log(dist, tracker, 1, {"loss": loss}, reduce="mean")
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
-    assert (record["loss"], record["source"]) == (0.25, "mean over 1 rank")
+    assert (record["metrics"]["loss"], record["source"]) == (0.25, "mean over 1 rank")
     assert faccel.any_rank(dist, torch.isnan(loss)) is False
     source = _model()
     torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")

@@ -24,7 +24,7 @@ def test_the_tracking_example_writes_its_run_and_the_plot(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
+    losses = [r["metrics"]["loss"] for r in records if "loss" in r["metrics"]]
     assert len(losses) == 48 and losses[-1] < losses[0] / 4
     assert {r["source"] for r in records} == {"mean over 1 rank", "rank 0"}
     assert json.loads((run / "config.json").read_text())["epochs"] == 3

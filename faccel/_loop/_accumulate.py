@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,7 +23,7 @@ from faccel._data._loader import PreparedLoader
 from faccel._dist._state import DistState
 from faccel._loop._model import is_sharded
 from faccel._typecheck import setup_checked
-from faccel.errors import AccumulationError, ArgumentError
+from faccel.errors import AccumulationError, ArgumentError, ArgumentValueError
 
 __all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step", "steps_per_epoch"]
 
@@ -42,16 +43,21 @@ class MicroStep(NamedTuple):
         sync: Whether this micro-step ends its group: gradients are all-reduced
             and the optimizer steps after it.
         group_size: Micro-steps in this group (its losses are divided by it).
+        items: The items (tokens, samples) of the whole group on every
+            data-parallel rank, counted by ``micro_batches(..., items=count)``
+            before the group starts; None when not counted. ``backward(...,
+            items=n)`` divides the loss sum by it instead of by ``group_size``.
 
     Example:
         >>> micro_step(9, accumulation_steps=4, num_batches=10)
-        MicroStep(index=9, sync=True, group_size=2)
+        MicroStep(index=9, sync=True, group_size=2, items=None)
     """
 
     # Shadows tuple.index (a method nobody calls on a MicroStep): the name reads best.
     index: int  # type: ignore[assignment]
     sync: bool
     group_size: int
+    items: int | None = None
 
 
 def micro_step(index: int, *, accumulation_steps: int, num_batches: int | None) -> MicroStep:
@@ -93,7 +99,9 @@ def _groups(iterable: Iterable[Any], size: int, first: int) -> Iterator[list[Any
         first = size
 
 
-def micro_batches(dist: DistState, loader: Iterable[Any]) -> Iterator[tuple[MicroStep, Any]]:
+def micro_batches(
+    dist: DistState, loader: Iterable[Any], *, items: Callable[[Any], int] | None = None
+) -> Iterator[tuple[MicroStep, Any]]:
     """Pair each batch of ``loader`` with its :class:`MicroStep` under ``dist.accumulation_steps``.
 
     Indices count from ``loader.start`` for a resumed :class:`PreparedLoader`.
@@ -101,14 +109,34 @@ def micro_batches(dist: DistState, loader: Iterable[Any]) -> Iterator[tuple[Micr
     group starts, so the size of the final, partial group is known and its
     losses are scaled right.
 
+    With ``items`` (a function: batch -> its item count, e.g. the tokens whose
+    label is not -100), every group's batches are read before the group starts
+    and counted; one scalar collective per group sums the counts over the
+    data-parallel ranks, and each :class:`MicroStep` carries the total as
+    ``items``, for ``faccel.backward(dist, loss_sum, micro=micro, items=n)``.
+    Every rank must iterate (the collective), as it must to train anyway.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        loader: The prepared loader (any iterable of batches).
+        items: Counts the items of one batch, for loss by item count.
+
+    Raises:
+        ArgumentValueError: ``items`` returned a negative count or a non-integer.
+
     Example:
         >>> import faccel
         >>> dist = faccel.DistState(accumulation_steps=2)
         >>> [(m.index, m.sync, m.group_size) for m, _ in faccel.micro_batches(dist, "abc")]
         [(0, False, 2), (1, True, 2), (2, True, 1)]
+        >>> [m.items for m, _ in faccel.micro_batches(dist, ["ab", "cde", "f"], items=len)]
+        [5, 5, 1]
     """
     k = dist.accumulation_steps
     start = getattr(loader, "start", 0)
+    if items is not None:
+        yield from _counted(dist, loader, items, k, start)
+        return
     try:
         total: int | None = len(loader)  # type: ignore[arg-type]
     except TypeError:
@@ -125,6 +153,41 @@ def micro_batches(dist: DistState, loader: Iterable[Any]) -> Iterator[tuple[Micr
             micro = MicroStep(index=index, sync=position == len(group) - 1, group_size=size)
             yield micro, batch
             index += 1
+
+
+def _counted(
+    dist: DistState, loader: Iterable[Any], count: Callable[[Any], int], k: int, start: int
+) -> Iterator[tuple[MicroStep, Any]]:
+    """Groups read ahead and counted: one scalar collective per group gives its global item count."""
+    index = start
+    for group in _groups(loader, k, k - start % k):
+        local = 0
+        for batch in group:
+            n = count(batch)
+            if isinstance(n, torch.Tensor) and n.numel() == 1:
+                n = int(n.item())
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                msg = f"micro_batches(items=...) must return a count >= 0 for each batch, got {n!r}"
+                raise ArgumentValueError(msg)
+            local += n
+        total = _global_items(dist, local)
+        size = index % k + len(group)
+        for position, batch in enumerate(group):
+            sync = position == len(group) - 1
+            yield MicroStep(index=index, sync=sync, group_size=size, items=total), batch
+            index += 1
+
+
+def _global_items(dist: DistState, local: int) -> int:
+    """The data-parallel sum of ``local``: one all-reduce of one integer (TP peers share a batch)."""
+    if not dist.distributed:
+        return local
+    import torch.distributed as torch_dist
+
+    summed = torch.tensor([local], dtype=torch.int64, device=dist.device)
+    torch_dist.all_reduce(summed)
+    # Every rank of a tensor-parallel group reads the same batch: the world sum counts it that often.
+    return int(summed.item()) // (dist.world_size // dist.data_world_size)
 
 
 @setup_checked

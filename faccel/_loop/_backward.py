@@ -19,6 +19,7 @@ def backward(
     *,
     micro: MicroStep | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    items: int | None = None,
     **kwargs: Any,
 ) -> None:
     """Run the backward pass of ``loss`` as ``dist`` requires.
@@ -26,6 +27,13 @@ def backward(
     * Accumulation: with ``micro``, the loss is divided by the micro-step's
       group size, so the accumulated gradient is the mean over the group
       (the last, partial group of an epoch included).
+    * Loss by item count: with ``items=n``, ``loss`` is the *sum* over this
+      micro-batch's ``n`` items (tokens, samples), and it is divided by the
+      group's global item count that ``micro_batches(dist, loader, items=count)``
+      put in ``micro.items`` (times the data-parallel size, which DDP and FSDP
+      divide by again). After the group's syncing ``backward`` every ``.grad``
+      is the gradient of (every item's loss in the group, on every rank) /
+      (their number): the global mean per token, whatever the lengths.
     * fp16: with an active ``scaler`` the loss is scaled before backward.
     * DDP averages gradients across ranks during this call (its own hooks),
       except inside ``faccel.accumulate`` on a non-syncing micro-step.
@@ -36,13 +44,18 @@ def backward(
         micro: The :class:`MicroStep` of this micro-batch; required when
             ``dist.accumulation_steps > 1``.
         scaler: The gradient scaler from :func:`grad_scaler`; required under fp16.
-        **kwargs: Passed to ``torch.Tensor.backward`` (``retain_graph``...).
+        items: This micro-batch's item count, when ``loss`` is their sum (see above).
+        **kwargs: torch's own keywords of ``Tensor.backward``, passed on:
+            ``retain_graph``, ``create_graph`` and ``inputs``; any other is refused.
 
     Raises:
         ArgumentError: ``loss`` is not a tensor, or ``dist`` is missing
-            (``backward(loss)``).
-        ArgumentValueError: ``loss`` is not a scalar (reduce it, e.g. ``.mean()``).
-        AccumulationError: Accumulation without ``micro``.
+            (``backward(loss)``), or a keyword neither faccel's nor torch's.
+        ArgumentValueError: ``loss`` is not a scalar (reduce it, e.g. ``.mean()``),
+            or ``items`` is negative or above the group's count.
+        AccumulationError: Accumulation without ``micro``; ``items`` with a
+            micro-step that was not counted, or a counted group's micro-step
+            without ``items`` (one group mixes both).
         PrecisionError: fp16 without ``scaler``.
 
     Example:
@@ -51,10 +64,20 @@ def backward(
         >>> faccel.backward(faccel.detect({}), (w * 3).sum())
         >>> w.grad.tolist()
         [3.0, 3.0]
+        >>> w.grad = None  # by token count: two micro-batches of 1 and 3 tokens
+        >>> dist = faccel.DistState(accumulation_steps=2)
+        >>> for micro, tokens in faccel.micro_batches(dist, [[1.0], [2.0, 3.0, 6.0]], items=len):
+        ...     faccel.backward(dist, (w[0] * torch.tensor(tokens)).sum(), micro=micro, items=len(tokens))
+        >>> w.grad.tolist()  # d/dw0 of the mean over the 4 tokens: (1 + 2 + 3 + 6) / 4
+        [3.0, 0.0]
     """
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         _check_loss(dist, loss)
-    if micro is not None:
+    if kwargs and not kwargs.keys() <= _TORCH_KEYWORDS:
+        _check_keywords(kwargs)
+    if items is not None or (micro is not None and micro.items is not None):
+        loss = _by_items(dist, loss, micro, items)
+    elif micro is not None:
         if micro.group_size != 1:
             loss = loss / micro.group_size
     elif dist.accumulation_steps != 1:
@@ -81,6 +104,45 @@ def backward(
     ):
         runtime.warm_up(dist.train_timeout)
     loss.backward(**kwargs)
+
+
+# Tensor.backward's own keywords (``gradient`` has no use for a scalar loss).
+_TORCH_KEYWORDS = frozenset({"retain_graph", "create_graph", "inputs"})
+
+
+def _by_items(
+    dist: DistState, loss: torch.Tensor, micro: MicroStep | None, items: int | None
+) -> torch.Tensor:
+    """``loss`` (a sum over ``items``) over the group's global count, times what DDP/FSDP divide by."""
+    if micro is None or micro.items is None:
+        msg = (
+            "backward(..., items=n) divides the loss sum by the group's item count on every rank, which "
+            "needs the count before the group starts: iterate faccel.micro_batches(dist, loader, "
+            "items=count) (count: batch -> its items) and pass micro="
+        )
+        raise AccumulationError(msg)
+    if items is None:
+        msg = (
+            f"micro-step {micro.index} belongs to a group counted by items ({micro.items} in all), but "
+            "backward() got no items=: a group mixes losses by item count and means. Pass items=n "
+            "(loss the sum over its n items) to every backward of micro_batches(..., items=count)"
+        )
+        raise AccumulationError(msg)
+    if isinstance(items, bool) or not isinstance(items, int) or not 0 <= items <= micro.items:
+        msg = f"items must be an int in [0, {micro.items}] (the group's count), got {items!r}"
+        raise ArgumentValueError(msg)
+    # DDP and FSDP average gradients over the data-parallel ranks: multiply that back.
+    scale = (dist.data_world_size if dist.distributed else 1) / max(micro.items, 1)
+    return loss * scale
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - _TORCH_KEYWORDS)
+    msg = (
+        f"backward() got unknown keyword(s) {unknown}; it takes micro=, scaler=, items= and torch's own "
+        f"Tensor.backward keywords {sorted(_TORCH_KEYWORDS)}"
+    )
+    raise ArgumentError(msg)
 
 
 def _check_loss(dist: Any, loss: Any) -> None:

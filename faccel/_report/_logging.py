@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from faccel._dist._state import DistState
-from faccel._typecheck import setup_checked
+from faccel.errors import ArgumentError
 
 __all__ = ["RankLogger", "get_logger", "print"]
 
@@ -38,23 +39,40 @@ class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         >>> logging.getLogger("demo.rank").removeHandler(handler)
     """
 
-    def __init__(self, logger: logging.Logger, dist: DistState, *, main_process_only: bool = True) -> None:
-        super().__init__(logger, {"rank": dist.rank, "world_size": dist.world_size})
+    def __init__(
+        self, logger: logging.Logger, dist: DistState | None, *, main_process_only: bool = True
+    ) -> None:
+        super().__init__(logger, {})
         self.dist = dist
         self.main_process_only = main_process_only
 
+    def _where(self) -> tuple[int, int]:
+        # Without a DistState (a module-level logger), the process's rank is read at each call:
+        # the running process group's, else the launcher's RANK / WORLD_SIZE, else 0 of 1.
+        if self.dist is not None:
+            return self.dist.rank, self.dist.world_size
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            return torch_dist.get_rank(), torch_dist.get_world_size()
+        try:
+            return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:  # a malformed launcher environment is detect()'s to report, not a log line's
+            return 0, 1
+
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
         """Prefix the rank and add ``rank`` and ``world_size`` to the record."""
+        rank, world_size = self._where()
         extra: Mapping[str, Any] = kwargs.get("extra") or {}
-        kwargs["extra"] = {**(self.extra or {}), **extra}
-        return f"[rank {self.dist.rank}/{self.dist.world_size}] {msg}", kwargs
+        kwargs["extra"] = {"rank": rank, "world_size": world_size, **extra}
+        return f"[rank {rank}/{world_size}] {msg}", kwargs
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
         """Log ``msg`` at ``level`` on the ranks that ``main_process_only`` selects."""
         only_main = kwargs.pop("main_process_only", None)
         if only_main is None:
             only_main = self.main_process_only
-        if only_main and not self.dist.is_main_process:
+        if only_main and self._where()[0] != 0:
             return
         # One more frame (this method) between the caller and the logging module,
         # so %(filename)s and %(lineno)d name the user's line, not this one.
@@ -62,22 +80,32 @@ class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         super().log(level, msg, *args, **kwargs)
 
 
-@setup_checked
-def get_logger(dist: DistState, name: str, *, main_process_only: bool = True) -> RankLogger:
+def get_logger(
+    dist: DistState | str, name: str | None = None, *, main_process_only: bool = True
+) -> RankLogger:
     """Python's logger ``name``, wrapped to prefix the rank and log on the main process.
 
     No handler is added and no level is set: configure logging as usual
     (``logging.basicConfig(level=logging.INFO)``); until then Python shows
     warnings and errors only.
 
+    At module level, before any ``DistState`` exists, write
+    ``logger = faccel.get_logger(__name__)``: that logger reads the process's
+    rank at each call (the running process group's, else the launcher's
+    ``RANK`` and ``WORLD_SIZE``), and keeps nothing but its name.
+
     Args:
-        dist: The run's :class:`DistState` (its rank and world size).
+        dist: The run's :class:`DistState` (its rank and world size), or the
+            logger's name alone (``get_logger(__name__)``).
         name: The logger's name, usually ``__name__``.
         main_process_only: The default of each call's ``main_process_only``:
             log on global rank 0 only (True) or on every rank (False).
 
     Returns:
         A :class:`logging.LoggerAdapter` over ``logging.getLogger(name)``.
+
+    Raises:
+        ArgumentError: ``dist`` is neither a DistState nor a name, or a name is missing.
 
     Example:
         >>> import logging, sys, faccel
@@ -86,8 +114,18 @@ def get_logger(dist: DistState, name: str, *, main_process_only: bool = True) ->
         >>> log = faccel.get_logger(faccel.detect({}), "demo.main")
         >>> log.warning("loss %.2f", 0.5)
         [rank 0/1] loss 0.50
+        >>> faccel.get_logger("demo.main").warning("no DistState needed")
+        [rank 0/1] no DistState needed
         >>> logging.getLogger("demo.main").removeHandler(handler)
     """
+    if isinstance(dist, str) and name is None:
+        return RankLogger(logging.getLogger(dist), None, main_process_only=main_process_only)
+    if not isinstance(dist, DistState) or not isinstance(name, str):
+        msg = (
+            f"get_logger takes (dist, name) or a name alone, got ({type(dist).__name__}, "
+            f"{type(name).__name__}); call faccel.get_logger(dist, __name__) or faccel.get_logger(__name__)"
+        )
+        raise ArgumentError(msg)
     return RankLogger(logging.getLogger(name), dist, main_process_only=main_process_only)
 
 

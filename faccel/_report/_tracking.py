@@ -9,13 +9,18 @@ collective every rank must call). Close it with :func:`end_training` or a
 ``with`` block; nothing is kept in module state.
 
 Back-ends, one small writer each (the table ``_WRITERS``): ``jsonl`` (the default)
-and ``csv`` need nothing; ``tensorboard``, ``wandb`` (offline) and ``mlflow`` (a
-local SQLite store) use their package when it is installed.
+and ``csv`` need nothing (each record appended whole or not at all);
+``tensorboard``, ``wandb`` (offline) and ``mlflow`` (a local SQLite store) use
+their package when it is installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
+import importlib.util
+import io
 import json
 import os
 import time
@@ -28,14 +33,14 @@ import torch
 
 from faccel._dist._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentError, ArgumentValueError
+from faccel.errors import ArgumentError, ArgumentValueError, StorageError
 
 __all__ = ["Tracker", "end_training", "init_tracker", "log"]
 
-# Keys every record has; a metric may not take one of these names.
-_RESERVED = ("step", "time", "source")
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+# The back-ends kind="all" opens when their package is installed (jsonl always: read_metrics, plot).
+_ALL = (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"))
 
 
 class _Writer(Protocol):
@@ -49,51 +54,78 @@ def _write_config(folder: Path, config: Mapping[str, Any]) -> None:
     (folder / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
 
 
-class _JsonLines:
-    """One JSON object a line: ``{"step", "time", "source", <metric>: value ...}``."""
+def _append(fd: int, data: bytes) -> None:
+    """Append ``data`` whole or not at all: a short or failed write is cut back off (a full disk)."""
+    before = os.fstat(fd).st_size
+    try:
+        written = os.write(fd, data)
+        if written != len(data):  # a short write: the disk filled up part-way
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, before)
+        raise
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+
+class _JsonLines:
+    """One JSON object a line: ``{"step", "time", "source", "metrics": {<name>: value ...}}``.
+
+    The metrics sit in their own object, so any name (``step`` too) is a metric's.
+    """
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
         _write_config(folder, config)
-        self._file = (folder / METRICS_FILE).open("a", encoding="utf-8")
+        self._fd = os.open(
+            folder / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+        )
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
-        record = {"step": step, "time": round(elapsed, 6), "source": source, **values}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        record = {"step": step, "time": round(elapsed, 6), "source": source, "metrics": dict(values)}
+        _append(self._fd, (json.dumps(record) + "\n").encode())
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 class _Csv:
     """Long format (``step,time,source,metric,value``), so new metric names need no new header."""
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
         _write_config(folder, config)
         path = folder / "metrics.csv"
         fresh = not path.exists()
-        self._file = path.open("a", encoding="utf-8", newline="")
-        self._rows = csv.writer(self._file)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         if fresh:
-            self._rows.writerow(["step", "time", "source", "metric", "value"])
+            self._rows([["step", "time", "source", "metric", "value"]])
+
+    def _rows(self, rows: list[list[Any]]) -> None:
+        text = io.StringIO()
+        csv.writer(text).writerows(rows)
+        _append(self._fd, text.getvalue().encode())
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
-        for name, value in values.items():
-            self._rows.writerow([step, f"{elapsed:.6f}", source, name, repr(value)])
-        self._file.flush()
+        self._rows([[step, f"{elapsed:.6f}", source, name, repr(value)] for name, value in values.items()])
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+
+def _hparam(value: Any) -> int | float | str | bool:
+    """A hyperparameter as TensorBoard's hparams plugin takes it: numbers, text and booleans as is."""
+    return value if isinstance(value, int | float | str | bool) else json.dumps(value, default=str)
 
 
 class _TensorBoard:
-    """Scalars in TensorBoard event files; the hyperparameters as the ``config`` text."""
+    """Scalars in TensorBoard event files; the hyperparameters in its HPARAMS tab (``add_hparams``)."""
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(folder))
-        self._writer.add_text("config", json.dumps(dict(config), sort_keys=True, default=str), 0)
+        if config:
+            # run_name=".": the hparams go into this run's folder, not a new timestamped one.
+            hparams = {key: _hparam(value) for key, value in config.items()}
+            self._writer.add_hparams(hparams, {}, run_name=".")
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
         for name, value in values.items():
@@ -107,11 +139,11 @@ class _TensorBoard:
 class _Wandb:
     """A Weights & Biases run in offline mode (``wandb sync`` uploads it later)."""
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
         import wandb
 
         self._run = wandb.init(
-            dir=str(folder), mode="offline", config=dict(config), name=name, project="faccel", reinit=True
+            dir=str(folder), mode="offline", config=dict(config), name=name, project=project, reinit=True
         )
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
@@ -124,13 +156,13 @@ class _Wandb:
 class _Mlflow:
     """An MLflow run in a local SQLite store (``folder/mlflow.db``), through the client: no global state."""
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str) -> None:
+    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
         from mlflow.tracking import MlflowClient
 
         # MLflow 3 keeps its plain-file store for old runs only; SQLite is its local store now.
         self._client = MlflowClient(tracking_uri=f"sqlite:///{(folder / 'mlflow.db').resolve()}")
-        found = self._client.get_experiment_by_name("faccel")
-        experiment = found.experiment_id if found else self._client.create_experiment("faccel")
+        found = self._client.get_experiment_by_name(project)
+        experiment = found.experiment_id if found else self._client.create_experiment(project)
         self._run = self._client.create_run(experiment, run_name=name).info.run_id
         for key, value in config.items():
             self._client.log_param(self._run, key, value)
@@ -143,8 +175,23 @@ class _Mlflow:
         self._client.set_terminated(self._run)
 
 
-# kind -> how to open its writer in a folder, with the hyperparameters and a run name.
-_WRITERS: Mapping[str, Callable[[Path, Mapping[str, Any], str], _Writer]] = {
+class _Each:
+    """Several back-ends at once (``kind="all"``): each record goes to every one."""
+
+    def __init__(self, writers: list[_Writer]) -> None:
+        self._writers = writers
+
+    def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
+        for writer in self._writers:
+            writer.write(step, elapsed, source, values)
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+
+
+# kind -> how to open its writer in a folder, with the hyperparameters, a run name and a project.
+_WRITERS: Mapping[str, Callable[[Path, Mapping[str, Any], str, str], _Writer]] = {
     "jsonl": _JsonLines,
     "csv": _Csv,
     "tensorboard": _TensorBoard,
@@ -162,7 +209,7 @@ class Tracker:
     open file, a TensorBoard writer).
 
     Attributes:
-        kind: The back-end (``jsonl``, ``csv``, ``tensorboard``, ``wandb``, ``mlflow``).
+        kind: The back-end (``jsonl``, ``csv``, ``tensorboard``, ``wandb``, ``mlflow``, ``all``).
         folder: Where this rank writes; None on ranks that do not write.
         per_rank: Whether every rank writes (each in a folder of its own).
 
@@ -196,6 +243,7 @@ def init_tracker(
     config: Mapping[str, Any] | None = None,
     per_rank: bool = False,
     run_name: str | None = None,
+    project: str | None = None,
 ) -> Tracker:
     """A tracker writing to ``logdir`` (Accelerate's ``init_trackers``), made on every rank.
 
@@ -203,44 +251,71 @@ def init_tracker(
         dist: The run's :class:`DistState`.
         logdir: The run's folder; created if missing.
         kind: ``"jsonl"`` (default; ``metrics.jsonl`` and ``config.json``), ``"csv"``,
-            ``"tensorboard"``, ``"wandb"`` (offline) or ``"mlflow"`` (``mlflow.db``, SQLite).
-        config: Hyperparameters, recorded once.
+            ``"tensorboard"``, ``"wandb"`` (offline) or ``"mlflow"`` (``mlflow.db``, SQLite);
+            ``"all"``: ``jsonl`` and every one of tensorboard, wandb and mlflow
+            whose package is installed (Accelerate's ``log_with="all"``).
+        config: Hyperparameters, recorded once: ``config.json``, TensorBoard's
+            hparams, the W&B run's config, the MLflow run's params.
         per_rank: Every rank writes its own values to ``logdir/rank-NNNNN``;
             by default only the main process writes.
-        run_name: A name for back-ends that show one (default: the folder's name).
+        run_name: A name for back-ends that show one (default: the folder's name);
+            with ``project``, also the run's folder ``logdir/project/run_name``.
+        project: The project (Accelerate's ``project_name``): the folder
+            ``logdir/project`` (or ``logdir/project/run_name``), W&B's project and
+            MLflow's experiment (default ``"faccel"``).
 
     Returns:
         The :class:`Tracker`; on ranks that do not write, one that writes nothing.
 
     Raises:
-        ArgumentValueError: An unknown ``kind``.
+        ArgumentValueError: An unknown ``kind``, or a ``project`` or ``run_name``
+            that is not one plain folder name.
         ArgumentError: The back-end's package is not installed.
 
     Example:
         >>> import json, pathlib, tempfile, faccel
         >>> run = pathlib.Path(tempfile.mkdtemp())
-        >>> tracker = faccel.init_tracker(faccel.detect({}), run, config={"lr": 0.1})
+        >>> tracker = faccel.init_tracker(dist=faccel.detect({}), logdir=run, config={"lr": 0.1})
         >>> faccel.end_training(faccel.detect({}), tracker)
         >>> json.loads((run / "config.json").read_text())
         {'lr': 0.1}
+        >>> with faccel.init_tracker(faccel.detect({}), run, project="clm", run_name="a") as tracker:
+        ...     tracker.folder.relative_to(run).as_posix()
+        'clm/a'
     """
-    opener = _WRITERS.get(kind)
-    if opener is None:
-        msg = f"kind must be one of {sorted(_WRITERS)}, got {kind!r}"
+    if kind != "all" and kind not in _WRITERS:
+        msg = f"kind must be one of {[*sorted(_WRITERS), 'all']}, got {kind!r}"
         raise ArgumentValueError(msg)
+    base = Path(logdir)
+    if project is not None:
+        for what, part in (("project", project), ("run_name", run_name)):
+            if part is not None and (part in ("", ".", "..") or "/" in part or os.sep in part):
+                msg = f"{what} names a folder under logdir, so it must be one plain name, got {part!r}"
+                raise ArgumentValueError(msg)
+        base = base / project / run_name if run_name is not None else base / project
     if not per_rank and not dist.is_main_process:
         return Tracker(kind=kind, folder=None)
-    folder = Path(logdir) / f"rank-{dist.rank:05d}" if per_rank else Path(logdir)
+    folder = base / f"rank-{dist.rank:05d}" if per_rank else base
     folder.mkdir(parents=True, exist_ok=True)
+    kinds = [kind] if kind != "all" else ["jsonl", *(k for k, package in _ALL if _installed(package))]
+    name, options = run_name or base.name, dict(config or {})
     try:
-        writer = opener(folder, dict(config or {}), run_name or Path(logdir).name)
+        writers = [_WRITERS[k](folder, options, name, project or "faccel") for k in kinds]
     except ImportError as error:
         msg = (
             f"the {kind!r} tracker needs the package {error.name!r}, which is not installed; "
             f"pip install {error.name}, or use kind='jsonl'"
         )
         raise ArgumentError(msg) from error
+    writer = writers[0] if len(writers) == 1 else _Each(writers)
     return Tracker(kind=kind, folder=folder, per_rank=per_rank, writer=writer)
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # a module without a spec (already imported oddly): take it as there
+        return True
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -281,8 +356,10 @@ def log(
 
     Raises:
         ArgumentError: A value that is not a number or tensor.
-        ArgumentValueError: A tensor with more than one element, a negative
-            step, or a metric named ``step``, ``time`` or ``source``.
+        ArgumentValueError: A tensor with more than one element, or a negative step.
+        StorageError: The back-end's file could not be written (a full disk, a
+            file size limit); the record is left out whole, the file holds every
+            earlier one. Free space and log on, or catch it to keep training.
 
     Example:
         >>> import json, pathlib, tempfile, torch, faccel
@@ -290,15 +367,11 @@ def log(
         >>> with faccel.init_tracker(dist, run) as tracker:
         ...     faccel.log(dist, tracker, 1, {"loss": torch.tensor(0.5), "lr": 0.1})
         >>> record = json.loads((run / "metrics.jsonl").read_text())
-        >>> record["source"], record["loss"], record["lr"]
-        ('rank 0', 0.5, 0.1)
+        >>> record["source"], record["metrics"]
+        ('rank 0', {'loss': 0.5, 'lr': 0.1})
     """
     if step < 0:
         msg = f"step must be >= 0, got {step!r}"
-        raise ArgumentValueError(msg)
-    taken = [name for name in metrics if name in _RESERVED]
-    if taken:
-        msg = f"metric names {taken} are taken by every record ({', '.join(_RESERVED)}); rename them"
         raise ArgumentValueError(msg)
     values = {name: _scalar(name, value) for name, value in metrics.items()}
     source = f"rank {dist.rank}"
@@ -311,7 +384,16 @@ def log(
         values = dict(zip(names, combined, strict=True))
         source = f"{reduce} over {dist.world_size} rank{'s' if dist.world_size > 1 else ''}"
     if tracker._writer is not None:
-        tracker._writer.write(step, time.monotonic() - tracker._started, source, values)
+        try:
+            tracker._writer.write(step, time.monotonic() - tracker._started, source, values)
+        except OSError as error:
+            msg = (
+                f"rank {dist.rank} could not record step {step} in {tracker.folder} ({error}); the "
+                "record was left out whole and the file keeps every earlier one. Free space on that "
+                "disk (or raise its size limit) and log on, or catch faccel.errors.StorageError to "
+                "train on without this record"
+            )
+            raise StorageError(msg) from error
 
 
 def end_training(dist: DistState, tracker: Tracker) -> None:
@@ -343,9 +425,8 @@ def read_metrics(run: str | os.PathLike[str]) -> dict[str, list[tuple[int, float
     curves: dict[str, list[tuple[int, float]]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
-        for name, value in record.items():
-            if name not in _RESERVED:
-                curves.setdefault(name, []).append((int(record["step"]), float(value)))
+        for name, value in record["metrics"].items():
+            curves.setdefault(name, []).append((int(record["step"]), float(value)))
     return curves
 
 
