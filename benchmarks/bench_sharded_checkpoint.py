@@ -150,7 +150,7 @@ def _rank(rank: int, port: int, payload: dict[str, Any], out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import faccel
-    import faccel._checkpoint._orchestrate  # imported before timing, as DCP is
+    import faccel._checkpoint._save  # imported before timing, as DCP is
 
     dist = faccel.detect(strategy="fsdp")
     subject, blocks, folder = payload["subject"], payload["blocks"], Path(payload["folder"])

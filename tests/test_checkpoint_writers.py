@@ -298,9 +298,9 @@ def test_a_damaged_latest_manifest_is_passed_over_with_a_warning(
 
 
 def test_a_folder_emptied_before_the_commit_is_not_committed(tmp_path: Path, monkeypatch) -> None:
-    from faccel._checkpoint import _orchestrate
+    from faccel._checkpoint import _save
 
-    real = _orchestrate.check_written
+    real = _save.check_written
     calls = []
 
     def emptied(directory: Path, records: Any, *, what: str) -> None:
@@ -309,7 +309,7 @@ def test_a_folder_emptied_before_the_commit_is_not_committed(tmp_path: Path, mon
         calls.append(directory.name)
         real(directory, records, what=what)
 
-    monkeypatch.setattr(_orchestrate, "check_written", emptied)
+    monkeypatch.setattr(_save, "check_written", emptied)
     with pytest.raises(CheckpointError, match=r"model\.safetensors is gone"):
         faccel.checkpoint(faccel.detect({}), _state(5), tmp_path)
     assert calls == [".tmp-step-000000000005"] and not (tmp_path / "step-000000000005").exists()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from faccel._checkpoint._folders import latest_checkpoint
 from faccel._checkpoint._format import MAX_SHARDED_WORLD, PAGE_RANKS, checkpoint_name, expected_files
-from faccel._checkpoint._orchestrate import manifest_content, write_pages
+from faccel._checkpoint._save import manifest_content, write_pages
 from faccel._checkpoint._sharded._chunks import Placed, assign, chunks, hash_rows, overlaps, rows_of
 from faccel._checkpoint._sharded._flow import Pages
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows, write_shard
@@ -191,7 +191,7 @@ def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tm
     """At the format's largest world (1,024 pages of 1,024 ranks) the manifest is still small; one
     rank more is refused when writing and when reading, so what a rank reads at start stays bounded."""
     import faccel
-    from faccel._checkpoint._orchestrate import _use_shards
+    from faccel._checkpoint._save import _use_shards
     from faccel._checkpoint._verify import check_manifest
     from faccel.errors import ArgumentValueError
 

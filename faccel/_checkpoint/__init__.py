@@ -3,7 +3,8 @@
 The modules, from the flow down (README.md beside this file reads them in the
 order a checkpoint flows through them):
 
-- ``_orchestrate``: :func:`checkpoint` and :func:`restore` across ranks.
+- ``_save``: :func:`checkpoint` across ranks: prepare, write, commit.
+- ``_restore``: :func:`restore`: find, read, verify, load.
 - ``_folders``: the root folder: the latest complete checkpoint, rotation, leftovers.
 - ``_format``: every file name, folder pattern and format version.
 - ``_capture``: live objects to what is written (``state.json`` content, tensors, generators).
@@ -19,6 +20,7 @@ layout (``faccel/_hf/``) builds on this package, never the reverse.
 """
 
 from faccel._checkpoint._background import free_memory
-from faccel._checkpoint._orchestrate import checkpoint, latest_checkpoint, restore
+from faccel._checkpoint._restore import latest_checkpoint, restore
+from faccel._checkpoint._save import checkpoint
 
 __all__ = ["checkpoint", "free_memory", "latest_checkpoint", "restore"]

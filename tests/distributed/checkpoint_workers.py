@@ -767,17 +767,17 @@ def slow_checkpoint(root: str, group_timeout: float, delay: float) -> dict:
     import attrs
 
     import faccel
-    from faccel._checkpoint import _orchestrate
+    from faccel._checkpoint import _save
 
     dist = faccel.detect(timeout=datetime.timedelta(seconds=group_timeout))
     state, _ = fresh(dist, example_spec(), seed=0)
-    write = _orchestrate._write_rank0
+    write = _save._write_rank0
 
     def slow(*args: Any) -> Any:
         time.sleep(delay)  # a slow network file system
         return write(*args)
 
-    _orchestrate._write_rank0 = slow
+    _save._write_rank0 = slow
     try:
         faccel.checkpoint(dist, attrs.evolve(state, step=3), root)
         error = ""

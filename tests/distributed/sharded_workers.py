@@ -102,7 +102,7 @@ def read_whole(root: str) -> dict[str, Any]:
     """Read a sharded checkpoint's tensors whole at this world size, as any replicated target does
     (what a DDP rank reads), without loading: their digests."""
     import faccel
-    from faccel._checkpoint._orchestrate import _read_manifest
+    from faccel._checkpoint._restore import _read_manifest
     from faccel._checkpoint._sharded._flow import read_tensors
     from faccel._storage._durable import read_json
 
@@ -147,7 +147,7 @@ def background_save(root: str, fail_on: int | None = None) -> dict[str, Any]:
     import attrs
 
     import faccel
-    from faccel._checkpoint import _orchestrate
+    from faccel._checkpoint import _save
 
     dist = faccel.detect(strategy="fsdp")
     model, optimizer = _trained(dist, 3)
@@ -158,7 +158,7 @@ def background_save(root: str, fail_on: int | None = None) -> dict[str, Any]:
         def full_disk(*args: object, **kwargs: object) -> Any:
             raise OSError(28, "No space left on device")
 
-        _orchestrate.write_shard = full_disk  # type: ignore[assignment]  # this child process only
+        _save.write_shard = full_disk  # type: ignore[assignment]  # this child process only
     faccel.checkpoint(dist, attrs.evolve(state, step=3, epoch=1), root, blocking=False)
     x, y = seed_task(n=48)
     for _ in range(3):  # training goes on, with FSDP2's collectives, while the checkpoint is written

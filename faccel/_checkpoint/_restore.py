@@ -1,0 +1,349 @@
+"""``restore``: a checkpoint folder back into live objects, everything checked before anything is loaded.
+
+``restore`` finds the latest whole checkpoint (``_folders``; a damaged one is
+passed over with a warning), checks everything (``_verify``) before anything is
+loaded (``_load``). At another world size a position inside an epoch becomes a
+global one (``_check_world_change``), and what cannot be carried over exactly
+is refused (a position saved without its loader, rank extras). The forward
+flow is ``_save``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from faccel._checkpoint._background import wait as wait_for_background
+from faccel._checkpoint._folders import (
+    complete_checkpoints,
+    damaged_checkpoints,
+    latest_checkpoint,
+    manifest_step,
+)
+from faccel._checkpoint._format import (
+    EXTRAS,
+    MANIFEST,
+    MODEL,
+    OPTIMIZER,
+    STATE,
+    VERSION,
+    VERSION_SHARDED,
+    rng_name,
+)
+from faccel._checkpoint._load import load
+from faccel._checkpoint._save import _resolve
+from faccel._checkpoint._sharded._flow import (
+    read_tensors,
+)
+from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
+from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
+from faccel._dist._process_group import breadcrumb
+from faccel._dist._state import DistState
+from faccel._storage._durable import (
+    MAX_JSON,
+    MAX_MANIFEST,
+    FileRecord,
+    in_parallel,
+    parse_json,
+    read_verified,
+)
+from faccel._storage._safetensors import parse_header, tensor_views
+from faccel._train_state import TrainState
+from faccel._typecheck import setup_checked
+from faccel.errors import CheckpointError, CheckpointWarning
+
+__all__ = ["latest_checkpoint", "restore"]
+
+
+class _BrokenError(CheckpointError):
+    """A checkpoint's files fail their check (missing, truncated, altered): ``restore(root)`` passes it over.
+
+    Not a mismatch with the objects given, which no older checkpoint would cure.
+    """
+
+
+def _read_manifest(
+    directory: Path, dist: DistState, model: nn.Module
+) -> tuple[dict[str, FileRecord], int, int]:
+    where = f"{directory}/{MANIFEST}"
+    try:
+        buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
+        manifest = parse_json(buffer.numpy().tobytes(), where)
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
+    return check_manifest(manifest, dist, model, where=where)
+
+
+def _read_checkpoint(
+    dist: DistState, state: TrainState, directory: Path
+) -> tuple[Loadable, dict[str, Any] | None]:
+    records, world, version = _read_manifest(directory, dist, state.model)
+    # A rank beyond the writers' (resharding to more ranks) has no generators saved.
+    rng_file = rng_name(dist.rank) if dist.rank < world else None
+
+    caps = _whole_file_caps(state) if version == VERSION else {}
+
+    def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
+        limit = MAX_JSON if name.endswith(".json") else caps.get(name)
+        where = f"{directory}/{name}"
+        return lambda: read_verified(directory / name, record or records[name], where=where, limit=limit)[0]
+
+    # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
+    whole = [MODEL, OPTIMIZER] if version == VERSION else []
+    names = [*whole, EXTRAS, STATE]
+    try:
+        buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name in (*whole, EXTRAS):
+        header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
+        tensors[name] = tensor_views(buffers[name], header)
+    state_where = f"{directory}/{STATE}"
+    content = parse_json(buffers[STATE].numpy().tobytes(), state_where)
+    try:
+        if version == VERSION_SHARDED:
+            # Only the rows this rank's target holds, from the shard files that hold them.
+            shards, pages = read_tensors(directory, records, world, state, content, where=str(directory))
+            tensors |= shards
+            rng_record = pages.of(dist.rank)[1] if rng_file else None
+        else:
+            rng_record = records[rng_file] if rng_file else None
+        rng_buffer = read(rng_file, rng_record)() if rng_file else None
+    except CheckpointError as error:
+        raise _BrokenError(str(error)) from None
+    rng_where = f"{directory}/{rng_file}"
+    rng_content = parse_json(rng_buffer.numpy().tobytes(), rng_where) if rng_buffer is not None else None
+    try:
+        loadable = check(dist, state, content, tensors, where=str(directory))
+        # A rank beyond the writers' gets generators seeded from (seed, step, rank): see _load.
+        rng: dict[str, Any] | None = (
+            check_rng(dist, state, rng_content, where=rng_where)
+            if rng_file
+            else {"seed": dist.seed, "rank": dist.rank}
+        )
+    except RecursionError:
+        msg = f"{directory}: a JSON file nests too deeply to be a faccel checkpoint"
+        raise CheckpointError(msg) from None
+    if world != dist.world_size:
+        loadable = _check_world_change(directory, world, dist.world_size, loadable, state)
+    return loadable, rng
+
+
+# A safetensors header may hold up to 100 MB; a file is that, its tensors, and alignment padding.
+_HEADER_ROOM = 100_000_000 + (1 << 20)
+# Optimizer state per parameter byte: Adam's two moments (three with amsgrad) in up to twice the width.
+_OPTIMIZER_PER_PARAMETER_BYTE = 8
+
+
+def _whole_file_caps(state: TrainState) -> dict[str, int]:
+    """The most bytes a version 1 ``model.safetensors`` and ``optimizer.safetensors`` may have to fit
+    ``state``'s objects: a larger file is refused by name before a buffer for it is allocated, whatever
+    size the manifest claims (issue 26, item 3)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in state.model.state_dict().values())
+    return {
+        # twice the model: a checkpoint written in wider dtypes than the objects now hold still counts
+        MODEL: 2 * model_bytes + _HEADER_ROOM,
+        OPTIMIZER: _OPTIMIZER_PER_PARAMETER_BYTE * model_bytes + _HEADER_ROOM,
+    }
+
+
+def _check_world_change(
+    directory: Path, world: int, now: int, loadable: Loadable, state: TrainState
+) -> Loadable:
+    """A position inside an epoch becomes global; what cannot be carried over exactly is refused.
+
+    The epoch then continues from ``resumed_at = (epoch, consumed)`` at batch 0:
+    the rest of its order, dealt afresh to ``now`` ranks (``Sharding.consumed``).
+    """
+    if state.rank_extras:
+        msg = (
+            f"{directory}: written by {world} processes, restored by {now}: rank_extras "
+            f"{sorted(state.rank_extras)} belong to the ranks that wrote them; resume with {world} "
+            "processes, or restore without rank_extras"
+        )
+        raise CheckpointError(msg)
+    at = loadable.resumed_at
+    before = at[1] if at is not None and at[0] == loadable.epoch else 0
+    if loadable.position == 0 and before == 0:
+        return attrs.evolve(loadable, resumed_at=None)  # an epoch boundary: nothing to carry over
+    where = (
+        f"{directory}: written by {world} processes at batch {loadable.position} of epoch "
+        f"{loadable.epoch}, restored by {now}"
+    )
+    if loadable.consumed is None:
+        msg = (
+            f"{where}: a position inside an epoch counts batches of {world} ranks, and {now} rank(s) "
+            "read the epoch in other batches, and this checkpoint does not record the global position "
+            "(it was saved without TrainState.loader). Resume with "
+            f"{world} processes, or from a checkpoint written at an epoch boundary (state.position "
+            "== 0), or save with TrainState.create(..., loader=loader) so that the next checkpoints "
+            "restore at any world size; faccel.load_model reads the weights alone"
+        )
+        raise CheckpointError(msg)
+    loader = state.loader
+    if loader is None:
+        msg = (
+            f"{where}: the epoch continues from position {loadable.consumed} of its global order, "
+            f"which {now} rank(s) deal afresh; pass the training loader to the TrainState you restore "
+            "into (TrainState.create(..., loader=loader)) and iterate loader.resume(state), so that "
+            "the epoch is not read again from its start"
+        )
+        raise CheckpointError(msg)
+    if loadable.consumed > loader.sharding.num_samples:
+        msg = (
+            f"{where}: {loadable.consumed} samples of the epoch were read, but the loader given has "
+            f"{loader.sharding.num_samples}; restore with the dataset that was saved"
+        )
+        raise CheckpointError(msg)
+    return attrs.evolve(loadable, position=0, resumed_at=(loadable.epoch, loadable.consumed))
+
+
+@setup_checked
+def restore(
+    dist: DistState,
+    train_state: TrainState,
+    path: str | os.PathLike[str],
+    *,
+    arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
+) -> TrainState:
+    """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
+
+    ``path`` is one checkpoint folder, or a root folder of them (then the
+    latest complete one, see :func:`latest_checkpoint`; when its files fail
+    their check, the newest one before it that passes, with a
+    :class:`~faccel.errors.CheckpointWarning` naming both). Everything is checked
+    before any object is touched: the manifest's format and version, every
+    file's presence, size and SHA-256, and the saved keys, shapes, dtypes and
+    classes against the model, optimizer, scheduler, scaler and extras given.
+    Then the model, optimizer, scheduler and scaler are loaded in place,
+    objects among the extras through ``load_state_dict``, and this rank's
+    Python, NumPy, torch (and CUDA) random generators are set as they were.
+    From a sharded checkpoint each rank reads only the rows its target holds
+    (its own shard of an FSDP2 model, at any world size), each hash block it
+    reads checked against its SHA-256.
+
+    Resume the data where it stopped with ``loader.resume(state)``: the
+    batches an uninterrupted run would have read next, without reading the
+    skipped ones. At another world size, a position inside an epoch comes
+    back as ``position=0, resumed_at=(epoch, consumed)`` (the positions of the
+    epoch's order all ranks had read, recorded when the saved TrainState had
+    its ``loader``), and ``loader.resume(state)`` deals the rest of the epoch
+    to the new ranks; a rank the checkpoint has no generators of seeds them
+    from ``(dist.seed, step, rank)``. Under DDP call it on every rank; each
+    rank gets its own ``rank_extras``.
+
+    Args:
+        dist: The run's :class:`DistState`, of any world size (an FSDP2 model
+            is resharded).
+        train_state: The objects to load into, built as when saving; its
+            extras name the entries to restore (any placeholder value; where
+            it holds a tensor, the saved one must match its shape and dtype);
+            the same for ``rank_extras``.
+        path: A checkpoint folder, or a root folder of checkpoints.
+        arrival_timeout: How long the ranks that called ``restore`` wait for
+            the others to call it too, before raising.
+
+    Returns:
+        A new TrainState: the same objects, with the saved step, epoch,
+        position, extras and this rank's rank extras.
+
+    Raises:
+        CheckpointError: No checkpoint at ``path``, or one that is corrupted,
+            truncated, foreign, of another version, or does not fit the
+            objects; at another world size: a position inside an epoch that
+            the checkpoint does not record globally (saved without
+            ``TrainState.loader``), a target without ``loader``, or
+            ``rank_extras``; every checkpoint of a root is broken; a rank did not
+            call ``restore`` within ``arrival_timeout``. The message names the file and the problem,
+            and nothing has been modified.
+
+    Example:
+        >>> import tempfile, attrs, torch, faccel
+        >>> dist, root = faccel.detect({}), tempfile.mkdtemp()
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = faccel.TrainState.create(model=model, optimizer=optimizer)
+        >>> _ = faccel.checkpoint(dist, attrs.evolve(state, step=7, position=3), root)
+        >>> fresh = torch.nn.Linear(2, 1)
+        >>> restored = faccel.restore(dist, faccel.TrainState.create(
+        ...     model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1)), root)
+        >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
+        (7, 3, True)
+    """
+    breadcrumb(dist, "restore", step=train_state.step)
+    wait_for_background(
+        dist.runtime, dist
+    )  # a non-blocking checkpoint still being written is committed first
+    arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
+    directory = together(
+        dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
+    )
+    step = manifest_step(directory) or 0
+    low, high = agree_max(dist, [-step, step])
+    if -low != high:
+        msg = (
+            f"{path}: the ranks found different latest checkpoints (steps {-low} to {high}); "
+            "all ranks must see one shared file system"
+        )
+        raise CheckpointError(msg)
+    # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
+    single = manifest_step(Path(path)) is not None
+    older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
+    # Later step folders whose manifest is missing or damaged are passed over, with a warning too.
+    passed: list[tuple[Path, str]] = [] if single else damaged_checkpoints(Path(path), after=step)
+    for candidate in [directory, *older]:
+        if candidate is not directory:
+            step = manifest_step(candidate) or 0
+            low, high = agree_max(dist, [-step, step])
+            if -low != high:
+                msg = (
+                    f"{path}: the ranks found different checkpoints to fall back to (steps {-low} to "
+                    f"{high}); all ranks must see one shared file system"
+                )
+                raise CheckpointError(msg)
+        found = together(
+            dist,
+            functools.partial(_read_unless_broken, dist, train_state, candidate, single=single),
+            what="checking the checkpoint",
+            raises=CheckpointError,
+        )
+        (broken_anywhere,) = agree_max(dist, [int(isinstance(found, str))])
+        if not broken_anywhere and not isinstance(found, str):
+            if passed:
+                skipped = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
+                warnings.warn(
+                    f"{path}: restored {candidate.name}, the newest complete checkpoint, and passed over "
+                    f"the later broken one(s): {skipped}",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+            return load(train_state, *found)
+        passed.append((candidate, found if isinstance(found, str) else "broken on another rank"))
+    # The latest one's own error first (alone when it is the only one), then the older ones'.
+    msg = passed[0][1]
+    if len(passed) > 1:
+        older_ones = "; ".join(f"{folder.name} ({why})" for folder, why in passed[1:])
+        msg += f". And every checkpoint before it in {path} is broken too: {older_ones}"
+    raise CheckpointError(msg)
+
+
+def _read_unless_broken(
+    dist: DistState, state: TrainState, directory: Path, *, single: bool
+) -> tuple[Loadable, dict[str, Any] | None] | str:
+    """The checkpoint read and checked, or (from a root) why its files are broken."""
+    try:
+        return _read_checkpoint(dist, state, directory)
+    except _BrokenError as error:
+        if single:
+            raise CheckpointError(str(error)) from None
+        return str(error)
