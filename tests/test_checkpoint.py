@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -410,3 +411,28 @@ def test_the_readme_loop_counts_steps_and_resumes_after_the_last_epoch(
     again = run(epochs=3)  # a new process: resumes after epoch 1, trains epoch 2 only
     assert (again["state"].step, again["state"].epoch, again["state"].position) == (9, 3, 0)
     assert sorted(os.listdir("ckpt")) == ["step-000000000006", "step-000000000009"]
+
+
+def test_a_resume_from_an_older_checkpoint_into_a_root_with_later_ones_is_stopped_at_restore(
+    tmp_path: Path,
+) -> None:
+    """Before: the run trained on and failed at its first checkpoint that collided (step 10, hours in)."""
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in (10, 20):
+        faccel.checkpoint(dist, attrs.evolve(state, step=step), tmp_path)
+    older = tmp_path / "step-000000000010"
+    with pytest.raises(
+        faccel.errors.CheckpointError, match=r"also holds later checkpoints \(step-000000000020\)"
+    ):
+        faccel.restore(dist, state, older)
+    assert torch.equal(model.weight, state.model.weight)  # nothing loaded
+    # The choices work: a new root holding only that folder restores and checkpoints on.
+    fresh_root = tmp_path.parent / f"{tmp_path.name}-fresh"
+    shutil.copytree(older, fresh_root / older.name)
+    restored = faccel.restore(dist, state, fresh_root / older.name)
+    assert restored.step == 10
+    faccel.checkpoint(dist, attrs.evolve(restored, step=11), fresh_root)

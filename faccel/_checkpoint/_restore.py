@@ -289,6 +289,11 @@ def restore(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
     )
     step = manifest_step(directory) or 0
+    # Restoring one folder of a root that holds later checkpoints: the run would collide with them
+    # at its first later checkpoint, hours in, or leave them as a "latest" that is not this run's.
+    together(
+        dist, lambda: _refuse_an_abandoned_future(Path(path), step), what="restore", raises=CheckpointError
+    )
     low, high = agree_max(dist, [-step, step])
     if -low != high:
         msg = (
@@ -335,6 +340,31 @@ def restore(
         older_ones = "; ".join(f"{folder.name} ({why})" for folder, why in passed[1:])
         msg += f". And every checkpoint before it in {path} is broken too: {older_ones}"
     raise CheckpointError(msg)
+
+
+def _refuse_an_abandoned_future(path: Path, step: int) -> None:
+    """Raise when ``path`` is one checkpoint folder of a root that also holds later step folders.
+
+    A run resumed from step ``step`` would reach those steps and find them taken
+    (checkpoints never overwrite unasked), or, with ``replace=True``, leave the
+    later ones as the root's "latest" for the next restore. Refused here, at the
+    start, with the choices, not at the first colliding checkpoint.
+    """
+    if manifest_step(path) is None:
+        return  # a root: restore takes its latest, so nothing later is there
+    root = path.parent
+    later = [folder.name for s, folder in complete_checkpoints(root) if s > step]
+    later += [folder.name for folder, _ in damaged_checkpoints(root, after=step)]
+    if later:
+        msg = (
+            f"{path}: restoring step {step}, but its root {root} also holds later checkpoints "
+            f"({', '.join(sorted(later)[:5])}{' ...' if len(later) > 5 else ''}). The resumed run "
+            "would meet them at its first later checkpoint and stop there (checkpoints never "
+            "overwrite unasked), or leave them as the root's latest for the next restore. Choose "
+            "before training: checkpoint this run into a new root (copy this folder there and "
+            "restore from it), or delete or move the later folders if that future is abandoned"
+        )
+        raise CheckpointError(msg)
 
 
 def _read_unless_broken(
