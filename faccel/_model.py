@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._deepspeed import is_deepspeed_engine
 from faccel._mesh import data_mesh
 from faccel._parallel import apply_plan
 from faccel._state import DistState
@@ -62,6 +63,9 @@ _WRAPPERS: tuple[tuple[type, str], ...] = (
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside every wrapper that ``prepare`` (or ``torch.compile``) added.
 
+    A DeepSpeed engine gives its module (under ZeRO-3 its parameters are
+    partitioned: save it with :func:`faccel.save_model`, which gathers them).
+
     Example:
         >>> import torch, faccel
         >>> net = torch.nn.Linear(2, 1)
@@ -76,6 +80,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
                 break
         else:
             original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+            if is_deepspeed_engine(model):
+                original = model.module
             if isinstance(original, nn.Module):
                 model = original
                 continue

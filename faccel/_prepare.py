@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from faccel._data import PreparedLoader, prepare_loader
+from faccel._deepspeed import prepare_deepspeed
 from faccel._model import prepare_module
 from faccel._state import DistState
 from faccel._typecheck import setup_checked
@@ -264,6 +265,9 @@ def prepare(
         "worker_seeds": worker_seeds,
         "tp_plan": tp_plan,
     }
+    if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._deepspeed)
+        prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
+        return prepared[0] if len(prepared) == 1 else prepared
     # Modules first, whatever the order given: preparing one may replace its parameters,
     # and optimizers in the same call must see the replacements.
     ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}

@@ -40,8 +40,9 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
 # ordinary skew between ranks, short enough that a hung rank ends the job within
 # minutes, not torch's 30 (docs/distributed.md, "When a rank hangs").
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-# How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
-STRATEGIES = frozenset({"ddp", "fsdp"})
+# How a model is spread over the processes: DDP replicates it, FSDP2 shards it, DeepSpeed's
+# ZeRO partitions it (faccel._deepspeed).
+STRATEGIES = frozenset({"ddp", "fsdp", "deepspeed"})
 
 
 def _check_precision(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
@@ -93,6 +94,9 @@ class DistState:
             groups (:class:`Layout`); None: as ``strategy`` says (DDP
             replicates over every rank, FSDP shards over them). The one in
             effect is :attr:`parallel`.
+        deepspeed: Under ``strategy='deepspeed'``: the DeepSpeed config as
+            canonical JSON text (``faccel._deepspeed.read_config``), which
+            ``prepare`` completes (docs/deepspeed.md); None otherwise.
 
     Example:
         >>> import attrs
@@ -118,8 +122,16 @@ class DistState:
     master_port: int | None = None
     external_store: bool = False
     layout: Layout | None = None
+    deepspeed: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if (self.deepspeed is not None) != (self.strategy == "deepspeed"):
+            msg = (
+                f"strategy={self.strategy!r} with deepspeed config "
+                f"{'given' if self.deepspeed is not None else 'None'}: a DeepSpeed config goes with "
+                "strategy='deepspeed' and only with it; pass both (or neither)"
+            )
+            raise LaunchError(msg)
         if self.layout is not None:
             problem = layout_problem(self.layout, self.world_size, self.strategy)
             if problem:
@@ -303,6 +315,7 @@ def state_from_env(
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
+    deepspeed: str | None = None,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
@@ -328,12 +341,14 @@ def state_from_env(
         layout: A :class:`Layout` or its text (``'shard=2,tensor=2'``); default
             ``$FACCEL_LAYOUT``, else None (the strategy's). Without a strategy
             given, a layout with shards or tensor parallelism selects ``'fsdp'``.
+        deepspeed: The DeepSpeed config as JSON text, for ``strategy='deepspeed'``.
 
     Raises:
         LaunchError: The environment is malformed (``FACCEL_TIMEOUT`` not a
             positive number of seconds, say), the strategy is unknown, the
             layout is malformed, does not span the world size or contradicts the
             strategy, or the device or backend cannot serve this process.
+            Also a ``deepspeed`` config without ``strategy='deepspeed'``, or the reverse.
         PrecisionError: Unknown precision.
         ArgumentError: An argument of the wrong type.
 
@@ -385,4 +400,5 @@ def state_from_env(
         master_port=info.master_port,
         external_store=info.external_store,
         layout=chosen_layout,
+        deepspeed=deepspeed if deepspeed is not None or chosen_strategy != "deepspeed" else "{}",
     )
