@@ -19,6 +19,9 @@ itself, under these names, and nowhere else:
   ``Module.to()`` for some devices): the parameter that replaced it, so an
   optimizer holding the old one, prepared in the same or a later call, is
   pointed at the new one.
+- ``_faccel_deepspeed_engine`` (:data:`DEEPSPEED_ENGINE`), on each parameter of
+  a DeepSpeed engine's module (``strategy='deepspeed'``): a weak reference to the
+  engine, so ``backward`` finds the engine from the loss's graph.
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
@@ -29,8 +32,9 @@ outer module.
 
 from __future__ import annotations
 
-__all__ = ["REPLACED_BY", "TENSOR_PARALLEL", "WRAPPED_AS"]
+__all__ = ["DEEPSPEED_ENGINE", "REPLACED_BY", "TENSOR_PARALLEL", "WRAPPED_AS"]
 
 WRAPPED_AS = "_faccel_wrapped_as"
 TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
+DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"

@@ -139,6 +139,19 @@ class FunctionalError(FaccelError, ValueError):
     """
 
 
+class DeepSpeedConfigError(FaccelError, ValueError):
+    """A DeepSpeed config that contradicts faccel, or one faccel cannot complete.
+
+    Cause: a value the config states (``gradient_accumulation_steps``,
+    ``train_micro_batch_size_per_gpu``, ``train_batch_size``, ``fp16`` /
+    ``bf16``) differs from the one faccel knows (``dist.accumulation_steps``,
+    the prepared loader's batch size, ``dist.precision``), or the config has an
+    ``optimizer`` or ``scheduler`` section, or it is not a JSON object. Fix:
+    remove the key (or set it to ``"auto"``) and faccel fills it; build the
+    optimizer and scheduler in torch (docs/deepspeed.md).
+    """
+
+
 class StorageError(FaccelError, OSError):
     """Files could not be written: the operating system refused.
 

@@ -211,6 +211,11 @@ def layout_problem(layout: Layout, world_size: int, strategy: str) -> str:
             f"layout {layout} spans {layout.world_size} ranks (replicate x shard x tensor), but the "
             f"job has {world_size}; choose sizes whose product is the world size"
         )
+    if strategy == "deepspeed" and layout.replicate != world_size:
+        return (
+            f"layout {layout} asks for shards or tensor parallelism, but strategy 'deepspeed' "
+            "partitions over every rank itself (ZeRO); drop the layout, or use strategy='fsdp'"
+        )
     if strategy == "ddp" and layout.shard > 1:
         return (
             f"layout {layout} shards parameters over {layout.shard} ranks, which strategy 'ddp' "

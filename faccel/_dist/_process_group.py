@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from faccel._dist._deepspeed_config import read_config
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
 from faccel._dist._state import DistState, state_from_env
@@ -58,6 +59,7 @@ def detect(
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
+    deepspeed: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     start: bool = True,
     train_timeout: datetime.timedelta | None = None,
 ) -> DistState:
@@ -77,8 +79,9 @@ def detect(
         backend: Force a backend; default ``nccl`` on CUDA, ``gloo`` elsewhere.
         accumulation_steps: Micro-batches per optimizer step; default
             ``$FACCEL_ACCUMULATION_STEPS`` or 1.
-        strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``) or ``'fsdp'`` to
-            shard models with FSDP2 across the processes.
+        strategy: ``'ddp'`` (default, or ``$FACCEL_STRATEGY``), ``'fsdp'`` to
+            shard models with FSDP2 across the processes, or ``'deepspeed'``
+            (DeepSpeed's ZeRO, with the ``deepspeed`` config).
         seed: Seed of the data order, the same on every rank.
         timeout: How long a collective waits for the other ranks before failing
             with a :class:`~faccel.errors.DistributedError` naming it; default
@@ -87,6 +90,10 @@ def detect(
         layout: How the ranks split into replicas, shards and tensor-parallel
             groups: a :class:`Layout` or its text (``'shard=2,tensor=2'``);
             default ``$FACCEL_LAYOUT``, else the strategy's (docs/parallelism.md).
+        deepspeed: Under ``strategy='deepspeed'``: the DeepSpeed config, a dict
+            or the path of its JSON file (``"auto"`` values and missing ones are
+            filled by ``prepare``; docs/deepspeed.md). Given without a strategy,
+            it selects ``'deepspeed'``.
         start: Start the process group when the world has more than one process.
         train_timeout: A shorter ``timeout`` for every collective once training
             has warmed up (from the second optimizer step's first ``backward``
@@ -121,11 +128,12 @@ def detect(
         precision=precision,
         backend=backend,
         accumulation_steps=accumulation_steps,
-        strategy=strategy,
+        strategy="deepspeed" if strategy is None and deepspeed is not None else strategy,
         seed=seed,
         timeout=timeout,
         layout=layout,
         train_timeout=train_timeout,
+        deepspeed=None if deepspeed is None else read_config(deepspeed),
     )
     if start and state.distributed:
         start_process_group(state)

@@ -44,8 +44,9 @@ _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 # FACCEL_TIMEOUT's grammar: ASCII digits, an optional decimal part; at most ~115 days.
 _SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
-# How a model is spread over the processes: DDP replicates it, FSDP2 shards it.
-STRATEGIES = frozenset({"ddp", "fsdp"})
+# How a model is spread over the processes: DDP replicates it, FSDP2 shards it, DeepSpeed's
+# ZeRO partitions it (faccel._loop._deepspeed).
+STRATEGIES = frozenset({"ddp", "fsdp", "deepspeed"})
 
 
 def _check_precision(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
@@ -110,6 +111,9 @@ class DistState:
             breadcrumb). A handle, not a fact: it takes no part in equality,
             hashing or ``repr``; each new record gets its own, ``attrs.evolve``
             keeps it, and :func:`faccel.shutdown` closes it.
+        deepspeed: Under ``strategy='deepspeed'``: the DeepSpeed config as
+            canonical JSON text (``faccel._dist._deepspeed_config.read_config``), which
+            ``prepare`` completes (docs/deepspeed.md); None otherwise.
 
     Example:
         >>> import attrs
@@ -138,8 +142,16 @@ class DistState:
     layout: Layout | None = None
     runtime: Runtime = attrs.field(factory=Runtime, eq=False, repr=False)
     attempt: int = 0
+    deepspeed: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if (self.deepspeed is not None) != (self.strategy == "deepspeed"):
+            msg = (
+                f"strategy={self.strategy!r} with deepspeed config "
+                f"{'given' if self.deepspeed is not None else 'None'}: a DeepSpeed config goes with "
+                "strategy='deepspeed' and only with it; pass both (or neither)"
+            )
+            raise LaunchError(msg)
         if self.layout is not None:
             problem = layout_problem(self.layout, self.world_size, self.strategy)
             if problem:
@@ -327,6 +339,7 @@ def state_from_env(
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
     train_timeout: datetime.timedelta | None = None,
+    deepspeed: str | None = None,
 ) -> DistState:
     """The :class:`DistState` that ``env`` and the given hardware describe. Pure.
 
@@ -354,12 +367,14 @@ def state_from_env(
         layout: A :class:`Layout` or its text (``'shard=2,tensor=2'``); default
             ``$FACCEL_LAYOUT``, else None (the strategy's). Without a strategy
             given, a layout with shards or tensor parallelism selects ``'fsdp'``.
+        deepspeed: The DeepSpeed config as JSON text, for ``strategy='deepspeed'``.
 
     Raises:
         LaunchError: The environment is malformed (``FACCEL_TIMEOUT`` not a
             positive number of seconds, say), the strategy is unknown, the
             layout is malformed, does not span the world size or contradicts the
             strategy, or the device or backend cannot serve this process.
+            Also a ``deepspeed`` config without ``strategy='deepspeed'``, or the reverse.
         PrecisionError: Unknown precision.
         ArgumentError: An argument of the wrong type.
 
@@ -413,4 +428,5 @@ def state_from_env(
         external_store=info.external_store,
         layout=chosen_layout,
         attempt=info.attempt,
+        deepspeed=deepspeed if deepspeed is not None or chosen_strategy != "deepspeed" else "{}",
     )

@@ -37,6 +37,9 @@ def backward(
     * fp16: with an active ``scaler`` the loss is scaled before backward.
     * DDP averages gradients across ranks during this call (its own hooks),
       except inside ``faccel.accumulate`` on a non-syncing micro-step.
+    * Under ``strategy='deepspeed'``: the engine's backward, with the
+      micro-step's ``sync`` as its accumulation boundary; DeepSpeed scales
+      fp16 losses itself (no ``scaler``).
 
     Args:
         dist: The run's :class:`DistState`.
@@ -86,6 +89,11 @@ def backward(
             "it cannot scale the loss; iterate faccel.micro_batches(dist, loader) and pass micro="
         )
         raise AccumulationError(msg)
+    if dist.strategy == "deepspeed":  # the engine's backward: its reductions, its fp16 loss scale
+        from faccel._loop._deepspeed import engine_backward
+
+        engine_backward(loss, sync=micro is None or micro.sync, **kwargs)
+        return
     if scaler is not None and scaler.is_enabled():
         loss = scaler.scale(loss)
     elif dist.precision == "fp16":

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._mesh import data_mesh
 from faccel._dist._state import DistState
+from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
 from faccel._loop._parallel import apply_plan
@@ -68,6 +69,9 @@ _WRAPPERS: tuple[tuple[type, str], ...] = (
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside every wrapper that ``prepare`` (or ``torch.compile``) added.
 
+    A DeepSpeed engine gives its module (under ZeRO-3 its parameters are
+    partitioned: save it with :func:`faccel.save_model`, which gathers them).
+
     Example:
         >>> import torch, faccel
         >>> net = torch.nn.Linear(2, 1)
@@ -82,6 +86,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
                 break
         else:
             original = compiled_original(model)  # torch.compile's OptimizedModule
+            if is_deepspeed_engine(model):
+                original = model.module  # type: ignore[assignment]  # an engine holds an nn.Module
             if original is not None:
                 model = original
                 continue

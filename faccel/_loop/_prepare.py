@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
 from faccel._loop._model import prepare_module
 from faccel._loop._options import PrepareOptions
@@ -288,6 +289,9 @@ def prepare(
         worker_seeds=worker_seeds,
         tp_plan=tp_plan,
     )
+    if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
+        prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
+        return prepared[0] if len(prepared) == 1 else prepared
     # Modules first, whatever the order given: preparing one may replace its parameters,
     # and optimizers in the same call must see the replacements.
     ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}

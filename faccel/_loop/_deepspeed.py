@@ -1,0 +1,345 @@
+"""DeepSpeed ZeRO (stages 0-3) as a strategy: the config faccel fills, the engine, the seed loop's seams.
+
+The one module that imports ``deepspeed``, and only inside the functions that
+build an engine: importing faccel never imports it. The config is a value:
+:func:`faccel._dist._deepspeed_config.read_config` turns a dict or a JSON file into canonical JSON text that
+``DistState.deepspeed`` holds, and :func:`fill_config` (pure) completes it
+with what faccel knows (docs/deepspeed.md):
+
+* ``train_micro_batch_size_per_gpu``: the prepared loader's batch size;
+* ``gradient_accumulation_steps``: ``dist.accumulation_steps``;
+* ``train_batch_size``: their product times the data-parallel world size;
+* ``fp16`` / ``bf16``: ``dist.precision``;
+* ``gradient_clipping``: 0 unless the config asks for a value (DeepSpeed's
+  own default, 1.0, would clip silently).
+
+A value the config states that contradicts one of these is a
+:class:`~faccel.errors.DeepSpeedConfigError`, never a silent winner.
+
+The seed loop runs unchanged: ``prepare`` returns the engine as the model and
+a :class:`DeepSpeedOptimizer` whose ``step`` is the engine's; ``backward``
+finds the engine from the loss's graph and runs the engine's backward with
+faccel's micro-step as the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from faccel._dist._state import DistState
+from faccel._marks import DEEPSPEED_ENGINE
+from faccel.errors import DeepSpeedConfigError, PrepareError, UsageError
+
+__all__ = [
+    "DeepSpeedOptimizer",
+    "engine_backward",
+    "fill_config",
+    "is_deepspeed_engine",
+    "prepare_deepspeed",
+]
+
+# The values meaning "faccel, fill this in" (Accelerate's and HF Trainer's spelling).
+_AUTO = "auto"
+# Sections that would make DeepSpeed build its own optimizer or schedule: faccel's loop
+# steps the torch optimizer and scheduler the user prepared.
+_REFUSED_SECTIONS = ("optimizer", "scheduler")
+# Set on each Parameter of an engine's module: the engine (weakly), for backward() to find
+# from the loss's graph. (A mark on user objects, as _prepare's _REPLACED_BY.)
+_ENGINE = DEEPSPEED_ENGINE
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value != _AUTO
+
+
+def _agree(config: dict[str, Any], key: str, faccel_value: Any, source: str) -> None:
+    value = config.get(key)
+    if _given(value) and value != faccel_value:
+        msg = (
+            f"the deepspeed config says {key}={value!r} but {source} gives {faccel_value!r}; "
+            f"remove the key (or set it to 'auto') and faccel fills it, or change {source}"
+        )
+        raise DeepSpeedConfigError(msg)
+    config[key] = faccel_value
+
+
+def _precision_section(config: dict[str, Any], name: str, wanted: bool, precision: str) -> None:
+    section = config.get(name)
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        msg = f"the deepspeed config's {name!r} must be a JSON object, got {section!r}"
+        raise DeepSpeedConfigError(msg)
+    section = dict(section)
+    enabled = section.get("enabled")
+    if _given(enabled) and bool(enabled) != wanted:
+        msg = (
+            f"the deepspeed config says {name}.enabled={enabled!r} but dist.precision is "
+            f"{precision!r}; set precision in faccel.detect(precision=...) and remove "
+            f"{name}.enabled (or set it to 'auto')"
+        )
+        raise DeepSpeedConfigError(msg)
+    section["enabled"] = wanted
+    config[name] = section
+
+
+def fill_config(config: str, *, dist: DistState, micro_batch_size: int | None) -> dict[str, Any]:
+    """The DeepSpeed config that ``config`` (JSON text) and faccel's own facts make together. Pure.
+
+    Args:
+        config: JSON text from :func:`read_config` (``dist.deepspeed``).
+        dist: The run's :class:`DistState`: accumulation, precision, world size.
+        micro_batch_size: The prepared loader's batch size per rank, or None
+            when no loader was prepared with the model (then the config must say it).
+
+    Returns:
+        The config dict to build the engine from.
+
+    Raises:
+        DeepSpeedConfigError: A stated value contradicts faccel's, the config
+            has an ``optimizer`` or ``scheduler`` section, the ZeRO stage is
+            not 0-3, or no micro-batch size is known.
+
+    Example:
+        >>> dist = DistState.simulated(world_size=2, accumulation_steps=3, precision="bf16")
+        >>> c = fill_config('{"zero_optimization": {"stage": 2}}', dist=dist, micro_batch_size=4)
+        >>> (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"],
+        ...  c["train_batch_size"], c["bf16"]["enabled"], c["fp16"]["enabled"], c["gradient_clipping"])
+        (4, 3, 24, True, False, 0.0)
+        >>> fill_config('{"gradient_accumulation_steps": 2}', dist=dist, micro_batch_size=4)
+        Traceback (most recent call last):
+        ...
+        faccel.errors.DeepSpeedConfigError: the deepspeed config says gradient_accumulation_steps=2 ...
+    """
+    filled: dict[str, Any] = json.loads(config)
+    for section in _REFUSED_SECTIONS:
+        if section in filled:
+            msg = (
+                f"the deepspeed config has an {section!r} section, but faccel's loop steps the torch "
+                f"{section} you prepare; remove the section and build the {section} in torch "
+                "(torch.optim.AdamW(...), torch.optim.lr_scheduler...)"
+            )
+            raise DeepSpeedConfigError(msg)
+    zero = filled.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if stage not in (0, 1, 2, 3):
+        msg = f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}"
+        raise DeepSpeedConfigError(msg)
+    if micro_batch_size is None:
+        micro_batch_size = filled.get("train_micro_batch_size_per_gpu")
+        if not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool):
+            msg = (
+                "no loader was prepared with the model, so faccel cannot fill "
+                "train_micro_batch_size_per_gpu; prepare the model, optimizer and loader in one "
+                "faccel.prepare call, or state the size in the deepspeed config"
+            )
+            raise DeepSpeedConfigError(msg)
+    _agree(filled, "train_micro_batch_size_per_gpu", micro_batch_size, "the prepared loader's batch size")
+    _agree(filled, "gradient_accumulation_steps", dist.accumulation_steps, "dist.accumulation_steps")
+    total = micro_batch_size * dist.accumulation_steps * dist.data_world_size
+    _agree(filled, "train_batch_size", total, "batch size x accumulation steps x world size")
+    _precision_section(filled, "fp16", dist.precision == "fp16", dist.precision)
+    _precision_section(filled, "bf16", dist.precision == "bf16", dist.precision)
+    clip = filled.get("gradient_clipping")
+    if not _given(clip):
+        clip = 0.0  # not DeepSpeed's 1.0: nothing is clipped that the user did not ask for
+    if not isinstance(clip, int | float) or isinstance(clip, bool) or not math.isfinite(clip) or clip < 0:
+        msg = f"gradient_clipping must be a number >= 0 (0: no clipping), got {clip!r}"
+        raise DeepSpeedConfigError(msg)
+    filled["gradient_clipping"] = float(clip)
+    # A torch optimizer (AdamW, SGD...) is "untested" for DeepSpeed's ZeRO; it works exactly.
+    filled.setdefault("zero_allow_untested_optimizer", True)
+    filled.setdefault("steps_per_print", 2**31 - 1)  # faccel's trackers log; DeepSpeed stays quiet
+    filled.setdefault("wall_clock_breakdown", False)
+    return filled
+
+
+def is_deepspeed_engine(model: object) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (looked up, never importing deepspeed).
+
+    Example:
+        >>> is_deepspeed_engine(torch.nn.Linear(1, 1))
+        False
+    """
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    return engine is not None and isinstance(model, engine.DeepSpeedEngine)
+
+
+class DeepSpeedOptimizer(torch.optim.Optimizer):
+    """The optimizer ``prepare`` returns under ``strategy='deepspeed'``: the seed loop's seam to the engine.
+
+    ``step()`` is the engine's step (ZeRO's partitioned update, clipping if the
+    config asks, loss-scale bookkeeping under fp16); ``zero_grad()`` clears
+    ZeRO's gradient partitions. ``param_groups`` and ``state`` are those of the
+    torch optimizer you built, so an LR scheduler made on it (before or after
+    ``prepare``) steps the learning rate DeepSpeed uses. The engine is
+    :attr:`engine`; the torch optimizer :attr:`optimizer`.
+    """
+
+    def __init__(self, engine: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # Not Optimizer.__init__: the parameters (ZeRO's partitions) belong to the engine.
+        self.engine = engine
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The torch optimizer's groups (their ``lr`` is the one DeepSpeed steps with)."""
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        """The torch optimizer's state (under ZeRO: of this rank's partitions)."""
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """The engine's optimizer step (``engine.step()``); ``closure`` is refused (DeepSpeed has none)."""
+        if closure is not None:
+            msg = "a DeepSpeed step takes no closure; run the forward and faccel.backward before step()"
+            raise UsageError(msg)
+        self.engine.step()  # type: ignore[operator]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (ZeRO's partitions and the module's ``.grad``)."""
+        self.engine.optimizer.zero_grad(set_to_none=set_to_none)  # type: ignore[union-attr]
+        self.engine.zero_grad()  # type: ignore[operator]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: a DeepSpeed run's optimizer state is ZeRO's partitions, not a torch state dict."""
+        msg = (
+            "faccel cannot yet checkpoint a DeepSpeed run (ZeRO keeps the optimizer state in per-rank "
+            "partitions); save the weights with faccel.save_model, or train with strategy='fsdp' "
+            "(FSDP2 shards like ZeRO-3) for exact checkpoints (docs/deepspeed.md)"
+        )
+        raise UsageError(msg)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Refused, as :meth:`state_dict`."""
+        self.state_dict()
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedOptimizer({self.optimizer!r})"
+
+
+def _engine_of(loss: torch.Tensor) -> Any:
+    """The engine whose parameters ``loss`` was computed from: the first one its graph reaches."""
+    stack = [loss.grad_fn]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf (a parameter)
+        if variable is not None:
+            ref = getattr(variable, _ENGINE, None)
+            engine = ref() if ref is not None else None
+            if engine is not None:
+                return engine
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    msg = (
+        "under strategy='deepspeed' faccel.backward needs a loss computed by the model faccel.prepare "
+        "returned (the DeepSpeed engine), but this loss's graph reaches none of its parameters; "
+        "compute the loss from the prepared model's output"
+    )
+    raise UsageError(msg)
+
+
+def engine_backward(loss: torch.Tensor, *, sync: bool, **kwargs: Any) -> None:
+    """The engine's backward for ``loss`` (already divided by the micro-step's group size).
+
+    ``sync`` (faccel's micro-step) is the accumulation boundary: ZeRO reduces
+    the gradients for the step at the micro-step that syncs. DeepSpeed's own
+    division by its accumulation steps is off (faccel divides by the group's
+    real size, the last partial group of an epoch included), and fp16 loss
+    scaling is DeepSpeed's.
+    """
+    engine = _engine_of(loss)
+    engine.set_gradient_accumulation_boundary(sync)
+    engine.backward(loss, scale_wrt_gas=False, retain_graph=bool(kwargs.pop("retain_graph", False)))
+    if kwargs:
+        msg = f"under strategy='deepspeed' backward takes only retain_graph, got {sorted(kwargs)}"
+        raise UsageError(msg)
+
+
+def _build(
+    dist: DistState, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]
+) -> Any:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if dist.device.type == "cuda" else "cpu")
+    try:
+        import deepspeed
+    except ImportError:
+        msg = (
+            "strategy='deepspeed' needs DeepSpeed, which is not installed; "
+            "pip install 'faccel[deepspeed]' (or choose strategy='fsdp')"
+        )
+        raise PrepareError(msg) from None
+    model.to(dist.device)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config, dist_init_required=False
+    )
+    ref = weakref.ref(engine)
+    for param in engine.module.parameters():
+        setattr(param, _ENGINE, ref)
+    return engine
+
+
+def prepare_deepspeed(
+    dist: DistState, objs: Sequence[Any], prepare_other: Callable[[Any], Any]
+) -> tuple[Any, ...]:
+    """``prepare`` under ``strategy='deepspeed'``: loaders first (their batch size), then the engine.
+
+    Args:
+        dist: The run's :class:`DistState` (``dist.deepspeed`` holds the config).
+        objs: The objects given to ``prepare``, in order.
+        prepare_other: How ``prepare`` handles everything but the model and
+            optimizer (loaders, schedulers, tags).
+
+    Returns:
+        The prepared objects in the given order: the engine for the model, a
+        :class:`DeepSpeedOptimizer` for the optimizer.
+
+    Raises:
+        PrepareError: Not exactly one model with exactly one optimizer, or
+            DeepSpeed is not installed.
+        DeepSpeedConfigError: The config contradicts faccel (:func:`fill_config`).
+    """
+    models = [i for i, obj in enumerate(objs) if isinstance(obj, nn.Module)]
+    optimizers = [i for i, obj in enumerate(objs) if isinstance(obj, torch.optim.Optimizer)]
+    done = [
+        i
+        for i in models + optimizers
+        if is_deepspeed_engine(objs[i]) or isinstance(objs[i], DeepSpeedOptimizer)
+    ]
+    if done and len(done) == len(models) + len(optimizers):
+        prepared = {i: objs[i] for i in done}
+    elif len(models) != 1 or len(optimizers) != 1:
+        msg = (
+            f"under strategy='deepspeed' prepare builds one DeepSpeed engine from one model and its "
+            f"optimizer, got {len(models)} model(s) and {len(optimizers)} optimizer(s); pass the model, "
+            "its torch optimizer and the training loader in one faccel.prepare call"
+        )
+        raise PrepareError(msg)
+    else:
+        prepared = {}
+    others = {i: prepare_other(obj) for i, obj in enumerate(objs) if i not in models + optimizers}
+    if not prepared:
+        sizes = [
+            getattr(others[i], "batch_size", None) for i in sorted(others) if hasattr(others[i], "sharding")
+        ]
+        micro = next((size for size in sizes if isinstance(size, int)), None)
+        config = fill_config(dist.deepspeed or "{}", dist=dist, micro_batch_size=micro)
+        model, optimizer = objs[models[0]], objs[optimizers[0]]
+        engine = _build(dist, model, optimizer, config)
+        prepared = {models[0]: engine, optimizers[0]: DeepSpeedOptimizer(engine, optimizer)}
+    return tuple(prepared[i] if i in prepared else others[i] for i in range(len(objs)))
