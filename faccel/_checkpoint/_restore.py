@@ -294,13 +294,7 @@ def restore(
     together(
         dist, lambda: _refuse_an_abandoned_future(Path(path), step), what="restore", raises=CheckpointError
     )
-    low, high = agree_max(dist, [-step, step])
-    if -low != high:
-        msg = (
-            f"{path}: the ranks found different latest checkpoints (steps {-low} to {high}); "
-            "all ranks must see one shared file system"
-        )
-        raise CheckpointError(msg)
+    _agree_on_step(dist, path, step, "latest checkpoints")
     # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
     single = manifest_step(Path(path)) is not None
     older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
@@ -309,21 +303,15 @@ def restore(
     for candidate in [directory, *older]:
         if candidate is not directory:
             step = manifest_step(candidate) or 0
-            low, high = agree_max(dist, [-step, step])
-            if -low != high:
-                msg = (
-                    f"{path}: the ranks found different checkpoints to fall back to (steps {-low} to "
-                    f"{high}); all ranks must see one shared file system"
-                )
-                raise CheckpointError(msg)
+            _agree_on_step(dist, path, step, "checkpoints to fall back to")
         found = together(
             dist,
             functools.partial(_read_unless_broken, dist, train_state, candidate, single=single),
             what="checking the checkpoint",
             raises=CheckpointError,
         )
-        (broken_anywhere,) = agree_max(dist, [int(isinstance(found, str))])
-        if not broken_anywhere and not isinstance(found, str):
+        (broken_anywhere,) = agree_max(dist, [int(isinstance(found, _Broken))])
+        if not broken_anywhere and not isinstance(found, _Broken):
             if passed:
                 skipped = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
                 warnings.warn(
@@ -333,7 +321,7 @@ def restore(
                     stacklevel=3,
                 )
             return load(train_state, *found)
-        passed.append((candidate, found if isinstance(found, str) else "broken on another rank"))
+        passed.append((candidate, found.why if isinstance(found, _Broken) else "broken on another rank"))
     # The latest one's own error first (alone when it is the only one), then the older ones'.
     msg = passed[0][1]
     if len(passed) > 1:
@@ -367,13 +355,31 @@ def _refuse_an_abandoned_future(path: Path, step: int) -> None:
         raise CheckpointError(msg)
 
 
+def _agree_on_step(dist: DistState, path: str | os.PathLike[str], step: int, what: str) -> None:
+    """Raise on every rank unless every rank found the same ``step`` (one collective)."""
+    low, high = agree_max(dist, [-step, step])
+    if -low != high:
+        msg = (
+            f"{path}: the ranks found different {what} (steps {-low} to {high}); "
+            "all ranks must see one shared file system"
+        )
+        raise CheckpointError(msg)
+
+
+@attrs.frozen
+class _Broken:
+    """A checkpoint of a root whose files fail their check: passed over for an older one, with why."""
+
+    why: str
+
+
 def _read_unless_broken(
     dist: DistState, state: TrainState, directory: Path, *, single: bool
-) -> tuple[Loadable, dict[str, Any] | None] | str:
+) -> tuple[Loadable, dict[str, Any] | None] | _Broken:
     """The checkpoint read and checked, or (from a root) why its files are broken."""
     try:
         return _read_checkpoint(dist, state, directory)
     except _BrokenError as error:
         if single:
             raise CheckpointError(str(error)) from None
-        return str(error)
+        return _Broken(why=str(error))
