@@ -63,10 +63,15 @@ def main(root: Path, out: Path, mode: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if stop is not None and faccel.any_rank(dist, stop.received):
             storm = threading.Event()
+            sender = threading.Thread(target=_signals_until, args=(storm,), daemon=True)
             if dist.rank == 1:  # a second (and third ...) signal while the checkpoint is written
-                threading.Thread(target=_signals_until, args=(storm,), daemon=True).start()
+                sender.start()
             faccel.checkpoint(dist, state, root)
             storm.set()
+            if sender.is_alive():
+                # Joined before shutdown puts the previous handlers back: a SIGTERM the thread
+                # was about to send would otherwise meet the default action and kill this rank.
+                sender.join()
             print(f"rank {dist.rank} stopped at step {state.step}", flush=True)
             faccel.shutdown(dist)
             return
