@@ -436,3 +436,47 @@ def test_a_resume_from_an_older_checkpoint_into_a_root_with_later_ones_is_stoppe
     restored = faccel.restore(dist, state, fresh_root / older.name)
     assert restored.step == 10
     faccel.checkpoint(dist, attrs.evolve(restored, step=11), fresh_root)
+
+
+@pytest.mark.parametrize("first_step", [0, 10, 25])
+def test_a_fresh_run_into_a_root_with_later_checkpoints_stops_at_its_first_checkpoint(
+    tmp_path: Path, first_step: int
+) -> None:
+    # Issue 25: a re-run into an old output folder used to train on until its first step that
+    # collided (step 10 or 30 here), hours in a real run; now its first checkpoint, whatever its
+    # step, is refused when the root holds later ones, and nothing is written.
+    import faccel
+
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    earlier_run = faccel.detect({})
+    for step in (10, 20, 30):
+        faccel.checkpoint(earlier_run, attrs.evolve(state, step=step), tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    rerun = faccel.detect({})  # a new process's run: it has not written into this root
+    with pytest.raises(faccel.errors.CheckpointError, match="already holds later checkpoints") as caught:
+        faccel.checkpoint(rerun, attrs.evolve(state, step=first_step), tmp_path)
+    later = [f"step-{s:012d}" for s in (10, 20, 30) if s > first_step]
+    assert all(name in str(caught.value) for name in later), caught.value
+    assert "replace=True" in str(caught.value) and "faccel.restore" in str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, nothing removed
+    # The choices: replace=True overwrites the future as the run reaches it ...
+    replaced = faccel.checkpoint(rerun, attrs.evolve(state, step=first_step), tmp_path, replace=True)
+    assert replaced.name == f"step-{first_step:012d}" and (replaced / "manifest.json").is_file()
+    # ... and a run that resumed from the root's latest checkpoints on with no refusal.
+    resumed = faccel.detect({})
+    restored = faccel.restore(resumed, state, tmp_path)
+    faccel.checkpoint(resumed, attrs.evolve(restored, step=restored.step + 1), tmp_path)
+
+
+def test_later_checkpoints_are_checked_once_per_root_not_at_every_checkpoint(tmp_path: Path) -> None:
+    # The run's own later folders (written before a rewind to an older step, as the keep test does)
+    # are its own: only the first checkpoint into a root looks for another run's future.
+    import faccel
+
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    faccel.checkpoint(dist, attrs.evolve(state, step=5), tmp_path)
+    faccel.checkpoint(dist, attrs.evolve(state, step=2), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000002", "step-000000000005"]

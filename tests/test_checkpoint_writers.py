@@ -135,11 +135,13 @@ def concurrent_run(root: Path, checkpoints: int) -> dict[str, int]:
     committed = [o for o in outcomes if "folder" in o]
     refused = [o for o in outcomes if "error" in o]
     broken = [o["folder"] for o in committed if not _complete(Path(o["folder"]))]
-    # the second writer is refused, naming the first one's pid
+    # the second writer is refused, naming the first one's pid; or, when its first checkpoint comes
+    # after the other's later steps are committed, refused for those (a run never meets them later)
     unclear = [
         o
         for o in refused
         if not ("another process is writing a checkpoint" in o["error"] and "pid" in o["error"])
+        and "already holds later checkpoints" not in o["error"]
     ]
     step, how = _restore(root)
     wrong = step != max((o["step"] for o in committed), default=None) or how != "latest"

@@ -41,6 +41,7 @@ from faccel._checkpoint._folders import (
     RootLock,
     blocking_file,
     check_lock,
+    complete_checkpoints,
     hold_lock,
     latest_checkpoint,
     manifest_step,
@@ -286,7 +287,10 @@ def checkpoint(
             ranks, or ``sharded=True`` for a model sharded otherwise than by
             rows over all ranks (HSDP, tensor parallelism).
         CheckpointError: A checkpoint of this step exists (and not
-            ``replace``); ``path`` or a parent is a file; the ranks pass
+            ``replace``); this process's first checkpoint into ``path`` finds
+            later steps there (another run's, or an abandoned future: the run
+            would stop at the first of them, so it stops now; restore from the
+            root, use a new one, or ``replace``); ``path`` or a parent is a file; the ranks pass
             different steps or different extras; a rank did not call
             ``checkpoint`` within ``arrival_timeout``; the ranks' meeting
             outlived the process group's timeout (the message names the step
@@ -335,6 +339,7 @@ def checkpoint(
         raises=CheckpointError,
     )
     _agree(dist, root, train_state, replace=replace)
+    dist.runtime.roots.add(os.fspath(root.absolute()))
 
     model = unwrap_model(train_state.model)
     fsdp = is_sharded(model)
@@ -597,9 +602,14 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
     exists = not replace and (
         os.path.exists(final) or manifest_step(root / replaced_name(final.name)) is not None
     )
+    # The first checkpoint of this process into a root that already holds later steps: the run
+    # would meet them at its first colliding step, hours in (issue 25), so it stops here.
+    first = os.fspath(root.absolute()) not in dist.runtime.roots
+    ahead = _later_checkpoints(root, step) if first and not replace else []
     digests = extras_digests(state.extras)
     values = [step, _digest(sorted(digests)), _digest(digests)]
-    low = agree_max(dist, [*(-v for v in values), *values, int(exists), int(blocked is not None)])
+    flags = [int(exists), int(blocked is not None), int(bool(ahead))]
+    low = agree_max(dist, [*(-v for v in values), *values, *flags])
     if -low[0] != low[3]:
         msg = (
             f"the ranks are checkpointing different steps ({-low[0]} to {low[3]}); "
@@ -614,6 +624,8 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
             "for example a 'checkpoints' folder beside that file"
         )
         raise CheckpointError(msg)
+    if low[8]:  # before "this step exists": the later ones are what the user must choose about
+        raise CheckpointError(_ahead_message(root, step, ahead))
     if low[6]:
         raise CheckpointError(_exists_message(final, step))
     if -low[1] != low[4] or -low[2] != low[5]:
@@ -628,6 +640,25 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
             "per-rank values in TrainState.rank_extras, which saves and restores each rank's own"
         )
         raise CheckpointError(msg)
+
+
+def _later_checkpoints(root: Path, step: int) -> list[str]:
+    try:
+        return [folder.name for s, folder in complete_checkpoints(root) if s > step]
+    except OSError:  # an unreadable root: the write that follows names what is wrong with it
+        return []
+
+
+def _ahead_message(root: Path, step: int, ahead: list[str]) -> str:
+    shown = ", ".join(sorted(ahead)[:5]) + (" ..." if len(ahead) > 5 else "")
+    return (
+        f"{root}: this run's first checkpoint is step {step}, but the root already holds later "
+        f"checkpoints ({shown or 'on another rank'}), from another run or an abandoned future. "
+        "This run would stop at the first of them (a checkpoint never overwrites another unasked), "
+        "so it stops now instead. Resume from the root (faccel.restore(dist, state, root) takes its "
+        "latest), write to a new root, or pass checkpoint(..., replace=True) to overwrite each "
+        "later step as this run reaches it"
+    )
 
 
 def _exists_message(final: Path, step: int) -> str:

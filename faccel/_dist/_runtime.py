@@ -19,6 +19,9 @@ the same facts are equal whatever they hold), shared by the states
   ``DataLoader`` (:class:`LoaderRecord`: the guards against a second bare pass
   and against re-reading an epoch resumed at another world size; see
   docs/data.md);
+- the checkpoint roots this process has written into (the first ``checkpoint``
+  into a root refuses one that already holds later steps, at once rather than
+  at the first collision);
 - a bounded breadcrumb of this rank's last faccel calls (:class:`Crumb`), which
   a rank publishes to the process group's store when it enters a collective,
   so that a rank whose collective times out can name the ranks that did not
@@ -139,6 +142,9 @@ class Runtime:
         self.step: int | None = None
         self.backwards = 0  # backward calls: a crumb says how far training had got
         self.timeout: datetime.timedelta | None = None  # the train_timeout, once applied
+        # The checkpoint roots this process has written into: the first checkpoint into any
+        # other root checks, at once, that the root holds no later steps this run would meet.
+        self.roots: set[str] = set()
 
     def warm_up(self, timeout: datetime.timedelta) -> None:
         """Shorten the collectives' timeout to ``timeout``: the default group's and the meshes' groups'.
