@@ -1,11 +1,14 @@
-"""Hostile files: every read ends in a CheckpointError within seconds, memory bounded.
+"""Hostile files: every read ends in a CheckpointError, its reads and memory bounded.
 
 Each attack is set up here, then read in a child process that runs under
-``RLIMIT_AS`` (what it had mapped after importing faccel, plus 2 GiB) with a
-``signal.alarm`` per attack and a timeout on the whole child: a read that
-blocks (a FIFO), allocates what a file claims (a sparse 20 GB file, a
-manifest naming 10^12 ranks) or recurses without end fails the test instead
-of hanging or swapping the suite. One child runs every attack (importing
+``RLIMIT_AS`` (what it had mapped after importing faccel, plus 2 GiB), which
+counts the bytes each attack's ``read`` calls return (``rchar`` in
+``/proc/self/io``: a file read through instead of refused shows there, on a
+machine of any speed), with a ``signal.alarm`` per attack and a timeout on
+the whole child that only a hang reaches: a read that blocks (a FIFO),
+allocates what a file claims (a sparse 20 GB file, a manifest naming 10^12
+ranks) or recurses without end fails the test instead of hanging or
+swapping the suite. One child runs every attack (importing
 torch once); each attack's outcome is checked by its own test.
 """
 
@@ -24,7 +27,7 @@ import pytest
 import torch
 
 _CHILD = r"""
-import json, os, resource, signal, sys, time
+import json, os, resource, signal, sys
 from pathlib import Path
 import torch, faccel
 
@@ -32,6 +35,9 @@ def build():
     torch.manual_seed(1)
     model = torch.nn.Linear(3, 2)
     return model, faccel.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+def rchar():
+    return int(next(l for l in open("/proc/self/io") if l.startswith("rchar")).split()[1])
 
 def alarm(*_):
     raise TimeoutError("the read did not finish within its alarm")
@@ -44,8 +50,8 @@ out = {}
 for name, kind, path, strict in json.loads(sys.argv[1]):
     model, state = build()
     before = [p.detach().clone() for p in model.parameters()]
-    start = time.monotonic()
-    signal.alarm(20)
+    start = rchar()
+    signal.alarm(120)
     try:
         if kind == "restore":
             faccel.restore(dist, state, path)
@@ -57,7 +63,7 @@ for name, kind, path, strict in json.loads(sys.argv[1]):
     finally:
         signal.alarm(0)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    out[name] = [*result, time.monotonic() - start, unchanged]
+    out[name] = [*result, rchar() - start, unchanged]
 print(json.dumps(out))
 """
 
@@ -212,7 +218,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
         [sys.executable, "-c", _CHILD, json.dumps(attacks)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=1200,  # a hang guard: each attack's alarm fires long before
         env=env,
         check=False,
     )
@@ -246,21 +252,26 @@ REFUSED = {
 }
 
 
+# What an attack may read: its small real files and the modules imported on the way (a file that
+# is read through instead of refused reads gigabytes).
+_READ_BOUND = 64 << 20
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
-def test_hostile_files_are_refused_fast_with_a_checkpoint_error_and_touch_nothing(
+def test_hostile_files_are_refused_with_a_checkpoint_error_reading_little_and_touching_nothing(
     outcomes: dict[str, list[Any]], name: str
 ) -> None:
-    kind, message, seconds, unchanged = outcomes[name]
+    kind, message, read, unchanged = outcomes[name]
     assert kind == "CheckpointError", (kind, message)
     assert REFUSED[name] in message, message
-    assert seconds < 10, seconds
+    assert read < _READ_BOUND, read
     assert unchanged, "the model was modified"
 
 
 def test_a_sparse_tensor_the_model_does_not_take_is_never_read(outcomes: dict[str, list[Any]]) -> None:
-    kind, message, seconds, _ = outcomes["load_model(strict=False): sparse 20 GB unexpected tensor"]
+    kind, message, read, _ = outcomes["load_model(strict=False): sparse 20 GB unexpected tensor"]
     assert (kind, message) == ("ok", "((), ('huge',))")
-    assert seconds < 10, seconds
+    assert read < _READ_BOUND, read
 
 
 def test_load_model_follows_links_inside_its_folder_and_into_a_hugging_face_cache(tmp_path: Path) -> None:

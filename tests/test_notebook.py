@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,21 +23,26 @@ def test_functions_defined_here_run_on_real_ranks_and_rank_0s_result_comes_back(
     assert faccel.launch(work, nprocs=3, args=(2.0,)) == (3, 2.0 * (10 + 11 + 12))
 
 
-def test_a_failing_rank_stops_the_others_at_once_with_its_traceback() -> None:
+def test_a_failing_rank_stops_the_others_at_once_with_its_traceback(tmp_path: Path) -> None:
     import faccel
 
-    def work() -> None:
+    def work(folder: str) -> None:
         dist = faccel.detect()
         if dist.rank == 1:
             raise ValueError("bad batch on rank 1")
-        time.sleep(60)  # the others would wait long: the launcher must not
+        (Path(folder) / "pid").write_text(str(os.getpid()))
+        time.sleep(600)  # the others would wait long: the launcher must not
+        (Path(folder) / "woke").touch()
 
-    started = time.monotonic()
     with pytest.raises(
         faccel.errors.DistributedError, match=r"rank 1 failed(.|\n)*ValueError: bad batch on rank 1"
     ):
-        faccel.launch(work, nprocs=2)
-    assert time.monotonic() - started < 30
+        faccel.launch(work, nprocs=2, args=(str(tmp_path),))
+    # No clock: the launcher returned before rank 0's sleep ended, and rank 0 is gone, not orphaned.
+    assert not (tmp_path / "woke").exists()
+    if (tmp_path / "pid").exists():  # rank 0 may have been stopped before it got there
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / "pid").read_text()), 0)
 
 
 def test_a_rank_that_dies_and_a_timeout_are_named() -> None:

@@ -703,7 +703,7 @@ def called_on_rank0_only(root: str, arrival: float) -> dict:
 
     import faccel
 
-    dist = faccel.detect(timeout=datetime.timedelta(seconds=20))
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=60))
     state, _ = fresh(dist, example_spec(), seed=0)
     begin = time.monotonic()
     try:

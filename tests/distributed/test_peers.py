@@ -38,7 +38,9 @@ def test_a_hung_rank_ends_in_an_error_naming_the_collective(collective: str, wai
         f"{collective}() in time"
     )
     assert "faccel.detect(timeout=...) or FACCEL_TIMEOUT=<seconds>" in outcome["message"]
-    assert timeout_s - 0.5 < outcome["seconds"] < sleep_s  # the timeout ended it, not the sleeper
+    # The timeout ended it (the message names it), not the sleeper: had rank 1 woken and arrived
+    # first, the collective would have answered and there would be no error.
+    assert timeout_s - 0.5 < outcome["seconds"]
 
 
 def test_a_hung_rank_is_named_with_its_last_call_and_step(tmp_path: Path) -> None:
@@ -64,7 +66,9 @@ def test_the_train_timeout_applies_once_training_has_warmed_up() -> None:
     )[0]
     assert outcome["error"] == "DistributedError", outcome
     assert outcome["message"].startswith("reduce() on rank 0 of 2 timed out after 0:00:02"), outcome
-    assert 1.5 < outcome["seconds"] < 8.0  # the train timeout ended it, not the sleeper
+    # The train timeout ended it (the message says 2 s), not the sleeper: had rank 1 woken first,
+    # its reduce would have answered and there would be no error at all.
+    assert outcome["seconds"] > 1.5
 
 
 def test_an_evaluation_of_a_sharded_model_on_the_main_process_only_is_named() -> None:
@@ -79,7 +83,7 @@ def test_an_evaluation_of_a_sharded_model_on_the_main_process_only_is_named() ->
     )
     assert "every rank must run every forward, evaluation included" in main["message"]
     assert "Rank 1 failed to pass monitoredBarrier" in main["message"]  # names the missing rank
-    assert 1.5 < main["seconds"] < 10
+    assert main["seconds"] > 1.5  # the 2 s wait the message names
     assert other["error"] is not None  # its training forward waits for rank 0 in vain, then fails
 
 
@@ -117,4 +121,4 @@ def test_a_peer_gone_before_a_checkpoint_ends_within_the_process_groups_timeout(
     assert survivor["error"] == "CheckpointError", survivor
     assert "rank(s) [1] did not call it within 0:00:03" in survivor["message"]
     assert "crashed, was killed or left" in survivor["message"]
-    assert timeout_s - 0.5 < survivor["seconds"] < 30  # the job's timeout ended it, not the 60 s
+    assert timeout_s - 0.5 < survivor["seconds"]  # the job's timeout (named above) ended it, not the 60 s
