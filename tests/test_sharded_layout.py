@@ -66,7 +66,12 @@ def _shard(tmp_path: Path, rows: int, cols: int) -> tuple[Path, FileRecord, Plac
     tensor = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
     placed = Placed(dtype=torch.float32, shape=(rows, cols), block=rows, first=0)
     path = tmp_path / "shard-00000.safetensors"
-    return path, write_shard(path, {"model/w": tensor}, {"model/w": placed}), placed, tensor
+    return (
+        path,
+        write_shard(path, {"model/w": tensor}, {"model/w": placed}, rank=0, world=1, step=0),
+        placed,
+        tensor,
+    )
 
 
 def test_a_partial_read_checks_only_the_hash_blocks_it_touches(tmp_path: Path) -> None:
@@ -163,7 +168,7 @@ def test_any_rows_read_back_exactly_around_the_page_cache_or_through_it(
     tensor = torch.randint(-100, 100, (rows, cols)).to(dtype)
     placed = Placed(dtype=dtype, shape=(rows, cols), block=rows, first=0)
     path = tmp_path_factory.mktemp("direct") / "shard-00000.safetensors"
-    record = write_shard(path, {"model/w": tensor}, {"model/w": placed})
+    record = write_shard(path, {"model/w": tensor}, {"model/w": placed}, rank=0, world=1, step=0)
     start, stop = sorted(int(f * rows) for f in cut)
     stop = max(stop, start + 1) if start < rows else rows
     start = min(start, rows - 1)

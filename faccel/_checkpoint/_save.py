@@ -559,7 +559,7 @@ def _sharded_job(
         rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
         tasks: list[Callable[[], FileRecord]] = [
             lambda: write_durably(rng_file, [_json_bytes(rng)]),
-            lambda: write_shard(shard_file, pieces, placed),
+            lambda: write_shard(shard_file, pieces, placed, rank=dist.rank, world=dist.world_size, step=step),
         ]
         if lock is not None:
             tasks.append(lambda: write_durably(temporary / STATE, [_json_bytes(content)]))

@@ -109,7 +109,8 @@ def _specs_and_reader(
         for chunk in chunks(placed, world):  # sizes checked against the files before anything is allocated
             if chunk.rank not in opened:
                 path = folder / shard_name(chunk.rank)
-                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path))
+                step = content.get("step") if isinstance(content, dict) else None
+                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path), step=step)
             opened[chunk.rank].info(f"model/{name}", placed, chunk)
         out = empty_rows(placed, 0, rows_of(placed.shape))
         view = byte_view(out)

@@ -3,6 +3,10 @@ and a restore at another world size reads only what it needs, bitwise."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -153,3 +157,93 @@ def test_a_background_failure_on_one_rank_is_raised_on_every_rank_by_the_next_ca
     assert all("background checkpoint of step 3" in e for e in errors)
     assert "No space left on device" in errors[1] and "failed on rank(s) [1]" in errors[0]
     assert not list(tmp_path.glob("step-*"))  # nothing committed
+
+
+def _rehash_in_manifest(folder: Path, name: str) -> None:
+    data = (folder / name).read_bytes()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _one_process_reads(folder: Path) -> list[str]:
+    """What restore and consolidate say of ``folder`` in this process: their CheckpointErrors."""
+    import faccel
+    from faccel._hf._consolidate import consolidate
+
+    torch.manual_seed(11)
+    plain = sw.Blocks()
+    state = faccel.TrainState.create(model=plain, optimizer=torch.optim.AdamW(plain.parameters()))
+    errors = []
+    with pytest.raises(faccel.errors.CheckpointError) as caught:
+        faccel.restore(faccel.detect({}), state, folder)
+    errors.append(str(caught.value))
+    with pytest.raises(faccel.errors.CheckpointError) as caught:
+        consolidate(folder, folder.parent / "hf")  # python -m faccel consolidate
+    errors.append(str(caught.value))
+    assert not list((folder.parent / "hf").glob("*"))  # nothing of the refused read written
+    return errors
+
+
+def test_consistent_edits_of_the_chunk_rule_or_a_shard_from_another_save_are_refused(tmp_path: Path) -> None:
+    # Issue 26, item 4: the shard headers did not say which rows (or which save) they hold, so a
+    # `first` edited in state.json (rehashed in the manifest) gave rows back permuted, and rank 1's
+    # shard copied from another step (its rank page and the manifest updated) gave a mix of saves.
+    written = harness.run(sw.save, world_size=2, root=str(tmp_path / "a"), steps=3)[0]["state"]
+    harness.run(sw.save, world_size=2, root=str(tmp_path / "b"), steps=5)
+    import faccel
+
+    saved = faccel.latest_checkpoint(tmp_path / "a")
+    other = faccel.latest_checkpoint(tmp_path / "b")
+    assert saved is not None and other is not None
+    permuted = tmp_path / "permuted" / saved.name
+    shutil.copytree(saved, permuted)
+    content = json.loads((permuted / "state.json").read_text())
+    entry = content["tensors"]["model"]["inp.weight"]
+    assert entry["block"] < entry["shape"][0]  # split over both ranks: moving `first` swaps them
+    entry["first"] = (entry["first"] + 1) % 2
+    (permuted / "state.json").write_text(json.dumps(content))
+    _rehash_in_manifest(permuted, "state.json")
+    for error in _one_process_reads(permuted):
+        assert "edited chunk rule" in error and "inp.weight" in error, error
+
+    mixed = tmp_path / "mixed" / saved.name
+    shutil.copytree(saved, mixed)
+    shutil.copyfile(other / "shard-00001.safetensors", mixed / "shard-00001.safetensors")
+    raw = (mixed / "shard-00001.safetensors").read_bytes()
+    head = raw[: 8 + struct.unpack("<Q", raw[:8])[0]]
+    page = json.loads((mixed / "ranks-00000.json").read_text())
+    page["ranks"][1]["shard"] = {"size": len(raw), "sha256": hashlib.sha256(head).hexdigest()}
+    (mixed / "ranks-00000.json").write_text(json.dumps(page))
+    _rehash_in_manifest(mixed, "ranks-00000.json")
+    for error in _one_process_reads(mixed):
+        assert "written by the save of step 5" in error and "checkpoint is step 3" in error, error
+
+    # A shard written before these fields (no rows, no step in its header) is read as before.
+    legacy = tmp_path / "legacy" / saved.name
+    shutil.copytree(saved, legacy)
+    page = json.loads((legacy / "ranks-00000.json").read_text())
+    for rank in (0, 1):
+        path = legacy / f"shard-{rank:05d}.safetensors"
+        raw = path.read_bytes()
+        length = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8 : 8 + length])
+        fields = json.loads(header["__metadata__"]["faccel"])
+        header["__metadata__"]["faccel"] = json.dumps({k: fields[k] for k in ("hash_rows", "sha256")})
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        head = struct.pack("<Q", len(text)) + text
+        path.write_bytes(head + raw[8 + length :])
+        page["ranks"][rank]["shard"] = {
+            "size": len(head) + len(raw) - 8 - length,
+            "sha256": hashlib.sha256(head).hexdigest(),
+        }
+    (legacy / "ranks-00000.json").write_text(json.dumps(page))
+    _rehash_in_manifest(legacy, "ranks-00000.json")
+    torch.manual_seed(11)
+    plain = sw.Blocks()
+    state = faccel.TrainState.create(model=plain, optimizer=torch.optim.AdamW(plain.parameters()))
+    assert faccel.restore(faccel.detect({}), state, legacy).step == 3
+    assert {f"model/{k}": sw._digest(v) for k, v in plain.state_dict().items()} == {
+        k: v for k, v in written.items() if k.startswith("model/")
+    }

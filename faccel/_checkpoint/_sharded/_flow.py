@@ -304,7 +304,8 @@ def read_tensors(
     )
     opened: dict[int, ShardFile] = {}
     try:
-        shard_files = in_parallel([_opener(directory, pages, rank) for rank in needed])
+        step = content.get("step")
+        shard_files = in_parallel([_opener(directory, pages, rank, step) for rank in needed])
         opened = dict(zip(needed, shard_files, strict=True))
         local = threading.local()
 
@@ -341,10 +342,10 @@ def read_tensors(
     return out, pages
 
 
-def _opener(directory: Path, pages: Pages, rank: int) -> Callable[[], ShardFile]:
+def _opener(directory: Path, pages: Pages, rank: int, step: Any) -> Callable[[], ShardFile]:
     def open_one() -> ShardFile:
         name = shard_name(rank)
-        return ShardFile(directory / name, pages.of(rank)[0], where=f"{directory}/{name}")
+        return ShardFile(directory / name, pages.of(rank)[0], where=f"{directory}/{name}", step=step)
 
     return open_one
 

@@ -4,7 +4,12 @@
 holding the chunks rank RANK writes (``_chunks``), each under its tensor's
 key (``model/<name>``, ``optimizer/<key>``) with the chunk's own shape. Its
 ``__metadata__`` holds ``{"faccel": JSON}`` with, for each chunk, the rows per
-hash block and the SHA-256 of each block. The header's own SHA-256 (and the
+hash block, the SHA-256 of each block and the chunk's rows of the global
+tensor, and the step of the save: a reader checks those rows against the ones
+the index (``state.json``) sends it to, and the step against the checkpoint's,
+so that neither an edited chunk rule nor a shard copied in from another save
+of consistent size goes unseen (files written before these fields, without
+them, are read as before). The header's own SHA-256 (and the
 file's size) goes to the checkpoint's rank pages, so the chain manifest ->
 page -> header -> block covers every byte a reader uses.
 
@@ -41,7 +46,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from faccel._checkpoint._sharded._chunks import HASH_BYTES, Chunk, Placed, hash_rows, row_bytes, rows_of
+from faccel._checkpoint._sharded._chunks import (
+    HASH_BYTES,
+    Chunk,
+    Placed,
+    chunks,
+    hash_rows,
+    row_bytes,
+    rows_of,
+)
 from faccel._storage._durable import FileRecord, SyncedWriter, open_regular, parse_json
 from faccel._storage._safetensors import (
     DTYPE_CODES,
@@ -71,8 +84,11 @@ def _header(
     order: list[str],
     hashes: Mapping[str, list[str]],
     per: Mapping[str, int],
+    rows: Mapping[str, list[int]],
+    step: int,
 ) -> bytes:
-    meta = json.dumps({"hash_rows": dict(per), "sha256": dict(hashes)}, separators=(",", ":"))
+    fields = {"hash_rows": dict(per), "sha256": dict(hashes), "rows": dict(rows), "step": step}
+    meta = json.dumps(fields, separators=(",", ":"))
     specs = {name: (pieces[name].dtype, tuple(pieces[name].shape)) for name in order}
     return header_bytes(specs, order, {_META: meta})
 
@@ -81,12 +97,21 @@ def _sha(view: Any) -> str:
     return hashlib.sha256(view).hexdigest()
 
 
-def write_shard(path: Path, pieces: Mapping[str, torch.Tensor], placed: Mapping[str, Placed]) -> FileRecord:
-    """Write one rank's chunks to a new file at ``path`` and fsync it; the caller fsyncs the folder.
+def write_shard(
+    path: Path,
+    pieces: Mapping[str, torch.Tensor],
+    placed: Mapping[str, Placed],
+    *,
+    rank: int,
+    world: int,
+    step: int,
+) -> FileRecord:
+    """Write rank ``rank``'s chunks of step ``step``'s save to a new file at ``path`` and fsync it.
 
     ``pieces`` maps each key to the chunk's tensor (rows of the global tensor,
     contiguous); ``placed`` gives each key's global tensor (for the rows per
-    hash block). Returns the file's size and the SHA-256 of its header.
+    hash block, and, with ``world``, the chunk's rows). The caller fsyncs the
+    folder. Returns the file's size and the SHA-256 of its header.
 
     Raises :class:`CheckpointError` for a dtype safetensors cannot hold.
     """
@@ -99,11 +124,12 @@ def write_shard(path: Path, pieces: Mapping[str, torch.Tensor], placed: Mapping[
             raise CheckpointError(msg)
     order = sorted(pieces, key=lambda name: -pieces[name].element_size())
     per = {name: hash_rows(placed[name]) for name in order}
+    rows = {name: _own_rows(placed[name], world, rank) for name in order}
     counts = {
         name: -(-rows_of(tuple(pieces[name].shape)) // per[name]) if pieces[name].numel() else 0
         for name in order
     }
-    draft = _header(pieces, order, {name: [_PLACEHOLDER] * counts[name] for name in order}, per)
+    draft = _header(pieces, order, {name: [_PLACEHOLDER] * counts[name] for name in order}, per, rows, step)
     futures: dict[str, list[Future[str]]] = {name: [] for name in order}
     with (
         SyncedWriter(path) as out,
@@ -115,19 +141,25 @@ def write_shard(path: Path, pieces: Mapping[str, torch.Tensor], placed: Mapping[
             if not tensor.numel():
                 continue
             data = memoryview(raw_bytes(tensor)).cast("B")
-            step = per[name] * (len(data) // rows_of(tuple(tensor.shape)))
-            for start in range(0, len(data), step):
-                block = data[start : start + step]
+            stride = per[name] * (len(data) // rows_of(tuple(tensor.shape)))  # bytes per hash block
+            for start in range(0, len(data), stride):
+                block = data[start : start + stride]
                 futures[name].append(hasher.submit(_sha, block))  # hashed while written
                 out.write(block)
         hashes = {name: [future.result() for future in futures[name]] for name in order}
-        final = _header(pieces, order, hashes, per)
+        final = _header(pieces, order, hashes, per, rows, step)
         if len(final) != len(draft):  # pragma: no cover - fixed-width hex cannot change the length
             msg = f"{path}: the shard header changed length"
             raise CheckpointError(msg)
         os.pwrite(out.fd, final, 0)
         size = out.close()
     return FileRecord(size=size, sha256=hashlib.sha256(final).hexdigest())
+
+
+def _own_rows(placed: Placed, world: int, rank: int) -> list[int]:
+    """``[start, stop)`` of ``rank``'s chunk of ``placed`` (a rank writes at most one per tensor)."""
+    own = [[c.start, c.stop] for c in chunks(placed, world) if c.rank == rank]
+    return own[0] if own else [0, 0]
 
 
 class ShardFile:
@@ -137,8 +169,9 @@ class ShardFile:
     tensor into a caller's buffer, checking every hash block it touches.
     """
 
-    def __init__(self, path: Path, record: FileRecord, *, where: str) -> None:
+    def __init__(self, path: Path, record: FileRecord, *, where: str, step: Any = None) -> None:
         self.where = where
+        self.step = step  # the checkpoint's step, which the header must name (None: not checked)
         self.fd = open_regular(path, where=where)
         try:
             size = os.fstat(self.fd).st_size
@@ -155,27 +188,40 @@ class ShardFile:
                 msg = f"{where}: the header's sha256 checksum differs from its rank page's (corrupted)"
                 raise CheckpointError(msg)
             self.header: Header = parse_header(head, size, where=where)
-            self.per, self.hashes = self._hashes(self.header)
+            self.per, self.hashes, self.rows = self._hashes(self.header)
             self.direct = _reopen_direct(self.fd)
             self.direct_works = True
         except BaseException:
             os.close(self.fd)
             raise
 
-    def _hashes(self, header: Header) -> tuple[dict[str, int], dict[str, list[str]]]:
+    def _hashes(self, header: Header) -> tuple[dict[str, int], dict[str, list[str]], dict[str, Any] | None]:
         raw = parse_json(header.metadata.get(_META, "").encode(), f"{self.where}: __metadata__")
         per = raw.get("hash_rows") if isinstance(raw, dict) else None
         hashes = raw.get("sha256") if isinstance(raw, dict) else None
         if not isinstance(per, dict) or not isinstance(hashes, dict):
             msg = f"{self.where}: __metadata__ lacks faccel's hash blocks (not a faccel shard file)"
             raise CheckpointError(msg)
+        chunk_rows = raw.get("rows")
+        if "rows" in raw or "step" in raw:  # written with them (earlier files have neither)
+            step = raw.get("step")
+            if not isinstance(chunk_rows, dict) or type(step) is not int:
+                msg = f"{self.where}: __metadata__'s rows and step are malformed"
+                raise CheckpointError(msg)
+            if self.step is not None and step != self.step:
+                msg = (
+                    f"{self.where}: this shard was written by the save of step {step}, but its "
+                    f"checkpoint is step {self.step}: a shard copied in from another save (the "
+                    "checkpoint is a mix of two saves, and is not read)"
+                )
+                raise CheckpointError(msg)
         for name, info in header.tensors.items():
             rows, each, listed = rows_of(info.shape), per.get(name), hashes.get(name)
             count = -(-rows // each) if type(each) is int and each >= 1 and info.end > info.start else 0
             if type(each) is not int or each < 1 or not isinstance(listed, list) or len(listed) != count:
                 msg = f"{self.where}: tensor {name!r} has no valid hash blocks in __metadata__"
                 raise CheckpointError(msg)
-        return per, hashes
+        return per, hashes, chunk_rows
 
     def close(self) -> None:
         """Close the file."""
@@ -192,6 +238,13 @@ class ShardFile:
             msg = (
                 f"{self.where}: tensor {name!r} should hold rows {chunk.start}:{chunk.stop} "
                 f"({placed.dtype} {list(shape)}), found {found}"
+            )
+            raise CheckpointError(msg)
+        if self.rows is not None and self.rows.get(name) != [chunk.start, chunk.stop]:
+            msg = (
+                f"{self.where}: tensor {name!r}: the index (state.json) sends this read to rows "
+                f"{chunk.start}:{chunk.stop}, but the shard's header says its chunk is rows "
+                f"{self.rows.get(name)} (an edited chunk rule: the rows would come back permuted)"
             )
             raise CheckpointError(msg)
         return info
