@@ -49,6 +49,7 @@ from transformers import (
     default_data_collator,
     get_scheduler,
 )
+from transformers.trainer_pt_utils import get_parameter_names
 
 import faccel
 
@@ -90,6 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ],
     )
     parser.add_argument("--num_warmup_steps", type=int, default=0)
+    parser.add_argument(
+        "--mixed_precision",
+        type=str,
+        default=None,
+        choices=["no", "bf16", "fp16"],
+        help="Autocast precision (default: $FACCEL_PRECISION, else no); Accelerate's --mixed_precision.",
+    )
     parser.add_argument("--max_grad_norm", type=float, default=None, help="Clip gradients to this norm.")
     parser.add_argument("--output_dir", type=str, default=None, help="Where to store the final model.")
     parser.add_argument("--seed", type=int, default=None, help="Seeds the weights and the data order.")
@@ -210,15 +218,13 @@ def block_size_of(args: argparse.Namespace, tokenizer: Any) -> int:
 
 
 def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: weight decay on the weights, none on biases and layer norms."""
-    no_decay = ["bias", "layer_norm.weight", "LayerNorm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight"]
-    named = list(model.named_parameters())
+    """Two groups: weight decay on the weights, none on biases and norms (as the Trainer decides)."""
+    forbidden = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], forbidden_layer_names=forbidden))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
-        {
-            "params": [p for n, p in named if not any(nd in n for nd in no_decay)],
-            "weight_decay": weight_decay,
-        },
-        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
 
 
@@ -266,7 +272,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     # The data order follows dist.seed (a function of seed and epoch, the same on every rank).
     seed = args.seed if args.seed is not None else 0
-    dist = faccel.detect(accumulation_steps=args.gradient_accumulation_steps, seed=seed)
+    dist = faccel.detect(
+        accumulation_steps=args.gradient_accumulation_steps, precision=args.mixed_precision, seed=seed
+    )
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
         datefmt="%m/%d/%Y %H:%M:%S",
@@ -321,12 +329,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         checkpointing_steps = int(checkpointing_steps)
     root = Path(args.output_dir or ".") / "checkpoints"
 
+    scaler = faccel.grad_scaler(dist)  # a pass-through unless --mixed_precision fp16
     # The per-rank sums behind the epoch's train_loss ride in the checkpoint, so a resumed run logs
     # the same numbers.
     state = faccel.TrainState.create(
         model=model,
         optimizer=optimizer,
         scheduler=lr_scheduler,
+        scaler=scaler,
         loader=train_dataloader,
         rank_extras={"loss_sum": 0.0, "tokens": 0},
     )
@@ -376,28 +386,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # num_items_in_batch=1: the model's loss is the sum over the batch's tokens, which
                 # backward divides by the step's token count over every micro-batch and rank.
                 loss = model(**batch, num_items_in_batch=1).loss
-                faccel.backward(dist, loss, micro=micro, items=n)
-            sums = state.rank_extras
-            state = attrs.evolve(
-                state,
-                position=state.position + 1,
-                rank_extras={"loss_sum": sums["loss_sum"] + loss.item(), "tokens": sums["tokens"] + n},
-            )
+                faccel.backward(dist, loss, micro=micro, items=n, scaler=scaler)
+            state = attrs.evolve(state, position=state.position + 1)
+            if tracker is not None:  # .item() waits for the device: only when tracking
+                sums = state.rank_extras
+                rank_extras = {"loss_sum": sums["loss_sum"] + loss.item(), "tokens": sums["tokens"] + n}
+                state = attrs.evolve(state, rank_extras=rank_extras)
             if not micro.sync:
                 continue
             if args.max_grad_norm is not None:
-                faccel.clip_grad_norm(dist, model, args.max_grad_norm)
-            faccel.optimizer_step(dist, optimizer, scheduler=lr_scheduler)
+                faccel.clip_grad_norm(dist, model, args.max_grad_norm, scaler=scaler, optimizer=optimizer)
+            # Under fp16 a step with inf/NaN gradients is skipped, and the scheduler waits with it.
+            faccel.optimizer_step(dist, optimizer, scaler=scaler, scheduler=lr_scheduler)
             optimizer.zero_grad()
             state = attrs.evolve(state, step=state.step + 1)
             if tracker is not None:
                 faccel.log(dist, tracker, state.step, {"loss": loss.detach() / max(n, 1)}, reduce="mean")
                 faccel.log(dist, tracker, state.step, {"learning_rate": optimizer.param_groups[0]["lr"]})
-            if isinstance(checkpointing_steps, int) and state.step % checkpointing_steps == 0:
+            stopping = faccel.any_rank(dist, stop.received)  # the same answer on every rank
+            if stopping or (isinstance(checkpointing_steps, int) and state.step % checkpointing_steps == 0):
                 save(state)
-            if faccel.any_rank(dist, stop.received):  # the same step on every rank
-                save(state)
-                logger.info(f"stopped by a signal at step {state.step}")
+            if stopping:
+                logger.info(
+                    f"stopped by a signal at step {state.step}; resume with --resume_from_checkpoint {root}"
+                )
                 faccel.shutdown(dist, trackers=[tracker] if tracker is not None else [])
                 return {"stopped_at": state.step}
             if state.step >= args.max_train_steps:
@@ -409,7 +421,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loss_sum, tokens = faccel.reduce(
                 dist,
                 torch.tensor(
-                    [state.rank_extras["loss_sum"], state.rank_extras["tokens"]], dtype=torch.float64
+                    [state.rank_extras["loss_sum"], state.rank_extras["tokens"]],
+                    dtype=torch.float64,
+                    device=dist.device,
                 ),
                 op="sum",
             ).tolist()

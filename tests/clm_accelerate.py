@@ -111,7 +111,8 @@ def main(argv: list[str]) -> None:
             with torch.no_grad():
                 outputs = model(**batch)
             loss = outputs.loss
-            losses.append(accelerator.gather_for_metrics(loss.repeat(args.per_device_eval_batch_size)))
+            batch_size = batch["input_ids"].shape[0]
+            losses.append(accelerator.gather_for_metrics(loss.repeat(batch_size)))
         losses = torch.cat(losses)
         try:
             eval_loss = torch.mean(losses)
@@ -128,6 +129,7 @@ def main(argv: list[str]) -> None:
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
             json.dump({"perplexity": perplexity, "step": completed_steps}, f)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "run_clm.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-MODEL = "n_layer=2,n_embd=32,n_head=2,n_positions=64,vocab_size=30"
+MODEL = "n_layer=2,n_embd=32,n_head=2,n_positions=64,vocab_size=30,bos_token_id=1,eos_token_id=1"
 NO_DROPOUT = ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
 EVAL_TOKENS = 13 * 15  # 13 evaluation blocks of 16 tokens, 15 of them predicted
 
