@@ -21,12 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
-from transformers import default_data_collator, get_scheduler
-
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "run_clm.py"
 
 
@@ -39,6 +33,13 @@ def _example() -> Any:
 
 
 def main(argv: list[str]) -> None:
+    # Imported here: pytest's --doctest-modules imports this file, where accelerate may be missing.
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator, get_scheduler
+
     clm = _example()
     args = clm.parse_args(argv)
     accelerator = Accelerator(

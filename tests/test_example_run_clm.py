@@ -115,14 +115,19 @@ def _records(run: Path) -> list[tuple[int, str, dict[str, float]]]:
 
 @pytest.fixture(scope="module")
 def one_process(corpus: Path) -> tuple[Path, dict[str, Any]]:
-    """The one-process run, in this process (dropout off, for the Accelerate comparison)."""
+    """The one-process run, in this process (dropout off, for the Accelerate comparison).
+
+    ``main`` seeds the global generators (``--seed``); they are put back as they were after it.
+    """
     import torch
 
     spec = importlib.util.spec_from_file_location("run_clm_example", SCRIPT)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    generators = torch.get_rng_state(), random.getstate()
+    import numpy as np
+
+    generators = torch.get_rng_state(), random.getstate(), np.random.get_state()
     torch.set_num_threads(1)  # as the autouse fixture, which a module fixture runs before
     out = corpus / "one-process"
     try:
@@ -130,6 +135,7 @@ def one_process(corpus: Path) -> tuple[Path, dict[str, Any]]:
     finally:
         torch.set_rng_state(generators[0])
         random.setstate(generators[1])
+        np.random.set_state(generators[2])
     return out, results
 
 
