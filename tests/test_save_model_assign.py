@@ -1,4 +1,4 @@
-"""The plan of a sharded save_model: which rank writes which tensor, into which file (faccel/_hf/_assign.py)."""
+"""The plan of a sharded save_model: which rank writes which tensor, into which file (_hf/_assign)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ class PlannedFile:
 def rank_files(
     walk: Sequence[str], sizes: Mapping[str, int], owner: Mapping[str, int], world: int, max_shard_size: int
 ) -> list[PlannedFile]:
-    """The files of a sharded save: each rank's tensors, in ``walk`` order, cut greedily at ``max_shard_size``.
+    """The files of a sharded save: each rank's tensors, in ``walk`` order, cut at ``max_shard_size``.
 
     ``walk`` is the order every rank gathers the tensors in; a rank's files are
     consecutive runs of its own tensors in that order, so it writes them one
