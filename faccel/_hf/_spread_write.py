@@ -39,7 +39,7 @@ from faccel._torch_compat import is_dtensor
 __all__ = ["OwnFile", "write_own"]
 
 # Gathered tensors that may wait for the writer thread, in bytes (one tensor always may).
-BUFFER = 256 << 20
+BUFFER = 64 << 20
 
 
 @attrs.frozen(kw_only=True)
