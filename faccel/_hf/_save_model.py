@@ -9,6 +9,10 @@ write and read (they read the shards the index names, whatever their names).
 Tied weights (two names, one tensor) are stored once, under the first name,
 and a model with the same ties gets them back tied.
 
+A sharded model (FSDP2, HSDP, tensor parallelism) is written by all its ranks,
+each its own share of the tensors into its own shards (``_hf/_assign.py``,
+``_hf/_spread_write.py``), never gathered whole on one rank.
+
 A save commits as a whole, in one step: the shards of a sharded save carry
 ``TAG``, new for each save, so they never replace the shards of the save a
 loader reads; the index, renamed in at once, switches to them. The single file
@@ -263,10 +267,15 @@ def save_model(
     ``model.safetensors``, or shards ``model-TAG-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``
     (``TAG``: 8 hex digits, new for each save). Tied weights are stored once
-    (under their first name). Only the main process writes, but every process
-    must call it (not under ``if dist.is_main_process:``); every process returns
-    once the files are complete (a barrier), so all ranks may read them right
-    after. The save commits as a whole: a crash at any moment leaves the earlier
+    (under their first name). Every process must call it (not under ``if
+    dist.is_main_process:``); every process returns once the files are
+    complete (a barrier), so all ranks may read them right after. The main
+    process writes a replicated model. A sharded one (FSDP2, HSDP, tensor
+    parallelism) is never whole on one rank: each rank gathers and writes only
+    its share (balanced by bytes) into its own shards, at least one file per
+    writing rank, and the main process commits the index; ``directory`` must
+    then be a folder every rank sees (a shared file system).
+    The save commits as a whole: a crash at any moment leaves the earlier
     save or this one for :func:`load_model` (and ``from_pretrained``), never a
     mix; the earlier save's files, and those of a crashed or failed save, are
     deleted after the commit (and a failed write deletes its own).
@@ -288,12 +297,12 @@ def save_model(
     Raises:
         ArgumentValueError: A bad ``max_shard_size``.
         CheckpointError: A tensor dtype safetensors cannot hold, on the
-            writing rank. An FSDP2 model's shards are gathered into whole
-            weights first (every rank must call ``save_model``). A rank did
-            not call ``save_model`` within ``arrival_timeout``.
+            writing rank (every rank, for a sharded model). A rank did not
+            call ``save_model`` within ``arrival_timeout``.
         StorageError: ``directory`` or a parent is a file; a failed write (an
-            ``OSError``: a full disk, a permission) on the writing rank; on
-            the other ranks, any failure of the writing rank.
+            ``OSError``: a full disk, a permission) on a writing rank; on
+            the other ranks, any failure of a writing rank; a sharded
+            model's files that rank 0 does not see (a folder not shared).
 
     Example:
         >>> import tempfile, torch, faccel

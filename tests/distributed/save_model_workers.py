@@ -241,6 +241,12 @@ def sharded_gpt2_save(directory: str, small_shards: int, failing: str) -> dict[s
     with torch.no_grad():
         fresh_logits = fresh(tokens()).logits
 
+    # a model of one tensor: a plan of one file, model.safetensors, committed by its own rename
+    torch.manual_seed(2)
+    single = faccel.prepare(dist, nn.Linear(8, 6, bias=False))
+    faccel.save_model(dist, single, os.path.join(directory, "single"))
+    single_weight = single.weight.full_tensor().flatten().tolist()
+
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(1.0)  # a later version, whose save fails on rank 1
@@ -258,6 +264,7 @@ def sharded_gpt2_save(directory: str, small_shards: int, failing: str) -> dict[s
         "fresh_logits_equal": torch.equal(fresh_logits, logits),
         "loaded_back": back,
         "failure": failure,
+        "single_weight": single_weight,
     }
 
 

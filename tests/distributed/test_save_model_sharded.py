@@ -136,3 +136,13 @@ def test_a_write_failing_on_one_rank_fails_every_rank_and_leaves_the_earlier_sav
     assert sorted(names) == sorted(
         [*set(index["weight_map"].values()), "model.safetensors.index.json", *CONFIGS]
     )
+
+
+def test_a_plan_of_one_file_is_model_safetensors(saved: dict) -> None:
+    folder = saved["root"] / "single"
+    assert sorted(os.listdir(folder)) == ["model.safetensors"]
+    weight = sw.hf_tensors(folder)["weight"]
+    assert weight.shape == (6, 8)
+    assert (
+        weight.flatten().tolist() == saved["ranks"][0]["single_weight"] == saved["ranks"][1]["single_weight"]
+    )
