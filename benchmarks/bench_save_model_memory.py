@@ -2,7 +2,7 @@
 
 The setting: a GPT-2 built from a ``GPT2Config`` (no hub access; width 768, 8
 blocks, a vocabulary of 8192: about 63M parameters, 0.25 GB in float32, the
-largest tensor 9.4 MB), sharded by ``faccel.prepare`` (FSDP2). Subjects, each
+largest tensor the 25 MB embedding), sharded by ``faccel.prepare`` (FSDP2). Subjects, each
 in its own pair of fresh processes, alternating:
 
 * ``faccel``: ``faccel.save_model`` as it is: every rank walks the tensors in

@@ -1,4 +1,4 @@
-"""The plan of a sharded save_model: which rank writes which tensor, into which file (_hf/_assign)."""
+"""A sharded save_model in one process: its plan (_hf/_assign) and a rank's writer (_hf/_spread_write)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,49 @@ def test_the_largest_tensors_spread_over_the_ranks_first() -> None:
     sizes = {"embed": 100, "h.0": 40, "h.1": 40, "h.2": 40, "norm": 1}
     assert assign(sizes, 2) == {"embed": 0, "h.0": 1, "h.1": 1, "h.2": 1, "norm": 0}  # 101 and 120 bytes
     assert assign(sizes, 1) == dict.fromkeys(sizes, 0)
+
+
+def test_write_own_streams_this_rank_s_tensors_into_its_files_through_a_small_buffer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from safetensors.torch import load_file
+
+    from faccel._hf._spread_write import OwnFile, write_own
+    from faccel._storage._safetensors import header_bytes, plan
+
+    torch.manual_seed(0)
+    state = {"a": torch.randn(64, 8), "b": torch.arange(10), "c": torch.randn(3).half(), "d": torch.zeros(0)}
+    walk = sorted(state, key=lambda name: -state[name].element_size())  # b, a, c, d
+    owner = {"a": 0, "b": 0, "c": 0, "d": 1}  # d is another rank's: gathered, then dropped
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+    groups = [("one.safetensors", ("b", "a")), ("two.safetensors", ("c",))]
+    files = [
+        OwnFile(name=n, header=header_bytes(specs, list(g), {"format": "pt"}), names=g) for n, g in groups
+    ]
+    write_own(state, walk, owner, 0, tmp_path, files, buffer=1)  # one tensor waits at a time
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors", "two.safetensors"]
+    for name, group in groups:
+        loaded = load_file(tmp_path / name)
+        assert set(loaded) == set(group) and all(torch.equal(loaded[key], state[key]) for key in group)
+        # byte for byte what a one-process save writes of the same tensors
+        chunks = plan({key: state[key] for key in group}, metadata={"format": "pt"})
+        assert (tmp_path / name).read_bytes() == b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+
+
+def test_a_failed_write_is_raised_after_the_walk_and_leaves_no_final_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+    import torch
+
+    from faccel._hf._spread_write import OwnFile, write_own
+    from faccel._storage._safetensors import header_bytes
+
+    state = {name: torch.full((256,), float(i)) for i, name in enumerate("abcd")}
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+    (tmp_path / ".tmp-two.safetensors").mkdir()  # the second file's temporary cannot be written
+    (tmp_path / ".tmp-two.safetensors" / "x").write_text("")
+    files = [
+        OwnFile(name=n, header=header_bytes(specs, list(g), None), names=g)
+        for n, g in (("one.safetensors", ("a", "b")), ("two.safetensors", ("c", "d")))
+    ]
+    with pytest.raises(OSError):
+        write_own(state, list(state), dict.fromkeys(state, 0), 0, tmp_path, files, buffer=1)
+    assert (tmp_path / "one.safetensors").is_file() and not (tmp_path / "two.safetensors").exists()

@@ -361,7 +361,8 @@ def _save_spread(
     names = list(state)
     aliases = alias_groups(state)
     # Ties are agreed on: a rank whose piece of a tied tensor is empty cannot see the tie.
-    firsts = agree_max(dist, [names.index(aliases[name]) if name in aliases else -1 for name in names])
+    position = {name: index for index, name in enumerate(names)}
+    firsts = agree_max(dist, [position[aliases[name]] if name in aliases else -1 for name in names])
     stored = [name for name, first in zip(names, firsts, strict=True) if first < 0]
     specs = {name: (state[name].dtype, tuple(state[name].shape)) for name in stored}  # global shapes
     sizes = {name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()}
