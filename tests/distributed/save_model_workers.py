@@ -284,3 +284,48 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     assert set(out) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
     return out
+
+
+def sharded_save_kill_at_every_operation(directory: str, before: int, after: int) -> dict:
+    """As :func:`save_model_kill_at_every_operation`, through a sharded model's save (an FSDP2 model
+    on a world of one, forked at every kill point): the writer thread, the plan's shards, rank 0's commit.
+
+    ``prepare`` leaves a one-process model unsharded, so the model is sharded here by torch's own
+    ``fully_shard`` over a gloo group of one (which a forked child may use: it has no peers).
+    """
+    import torch.distributed as tdist
+    from torch.distributed.fsdp import fully_shard
+
+    import faccel
+    from faccel._loop._model import is_sharded
+
+    tdist.init_process_group("gloo", rank=0, world_size=1)
+    dist = faccel.detect({})
+    model = _model()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    assert is_sharded(model)  # save_model takes the sharded model's path
+    _save(dist, model, directory + ".warmup", 1)
+
+    def reset() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        _save(dist, model, directory, before)
+
+    def write_and_die_at(kill_at: int) -> None:
+        patches = [(os, name) for name in ("open", "write", "fsync", "replace", "rename", "unlink")]
+        die_at_operation(kill_at, patches, lambda: _save(dist, model, directory, after), directory + ".count")
+
+    reset()
+    assert _wait(_fork(lambda: write_and_die_at(0))) == 0
+    with open(directory + ".count") as handle:
+        total = int(handle.read())
+    loaded, retried, files = [], [], []
+    for kill_at in range(1, total + 1):
+        reset()
+        assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
+        loaded.append(read_version(directory))
+        _save(dist, model, directory, after)
+        retried.append(read_version(directory))
+        files.append(untagged(directory))
+    return {"operations": total, "loaded": loaded, "retried": retried, "files": files}
