@@ -113,7 +113,7 @@ def test_from_pretrained_and_load_model_read_it_with_the_prepared_model_s_logits
         assert torch.equal(loaded(tokens).logits, eager_logits)
     for rank in saved["ranks"]:
         prepared = torch.tensor(rank["logits"]).reshape(eager_logits.shape)
-        torch.testing.assert_close(prepared, eager_logits, rtol=1e-6, atol=1e-6)
+        assert torch.equal(prepared, eager_logits)  # FSDP2 gathers the same weights: the same sums
         assert rank["fresh_logits_equal"] and rank["loaded_back"]  # load_model into a sharded model
     plain = sw.tiny_gpt2(seed=1)
     assert faccel.load_model(faccel.detect({}), plain, folder) == ((), ())
