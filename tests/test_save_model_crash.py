@@ -93,6 +93,31 @@ def test_sigkill_at_every_file_operation_of_a_save(tmp_path: Path, before: int, 
     assert result["files"] == [sw.expected_files(after)] * len(loaded)
 
 
+@pytest.mark.parametrize(
+    ("before", "after"), [(5, 6), (6, 7)], ids=["1-file-over-4-shards", "2-shards-over-1-file"]
+)
+def test_sigkill_at_every_file_operation_of_a_sharded_model_s_save(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    """The same, through a sharded model's save (FSDP2 on a world of one): its plan's shards, written
+    by the writer thread, and rank 0's commit. A save on more ranks runs the same code and commit;
+    a write failing on one of 2 ranks: tests/distributed/test_save_model_sharded.py."""
+    (result,) = harness.run(
+        sw.sharded_save_kill_at_every_operation,
+        world_size=1,
+        timeout=180,
+        directory=str(tmp_path / "model"),
+        before=before,
+        after=after,
+    )
+    loaded = result["loaded"]
+    assert result["operations"] > 8 and len(loaded) == result["operations"]
+    switch = loaded.index(after)
+    assert switch > 0 and loaded == [before] * switch + [after] * (len(loaded) - switch), loaded
+    assert result["retried"] == [after] * len(loaded)
+    assert result["files"] == [sw.expected_files(after)] * len(loaded)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the random-moment SIGKILL loop for as many trials as asked; print the counts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -9,6 +9,10 @@ write and read (they read the shards the index names, whatever their names).
 Tied weights (two names, one tensor) are stored once, under the first name,
 and a model with the same ties gets them back tied.
 
+A sharded model (FSDP2, HSDP, tensor parallelism) is written by all its ranks,
+each its own share of the tensors into its own shards (``_hf/_assign.py``,
+``_hf/_spread_write.py``), never gathered whole on one rank.
+
 A save commits as a whole, in one step: the shards of a sharded save carry
 ``TAG``, new for each save, so they never replace the shards of the save a
 loader reads; the index, renamed in at once, switches to them. The single file
@@ -36,11 +40,13 @@ from torch import nn
 
 from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA, shard_name
-from faccel._checkpoint._sharded._fsdp_state import full_state
-from faccel._dist._consensus import DEFAULT_ARRIVAL, arrive, together
+from faccel._checkpoint._sharded._fsdp_state import sharded_state
+from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
+from faccel._hf._assign import assign, rank_files
 from faccel._hf._shard_read import load_rows
+from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import (
     MAX_JSON,
@@ -50,7 +56,7 @@ from faccel._storage._durable import (
     read_verified,
     write_durably,
 )
-from faccel._storage._safetensors import TensorInfo, plan, read_header, read_tensors
+from faccel._storage._safetensors import TensorInfo, header_bytes, plan, read_header, read_tensors
 from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
 from faccel._storage._weights import alias_groups, compare_tensors, model_tensors
 from faccel._torch_compat import is_dtensor
@@ -197,6 +203,20 @@ def _new_tag(directory: Path) -> str:
             return tag
 
 
+def _commit_index(directory: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """The commit of a sharded save whose shards are in place (under new names, fsynced).
+
+    The index switches to the new shards in one rename; over a single file
+    (which a loader reads first), deleting that file commits.
+    """
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+    atomic_write(directory / INDEX_NAME, [content])
+    if (directory / WEIGHTS_NAME).is_file():
+        (directory / WEIGHTS_NAME).unlink()
+        fsync_dir(directory)
+
+
 def _write_model(
     directory: Path,
     stored: Mapping[str, torch.Tensor],
@@ -208,15 +228,7 @@ def _write_model(
     A failed write (an ``OSError``) deletes what it wrote before raising; the
     weights a loader reads are then those of the earlier save.
     """
-    blocked = blocking_file(directory)
-    if blocked is not None:
-        msg = (
-            f"{blocked} is a file, not a folder: save_model writes model.safetensors (or its shards) "
-            f"into the folder {directory}; pass the path of a folder (new or existing)"
-        )
-        raise StorageError(msg)
-    directory.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(directory)  # of a save that crashed
+    _prepare_folder(directory)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in stored.items()}
     groups = split_shards(sizes, max_shard_size)
     try:
@@ -230,17 +242,8 @@ def _write_model(
                 write_durably(temporary, plan({key: stored[key] for key in group}, metadata=_METADATA))
                 os.replace(temporary, directory / name)  # a new name: no loader reads it yet
             fsync_dir(directory)
-            index = {
-                "metadata": {"total_size": sum(sizes.values())},
-                "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group},
-            }
-            # The commit: the index switches to the new shards in one rename; over a single
-            # file (which a loader reads first), deleting that file commits.
-            content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
-            atomic_write(directory / INDEX_NAME, [content])
-            if (directory / WEIGHTS_NAME).is_file():
-                (directory / WEIGHTS_NAME).unlink()
-                fsync_dir(directory)
+            weight_map = {key: name for name, group in zip(names, groups, strict=True) for key in group}
+            _commit_index(directory, weight_map, sum(sizes.values()))
         for name, content in (extras or {}).items():
             atomic_write(directory / name, [content])
     except OSError:
@@ -264,10 +267,15 @@ def save_model(
     ``model.safetensors``, or shards ``model-TAG-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``
     (``TAG``: 8 hex digits, new for each save). Tied weights are stored once
-    (under their first name). Only the main process writes, but every process
-    must call it (not under ``if dist.is_main_process:``); every process returns
-    once the files are complete (a barrier), so all ranks may read them right
-    after. The save commits as a whole: a crash at any moment leaves the earlier
+    (under their first name). Every process must call it (not under ``if
+    dist.is_main_process:``); every process returns once the files are
+    complete (a barrier), so all ranks may read them right after. The main
+    process writes a replicated model. A sharded one (FSDP2, HSDP, tensor
+    parallelism) is never whole on one rank: each rank gathers and writes only
+    its share (balanced by bytes) into its own shards, at least one file per
+    writing rank, and the main process commits the index; ``directory`` must
+    then be a folder every rank sees (a shared file system).
+    The save commits as a whole: a crash at any moment leaves the earlier
     save or this one for :func:`load_model` (and ``from_pretrained``), never a
     mix; the earlier save's files, and those of a crashed or failed save, are
     deleted after the commit (and a failed write deletes its own).
@@ -289,12 +297,12 @@ def save_model(
     Raises:
         ArgumentValueError: A bad ``max_shard_size``.
         CheckpointError: A tensor dtype safetensors cannot hold, on the
-            writing rank. An FSDP2 model's shards are gathered into whole
-            weights first (every rank must call ``save_model``). A rank did
-            not call ``save_model`` within ``arrival_timeout``.
+            writing rank (every rank, for a sharded model). A rank did not
+            call ``save_model`` within ``arrival_timeout``.
         StorageError: ``directory`` or a parent is a file; a failed write (an
-            ``OSError``: a full disk, a permission) on the writing rank; on
-            the other ranks, any failure of the writing rank.
+            ``OSError``: a full disk, a permission) on a writing rank; on
+            the other ranks, any failure of a writing rank; a sharded
+            model's files that rank 0 does not see (a folder not shared).
 
     Example:
         >>> import tempfile, torch, faccel
@@ -307,17 +315,122 @@ def save_model(
     target = Path(directory)
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
-    # FSDP2: every rank takes part in gathering the whole weights onto rank 0.
-    whole = full_state(unwrap_model(model), None)[0] if is_sharded(unwrap_model(model)) else None
+    inner = unwrap_model(model)
+    configs = {name: content.encode() for name, content in _configs(inner).items()}
+    if is_sharded(inner):  # FSDP2, HSDP, tensor parallelism: every rank writes its share
+        _save_spread(dist, inner, target, limit, configs)
+        return target
 
     def write() -> None:
         if dist.is_main_process:
-            stored, _ = model_tensors(unwrap_model(model), whole)
-            configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
+            stored, _ = model_tensors(inner)
             _write_model(target, stored, limit, configs)
 
     together(dist, write, what="save_model", raises=StorageError)
     return target
+
+
+def _prepare_folder(directory: Path) -> None:
+    """The folder a save writes into: refused under a file, created, cleared of a crashed save's files."""
+    blocked = blocking_file(directory)
+    if blocked is not None:
+        msg = (
+            f"{blocked} is a file, not a folder: save_model writes model.safetensors (or its shards) "
+            f"into the folder {directory}; pass the path of a folder (new or existing)"
+        )
+        raise StorageError(msg)
+    directory.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(directory)  # of a save that crashed
+
+
+def _save_spread(
+    dist: DistState, module: nn.Module, target: Path, limit: int, configs: Mapping[str, bytes]
+) -> None:
+    """A sharded model's save: each rank gathers and writes only its share; rank 0 commits.
+
+    The plan (``_hf/_assign.py``: which rank writes which tensor, balanced by
+    bytes, and into which file) is computed by every rank from the tensors'
+    names, dtypes and global shapes, so it needs no communication. The files
+    are numbered rank by rank (``model-TAG-0000k-of-0000n.safetensors``, one
+    or more per writing rank); a plan of one file is ``model.safetensors``.
+    Then, as a one-process save commits: the shards under names no index
+    holds yet, and rank 0's index rename commits them all, after it has seen
+    every rank's files (the folder must be shared by the ranks).
+    """
+    state = sharded_state(module, None)[0]
+    names = list(state)
+    aliases = alias_groups(state)
+    # Ties are agreed on: a rank whose piece of a tied tensor is empty cannot see the tie.
+    position = {name: index for index, name in enumerate(names)}
+    firsts = agree_max(dist, [position[aliases[name]] if name in aliases else -1 for name in names])
+    stored = [name for name, first in zip(names, firsts, strict=True) if first < 0]
+    specs = {name: (state[name].dtype, tuple(state[name].shape)) for name in stored}  # global shapes
+    sizes = {name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()}
+    # Largest element size first, as plan() lays out a file: every tensor aligned to its element size.
+    walk = sorted(stored, key=lambda name: -specs[name][0].itemsize)
+    owner = assign(sizes, dist.world_size)
+    planned = rank_files(walk, sizes, owner, dist.world_size, limit)
+    # Every rank builds every header: a dtype safetensors cannot hold is refused alike on all ranks.
+    headers = [header_bytes(specs, list(file.names), _METADATA) for file in planned]
+
+    def prepare() -> int:
+        if not dist.is_main_process:
+            return 0
+        _prepare_folder(target)
+        return int(_new_tag(target), 16)
+
+    (tag,) = agree_max(dist, [together(dist, prepare, what="save_model", raises=StorageError)])
+    files = shard_names(len(planned), tag=f"{tag:08x}")
+    sizes_of = {
+        file: len(header) + sum(sizes[name] for name in part.names)
+        for file, header, part in zip(files, headers, planned, strict=True)
+    }
+
+    def write() -> None:
+        if not target.is_dir():
+            msg = (
+                f"save_model: rank {dist.rank} does not see the folder {target} that rank 0 created: "
+                "a sharded model's save is written by every rank, into one folder all ranks share "
+                "(a shared file system), as checkpoints are"
+            )
+            raise StorageError(msg)
+        own = [
+            OwnFile(name=file, header=header, names=part.names)
+            for file, header, part in zip(files, headers, planned, strict=True)
+            if part.rank == dist.rank
+        ]
+        write_own(state, walk, owner, dist.rank, target, own)
+
+    def commit() -> None:
+        if not dist.is_main_process:
+            return
+        for (file, size), part in zip(sizes_of.items(), planned, strict=True):
+            path = target / file
+            if not path.is_file() or path.stat().st_size != size:
+                msg = (
+                    f"save_model: rank {part.rank} wrote {file} ({size} bytes), but rank 0 finds "
+                    f"{'no such file' if not path.is_file() else f'{path.stat().st_size} bytes'} in "
+                    f"{target}: the folder must be one that every rank shares (a shared file system); "
+                    "nothing was committed"
+                )
+                raise StorageError(msg)
+        if len(files) > 1:
+            pairs = zip(files, planned, strict=True)
+            weight_map = {name: file for file, part in pairs for name in part.names}
+            _commit_index(target, weight_map, sum(sizes.values()))
+        # (one file: its owner's rename of model.safetensors committed it)
+        for name, content in configs.items():
+            atomic_write(target / name, [content])
+        _remove_leftovers(target)  # the earlier save's files
+
+    try:
+        together(dist, write, what="save_model", raises=StorageError)
+        together(dist, commit, what="save_model", raises=StorageError)
+    except Exception:
+        if dist.is_main_process:
+            with contextlib.suppress(OSError):  # the save's error is the one to report
+                _remove_leftovers(target)
+        raise
 
 
 _Reader = Callable[[Path, Sequence[Path]], Mapping[str, Any]]

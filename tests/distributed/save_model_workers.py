@@ -7,9 +7,11 @@ again, one file, two shards), so a kill lands in every switch between them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,6 +136,176 @@ def save_model_kill_at_every_operation(directory: str, before: int, after: int) 
 
     dist = faccel.detect({})
     model = _model()
+    _save(dist, model, directory + ".warmup", 1)
+
+    def reset() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        _save(dist, model, directory, before)
+
+    def write_and_die_at(kill_at: int) -> None:
+        patches = [(os, name) for name in ("open", "write", "fsync", "replace", "rename", "unlink")]
+        die_at_operation(kill_at, patches, lambda: _save(dist, model, directory, after), directory + ".count")
+
+    reset()
+    assert _wait(_fork(lambda: write_and_die_at(0))) == 0
+    with open(directory + ".count") as handle:
+        total = int(handle.read())
+    loaded, retried, files = [], [], []
+    for kill_at in range(1, total + 1):
+        reset()
+        assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
+        loaded.append(read_version(directory))
+        _save(dist, model, directory, after)
+        retried.append(read_version(directory))
+        files.append(untagged(directory))
+    return {"operations": total, "loaded": loaded, "retried": retried, "files": files}
+
+
+# --- save_model of a sharded model, every rank writing its share: test_save_model_sharded.py
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    """A small GPT-2 (tied embedding and head) from its config, no hub access."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+TOKENS = {"low": 0, "high": 101, "size": (2, 16)}
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(**TOKENS, generator=torch.Generator().manual_seed(1))  # type: ignore[call-overload]
+
+
+def _spy_files(opened: list[str]) -> None:
+    """Record the name of every weight file this rank writes (faccel's own writer, wrapped)."""
+    import faccel._hf._spread_write as spread
+
+    original = spread.SyncedWriter
+
+    class Recorded(original):  # type: ignore[misc, valid-type]
+        def __init__(self, path: Any) -> None:
+            opened.append(os.path.basename(str(path)).removeprefix(".tmp-"))
+            super().__init__(path)
+
+    spread.SyncedWriter = Recorded  # type: ignore[misc]
+
+
+def _fail_writes_on(rank: int) -> None:
+    """This rank's weight files fail to open, as on a full disk."""
+    import errno
+
+    import faccel._hf._spread_write as spread
+
+    class Full:
+        def __init__(self, path: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+    spread.SyncedWriter = Full  # type: ignore[misc, assignment]
+
+
+def sharded_gpt2_save(directory: str, small_shards: int, failing: str) -> dict[str, Any]:
+    """FSDP2 on every rank: save_model of a tiny GPT-2 (default max_shard_size), then again over it in
+    shards of ``small_shards`` bytes; then a save into ``failing`` whose writes fail on rank 1.
+
+    Returns each rank's files, the prepared model's logits, and what load_model of the
+    saves into a fresh sharded model gives back.
+    """
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp")
+    model = faccel.prepare(dist, tiny_gpt2())
+    with torch.no_grad():
+        logits = model(tokens()).logits
+    opened: list[str] = []
+    _spy_files(opened)
+    faccel.save_model(dist, model, os.path.join(directory, "default"))
+    default_files = list(opened)
+    opened.clear()
+    faccel.save_model(dist, model, os.path.join(directory, "default"), max_shard_size=small_shards)
+    small_files = list(opened)
+    faccel.save_model(dist, model, failing)  # the earlier save the failed one must leave
+
+    # load_model of the sharded save into a sharded model prepared from other weights: bitwise back
+    fresh = faccel.prepare(dist, tiny_gpt2(seed=1))
+    faccel.load_model(dist, fresh, os.path.join(directory, "default"))
+    back = all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
+    )
+    with torch.no_grad():
+        fresh_logits = fresh(tokens()).logits
+
+    # a model of one tensor: a plan of one file, model.safetensors, committed by its own rename
+    torch.manual_seed(2)
+    single = faccel.prepare(dist, nn.Linear(8, 6, bias=False))
+    faccel.save_model(dist, single, os.path.join(directory, "single"))
+    single_weight = single.weight.full_tensor().flatten().tolist()
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # a later version, whose save fails on rank 1
+    _fail_writes_on(1) if dist.rank == 1 else None
+    try:
+        faccel.save_model(dist, model, failing)
+        failure = "none"
+    except faccel.errors.StorageError as error:
+        failure = str(error)
+    return {
+        "rank": dist.rank,
+        "default_files": default_files,
+        "small_files": small_files,
+        "logits": logits.flatten().tolist(),
+        "fresh_logits_equal": torch.equal(fresh_logits, logits),
+        "loaded_back": back,
+        "failure": failure,
+        "single_weight": single_weight,
+    }
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder (one file, or an index and its shards), read by the
+    safetensors library; the index checked against the shards."""
+    from safetensors.torch import load_file
+
+    if (directory / "model.safetensors").exists():
+        return load_file(directory / "model.safetensors")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        part = load_file(directory / file)
+        assert all(index["weight_map"][name] == file for name in part)
+        out.update(part)
+    assert set(out) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    return out
+
+
+def sharded_save_kill_at_every_operation(directory: str, before: int, after: int) -> dict:
+    """As :func:`save_model_kill_at_every_operation`, through a sharded model's save (an FSDP2 model
+    on a world of one, forked at every kill point): the writer thread, the plan's shards, rank 0's commit.
+
+    ``prepare`` leaves a one-process model unsharded, so the model is sharded here by torch's own
+    ``fully_shard`` over a gloo group of one (which a forked child may use: it has no peers).
+    """
+    import torch.distributed as tdist
+    from torch.distributed.fsdp import fully_shard
+
+    import faccel
+    from faccel._loop._model import is_sharded
+
+    tdist.init_process_group("gloo", rank=0, world_size=1)
+    dist = faccel.detect({})
+    model = _model()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    assert is_sharded(model)  # save_model takes the sharded model's path
     _save(dist, model, directory + ".warmup", 1)
 
     def reset() -> None:

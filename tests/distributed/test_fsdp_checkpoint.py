@@ -7,12 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import harness, workers
+from tests.distributed import harness, save_model_workers, workers
 
 
 def test_fsdp_resumes_bitwise_and_reshards_into_one_plain_process(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
     import faccel
 
     root, model_dir, boundary = tmp_path / "ckpt", tmp_path / "model", tmp_path / "boundary"
@@ -51,6 +49,7 @@ def test_fsdp_resumes_bitwise_and_reshards_into_one_plain_process(tmp_path: Path
     assert steps == {7.0}
     assert optimizer.param_groups[0]["betas"] == (0.85, 0.99) and scheduler.last_epoch == 7
 
-    # save_model gathered the whole weights into the Hugging Face layout
-    saved = load_file(model_dir / "model.safetensors")
+    # save_model wrote whole weights in the Hugging Face layout (each rank its share: an index, 2 shards)
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    saved = save_model_workers.hf_tensors(model_dir)
     assert [saved[name].flatten().tolist() for name, _ in plain.named_parameters()] == results[0]["at_stop"]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import harness, parallel_workers
+from tests.distributed import harness, parallel_workers, save_model_workers
 
 DIMENSIONS = ("replicate", "shard", "tensor")
 TOLERANCE = {"rel": 1e-5, "abs": 1e-6}
@@ -59,9 +59,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(directory / "model.safetensors")
+    # one file from one process; from the 4 ranks, an index and each writing rank's shard
+    return save_model_workers.hf_tensors(directory)
 
 
 @pytest.mark.parametrize("layout", list(CASES))
