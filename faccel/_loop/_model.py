@@ -171,7 +171,9 @@ def check_options(dist: DistState, options: PrepareOptions) -> None:
         )
         raise PrepareError(msg)
     if options.asks_fsdp and not shards_with_fsdp(dist):
-        asked = f"offload={options.offload!r}" if options.offload is not None else "reshard_after_forward=False"
+        asked = (
+            f"offload={options.offload!r}" if options.offload is not None else "reshard_after_forward=False"
+        )
         msg = (
             f"prepare got {asked}, an FSDP2 option, but strategy={dist.strategy!r} does not shard "
             "the model (DDP keeps a whole copy on each rank); detect(strategy='fsdp') to shard it, "
@@ -232,7 +234,9 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
     # CPU offload: sharded parameters (and their gradients) live on the CPU, each unit copied to the
     # device for its forward and backward; pinned memory only where there is a device to copy to.
     offload = (
-        CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if options.offload == "cpu" else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
+        if options.offload == "cpu"
+        else OffloadPolicy()
     )
     reshard = options.reshard_after_forward
     dtype = dist.autocast_dtype
@@ -246,7 +250,9 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
         if module is not model and should_shard(module):
-            fully_shard(module, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard, offload_policy=offload)
+            fully_shard(
+                module, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard, offload_policy=offload
+            )
     fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=reshard, offload_policy=offload)
     _check_in_before_eval_forwards(dist, model)
     return model

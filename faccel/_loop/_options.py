@@ -51,10 +51,8 @@ class PrepareOptions:
     Example:
         >>> PrepareOptions().init, PrepareOptions(split_batches=True).split_batches
         ('reset', True)
-        >>> PrepareOptions(offload="gpu")
-        Traceback (most recent call last):
-        ...
-        faccel.errors.ArgumentValueError: offload must be None (the sharded parameters stay on dist.device) or 'cpu' (FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU), got 'gpu'
+        >>> PrepareOptions(offload="cpu").asks_fsdp, PrepareOptions().asks_fsdp
+        (True, False)
     """
 
     even_batches: bool = True

@@ -227,7 +227,8 @@ def _grad_step(dist: Any, root: str, name: str, **options: Any) -> dict[str, Any
 
 
 def policies_run(*, root: str) -> dict[str, Any]:
-    """FSDP2 with and without activation checkpointing, resharding, CPU offload, bf16; DDP with and without AC."""
+    """FSDP2 with and without activation checkpointing, resharding, CPU offload, bf16; DDP with and
+    without AC; DDP refusing offload."""
     fsdp = faccel.detect(strategy="fsdp")
     out = {
         "fsdp": _grad_step(fsdp, root, "fsdp"),
@@ -240,7 +241,9 @@ def policies_run(*, root: str) -> dict[str, Any]:
     }
     bf16 = faccel.detect(strategy="fsdp", precision="bf16")
     out["bf16"] = _grad_step(bf16, root, "bf16")
-    out["bf16_ac"] = _grad_step(bf16, root, "bf16_ac", activation_checkpointing=lambda m: isinstance(m, Block))
+    out["bf16_ac"] = _grad_step(
+        bf16, root, "bf16_ac", activation_checkpointing=lambda m: isinstance(m, Block)
+    )
     ddp = faccel.detect(strategy="ddp")
     out["ddp"] = _grad_step(ddp, root, "ddp")
     out["ddp_ac"] = _grad_step(ddp, root, "ddp_ac", activation_checkpointing=Block)
