@@ -1,4 +1,4 @@
-"""Activation checkpointing: the memory a training step keeps for its backward, and its time, vs plain PyTorch.
+"""Activation checkpointing: the memory a step keeps for its backward, and its time, vs plain PyTorch.
 
 The setting: a small GPT (token embedding, ``DEPTH`` pre-norm blocks of causal
 self-attention and a 4x MLP with GELU and dropout, a final norm and a head),
@@ -92,10 +92,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            if self.by_hand:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.by_hand else block(x)
         return self.head(self.norm(x))
 
 

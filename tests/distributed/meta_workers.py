@@ -201,14 +201,16 @@ def _grad_step(dist: Any, root: str, name: str, **options: Any) -> dict[str, Any
     inner = faccel.unwrap_model(prepared)
     compute: list[str] = []
     inner.blocks[0].up.register_forward_hook(lambda m, args, out: compute.append(str(m.weight.dtype)))
-    tokens = (torch.arange(24).reshape(2, 12) + dist.rank) % 11
+    tokens = ((torch.arange(24).reshape(2, 12) + dist.rank) % 11).to(dist.device)
     torch.manual_seed(1 + dist.rank)  # the dropout masks differ by rank, and match with and without AC
     loss = prepared(tokens).float().square().mean()
     faccel.backward(dist, loss)
+    # This rank's shard of each gradient (the same split in every FSDP2 case; DDP's are whole).
     grads = {
-        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
+        name: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).cpu().tolist()
         for name, p in inner.named_parameters()
     }
+    grad_devices = sorted({str(p.grad.device.type) for p in inner.parameters()})
     faccel.save_model(dist, prepared, f"{root}/{name}")
     from safetensors import safe_open
 
@@ -221,8 +223,21 @@ def _grad_step(dist: Any, root: str, name: str, **options: Any) -> dict[str, Any
         "saved": saved,
         "checkpointed": [n for n, m in inner.named_modules() if is_checkpointed(m)],
         "sharded_dtypes": sorted({str(p.dtype) for p in inner.parameters()}),
-        "sharded_devices": sorted({str(p.device) for p in inner.parameters()}),
+        "sharded_devices": sorted({p.device.type for p in inner.parameters()}),
+        "grad_devices": grad_devices,
         "compute": compute,
+    }
+
+
+def cuda_policies_run(*, root: str) -> dict[str, Any]:
+    """On 2 GPUs (NCCL): FSDP2 with CPU offload, without, with reshard_after_forward=False, with AC."""
+    fsdp = faccel.detect(strategy="fsdp")
+    return {
+        "device": str(fsdp.device),
+        "fsdp": _grad_step(fsdp, root, "fsdp"),
+        "fsdp_offload": _grad_step(fsdp, root, "fsdp_offload", offload="cpu"),
+        "fsdp_keep": _grad_step(fsdp, root, "fsdp_keep", reshard_after_forward=False),
+        "fsdp_ac": _grad_step(fsdp, root, "fsdp_ac", activation_checkpointing=Block),
     }
 
 

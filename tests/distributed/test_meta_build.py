@@ -86,6 +86,7 @@ def test_fsdp_policies_and_activation_checkpointing_keep_the_gradients_bitwise(t
         assert r["bf16"]["sharded_dtypes"] == ["torch.float32"]
         assert set(r["bf16"]["compute"]) == {"torch.bfloat16"}
         assert set(r["fsdp"]["compute"]) == {"torch.float32"}
-        assert r["fsdp_offload"]["sharded_devices"] == ["cpu"]
+        assert r["fsdp_offload"]["sharded_devices"] == r["fsdp_offload"]["grad_devices"] == ["cpu"]
         assert "offload='cpu', an FSDP2 option" in r["ddp_offload_refused"]
-    assert ranks[0]["fsdp"]["grads"] == ranks[1]["fsdp"]["grads"]
+    assert ranks[0]["ddp"]["grads"] == ranks[1]["ddp"]["grads"]  # DDP's gradients: whole, averaged
+    assert ranks[0]["fsdp"]["grads"] != ranks[1]["fsdp"]["grads"]  # FSDP2's: each rank's own shard
