@@ -242,8 +242,8 @@ def cuda_policies_run(*, root: str) -> dict[str, Any]:
 
 
 def policies_run(*, root: str) -> dict[str, Any]:
-    """FSDP2 with and without activation checkpointing, resharding, CPU offload, bf16; DDP with and
-    without AC; DDP refusing offload."""
+    """FSDP2 with and without activation checkpointing, resharding, CPU offload, bf16; DDP and tensor
+    parallelism with and without AC; DDP refusing offload."""
     fsdp = faccel.detect(strategy="fsdp")
     out = {
         "fsdp": _grad_step(fsdp, root, "fsdp"),
@@ -262,6 +262,9 @@ def policies_run(*, root: str) -> dict[str, Any]:
     ddp = faccel.detect(strategy="ddp")
     out["ddp"] = _grad_step(ddp, root, "ddp")
     out["ddp_ac"] = _grad_step(ddp, root, "ddp_ac", activation_checkpointing=Block)
+    tensor = faccel.detect(layout="tensor=2")
+    out["tp"] = _grad_step(tensor, root, "tp", tp_plan=tp_plan())
+    out["tp_ac"] = _grad_step(tensor, root, "tp_ac", tp_plan=tp_plan(), activation_checkpointing=Block)
     try:
         faccel.prepare(ddp, TinyGPT(), offload="cpu")
     except faccel.errors.PrepareError as error:

@@ -63,7 +63,8 @@ def test_a_legacy_bin_is_read_whole_and_each_rank_keeps_its_rows(tmp_path: Path)
 def test_fsdp_policies_and_activation_checkpointing_keep_the_gradients_bitwise(tmp_path: Path) -> None:
     """One 2-rank run: FSDP2 plain, with activation checkpointing, reshard_after_forward=False, both,
     offload='cpu' (a no-op move on a CPU run, but the policy runs), bf16 with and without AC; DDP with
-    and without AC. Dropout is on: the recomputed forward draws the same masks."""
+    and without AC; tensor parallelism with and without AC. Dropout is on: the recomputed forward
+    draws the same masks."""
     ranks = harness.run(meta_workers.policies_run, world_size=2, timeout=120, root=str(tmp_path))
     for r in ranks:
         for case in ("fsdp_ac", "fsdp_keep", "fsdp_ac_keep", "fsdp_offload"):
@@ -71,6 +72,7 @@ def test_fsdp_policies_and_activation_checkpointing_keep_the_gradients_bitwise(t
             assert r[case]["loss"] == r["fsdp"]["loss"], case
         assert r["bf16_ac"]["grads"] == r["bf16"]["grads"]
         assert r["ddp_ac"]["grads"] == r["ddp"]["grads"]
+        assert r["tp_ac"]["grads"] == r["tp"]["grads"]  # the recomputed forward reruns TP's collectives
         for case, result in r.items():
             if not isinstance(result, dict):
                 continue
@@ -80,7 +82,7 @@ def test_fsdp_policies_and_activation_checkpointing_keep_the_gradients_bitwise(t
             assert result["checkpointed"] == checkpointed, case
             # the recomputed forward ran the block's layers a second time, in the backward
             assert len(result["compute"]) == (2 if "_ac" in case else 1), case
-        for plain, with_ac in (("fsdp", "fsdp_ac"), ("bf16", "bf16_ac"), ("ddp", "ddp_ac")):
+        for plain, with_ac in (("fsdp", "fsdp_ac"), ("bf16", "bf16_ac"), ("ddp", "ddp_ac"), ("tp", "tp_ac")):
             assert r[plain]["saved"] == r[with_ac]["saved"]  # save_model writes the same names
         # FSDP2's mixed precision from dist.precision: sharded parameters float32, computed in bf16
         assert r["bf16"]["sharded_dtypes"] == ["torch.float32"]
