@@ -129,6 +129,19 @@ def test_preparing_again_does_not_checkpoint_twice() -> None:
     assert all(torch.equal(plain[n], p.grad) for n, p in again.named_parameters())
 
 
+def test_a_model_prepared_before_gets_it_when_prepared_again_with_it() -> None:
+    low = faccel.detect({}, precision="bf16")  # an autocast wrapper: prepare again returns that one
+    model = TinyGPT()
+    wrapped = faccel.prepare(low, model)
+    assert faccel.prepare(low, model, activation_checkpointing=Block) is wrapped
+    assert faccel.prepare(low, wrapped, activation_checkpointing=nn.LayerNorm) is wrapped
+    assert [name for name, m in model.named_modules() if is_checkpointed(m)] == [
+        "blocks.0",
+        "blocks.1",
+        "norm",
+    ]
+
+
 def test_refusals_name_the_argument() -> None:
     dist = faccel.detect({})
     with pytest.raises(ArgumentError, match="activation_checkpointing"):
@@ -161,6 +174,11 @@ def test_fsdp_options_are_refused_outside_fsdp_and_checked_for_their_values() ->
         faccel.prepare(ddp, TinyGPT(), reshard_after_forward=False)
     with pytest.raises(ArgumentValueError, match=r"offload must be None .* or 'cpu'"):
         faccel.prepare(faccel.detect({}, strategy="fsdp"), TinyGPT(), offload="gpu")
+    deepspeed = faccel.detect({}, strategy="deepspeed", deepspeed={"zero_optimization": {"stage": 2}})
+    with pytest.raises(PrepareError, match="offload='cpu', an FSDP2 option, but strategy='deepspeed'"):
+        faccel.prepare(deepspeed, TinyGPT(), offload="cpu")
+    with pytest.raises(PrepareError, match="faccel's activation_checkpointing is not applied there"):
+        faccel.prepare(deepspeed, TinyGPT(), activation_checkpointing=Block)
     # strategy='fsdp' in one process shards nothing: the options are accepted, so one script runs anywhere
     fsdp = faccel.detect({}, strategy="fsdp")
     model = faccel.prepare(fsdp, TinyGPT(), offload="cpu", reshard_after_forward=False)

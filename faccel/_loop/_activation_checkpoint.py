@@ -100,13 +100,22 @@ def _predicate(selector: Selector) -> Callable[[nn.Module], bool]:
 
 
 def _selected(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
-    """The outermost submodules (``model`` included) that ``selector`` matches, in ``named_modules`` order."""
+    """The outermost submodules (``model`` included) that ``selector`` matches, in ``named_modules`` order.
+
+    A match inside a module already checkpointed (by an earlier ``prepare``) is left out too: it is
+    recomputed with that module.
+    """
     wants = _predicate(selector)
     chosen: list[tuple[str, nn.Module]] = []
+    covered: list[str] = []
     for name, module in model.named_modules():
-        inside = any(name.startswith(outer + ".") or outer == "" for outer, _ in chosen)
-        if not inside and wants(module):
+        if any(outer == "" or name.startswith(outer + ".") for outer in covered):
+            continue
+        if wants(module):
             chosen.append((name, module))
+            covered.append(name)
+        elif is_checkpointed(module):
+            covered.append(name)
     return chosen
 
 
@@ -121,7 +130,8 @@ def matches_problem(model: nn.Module, selector: Selector) -> str:
         >>> matches_problem(net, torch.nn.Conv1d)[:54]
         'activation_checkpointing=Conv1d matches no submodule o'
     """
-    if _selected(model, selector):
+    wants = _predicate(selector)
+    if any(wants(module) for module in model.modules()):
         return ""
     if isinstance(selector, type):
         what = selector.__name__

@@ -161,13 +161,12 @@ def check_options(dist: DistState, options: PrepareOptions) -> None:
         PrepareError: ``offload`` or ``reshard_after_forward=False`` without FSDP2
             (DDP, DeepSpeed), or ``activation_checkpointing`` under DeepSpeed.
     """
-    if dist.strategy == "deepspeed" and (options.asks_fsdp or options.activation_checkpointing is not None):
+    if dist.strategy == "deepspeed" and options.activation_checkpointing is not None:
         msg = (
-            "under strategy='deepspeed' the DeepSpeed config decides offload and activation "
-            "checkpointing (zero_optimization.offload_param / offload_optimizer, "
-            "activation_checkpointing), so prepare's offload, reshard_after_forward and "
-            "activation_checkpointing are not used there; set them in the config, or use "
-            "strategy='fsdp' (docs/large-models.md)"
+            "under strategy='deepspeed' the model goes to DeepSpeed's engine, and faccel's "
+            "activation_checkpointing is not applied there (ZeRO partitions the parameters its way); "
+            "call torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) in your forward "
+            "(or transformers' model.gradient_checkpointing_enable()), or use strategy='fsdp'"
         )
         raise PrepareError(msg)
     if options.asks_fsdp and not shards_with_fsdp(dist):
@@ -176,8 +175,9 @@ def check_options(dist: DistState, options: PrepareOptions) -> None:
         )
         msg = (
             f"prepare got {asked}, an FSDP2 option, but strategy={dist.strategy!r} does not shard "
-            "the model (DDP keeps a whole copy on each rank); detect(strategy='fsdp') to shard it, "
-            "or drop the option"
+            "the model with FSDP2; detect(strategy='fsdp') to shard it, or drop the option "
+            "(under DeepSpeed, offload is the config's zero_optimization.offload_param and "
+            "offload_optimizer)"
         )
         raise PrepareError(msg)
 
@@ -326,6 +326,11 @@ def prepare_module(dist: DistState, model: nn.Module, options: PrepareOptions) -
     Under ``'fsdp'`` FSDP2's ``fully_shard`` changes the module in place (its
     class and its parameters, which become DTensors); that is FSDP2's design.
     """
+    if options.activation_checkpointing is not None:
+        # Before sharding, on a first prepare: FSDP2's hooks then run around the recomputed forward.
+        # On a module prepared before (its wrapper comes back below) it is added where it is missing:
+        # an instance forward inside DDP's or FSDP2's hooks works the same either way.
+        checkpoint_activations(unwrap_model(model), options.activation_checkpointing)
     if isinstance(model, DistributedDataParallel | Autocast):
         return _check_prepared(dist, model)
     # The same module prepared again gets the wrapper it got the first time: a second DDP
@@ -337,8 +342,6 @@ def prepare_module(dist: DistState, model: nn.Module, options: PrepareOptions) -
         return _check_prepared(dist, wrapper)
     if is_sharded(model):  # after the wrapper: tensor parallelism alone may wear an Autocast
         return model
-    if options.activation_checkpointing is not None:  # before sharding: FSDP2's hooks run around it
-        checkpoint_activations(model, options.activation_checkpointing)
     # A meta-built model is sharded first, then only this rank's part is allocated (_materialize).
     shards_first = dist.distributed and (uses_mesh(dist) or dist.strategy == "fsdp")
     meta = prepare_meta(model, dist.device, options.init, shards_first=shards_first)

@@ -287,7 +287,7 @@ def prepare(
             ``'empty'``); an ``activation_checkpointing`` that matches no
             submodule; ``offload`` or ``reshard_after_forward=False`` with a
             strategy that does not shard with FSDP2 (DDP, DeepSpeed), or
-            ``activation_checkpointing`` under DeepSpeed (its config decides).
+            ``activation_checkpointing`` under DeepSpeed (not applied to its engine).
         ArgumentError: ``activation_checkpointing`` is not a class, a tuple or a
             callable (the type check names the argument).
         ArgumentValueError: ``activation_checkpointing`` is a class that is not an
