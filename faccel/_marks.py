@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there. There are three.
+"""Every mark faccel sets on an object of yours, and why it must be there. There are five.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -22,12 +22,22 @@ itself, under these names, and nowhere else:
 - ``_faccel_deepspeed_engine`` (:data:`DEEPSPEED_ENGINE`), on each parameter of
   a DeepSpeed engine's module (``strategy='deepspeed'``): a weak reference to the
   engine, so ``backward`` finds the engine from the loss's graph.
+- ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
+  selected (only when you ask for it): an instance attribute, set with
+  ``object.__setattr__``, that runs the class's own ``forward`` through
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+  (``faccel._loop._activation_checkpoint``). The class, the parameters and the
+  ``state_dict`` keys are untouched; ``del module.forward`` removes it. It is
+  the one attribute faccel sets under a name of PyTorch's, because the module
+  must stay where it is in your tree (a wrapper module in its place would rename
+  every parameter under it).
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
 class and parameters in place, which is PyTorch's design. Your module's
-methods are never replaced (no monkey-patching): precision comes from a thin
-outer module.
+class and its methods are never replaced (no monkey-patching): precision comes
+from a thin outer module; activation checkpointing, only when asked for, adds
+the instance ``forward`` above, which calls the class's.
 """
 
 from __future__ import annotations

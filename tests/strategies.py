@@ -375,3 +375,20 @@ def token_groups(draw: st.DrawFn) -> tuple[int, list[list[int]]]:
     k = draw(st.integers(min_value=1, max_value=4))
     lengths = st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=3)
     return k, draw(st.lists(lengths, min_size=1, max_size=7))
+
+
+# --- activation checkpointing (tests/test_activation_checkpointing.py) ---
+
+
+@st.composite
+def checkpointed_stacks(draw: st.DrawFn) -> dict:
+    """A stack of dropout MLP blocks and which of them recompute: ``depth`` blocks of ``width``,
+    dropout ``p``, the block indices in ``chosen`` (at least one), ``seed`` for the weights and masks."""
+    depth = draw(st.integers(min_value=1, max_value=4))
+    return {
+        "depth": depth,
+        "width": draw(st.integers(min_value=1, max_value=6)),
+        "p": draw(st.sampled_from([0.0, 0.1, 0.5])),
+        "chosen": draw(st.sets(st.integers(min_value=0, max_value=depth - 1), min_size=1)),
+        "seed": draw(st.integers(min_value=0, max_value=2**16)),
+    }

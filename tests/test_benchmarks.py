@@ -131,3 +131,11 @@ def test_the_committed_report_is_rendered_from_the_committed_results() -> None:
     for kind, figures in common.GOALS.items():
         assert run.GOAL_MEANINGS[kind] in section
         assert len(figures) >= 1
+
+
+def test_the_activation_checkpointing_count_is_the_by_hand_one_and_a_tenth_of_plain() -> None:
+    """The deterministic figure of benchmarks/bench_activation_checkpointing.py (docs/large-models.md)."""
+    from benchmarks import bench_activation_checkpointing as bench
+
+    kept = {subject: bench.activations_kept(subject) for subject in bench.SUBJECTS}
+    assert kept[common.FACCEL] == kept[bench.BY_HAND] < kept[common.PLAIN] / 10, kept

@@ -105,3 +105,32 @@ def test_compile_with_ddp_and_fsdp2_on_two_processes_matches_eager(strategy: str
     assert compiled[0] == compiled[1]  # the ranks agree
     for a, b in zip(eager[0], compiled[0], strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["compile, then prepare", "prepare, then compile"])
+def test_activation_checkpointing_under_compile_gives_the_eager_gradients(order: str) -> None:
+    """Dynamo captures torch.utils.checkpoint (non-reentrant) as one region; the masks are kept."""
+    import faccel
+    from tests.distributed.meta_workers import Block, TinyGPT
+
+    dist = faccel.detect({})
+    tokens = torch.arange(24).reshape(2, 12) % 11
+    grads = []
+    for selector, how in ((None, "eager"), (Block, order)):
+        torch.manual_seed(0)
+        module = TinyGPT(width=16)
+        if how == "compile, then prepare":
+            model = faccel.prepare(
+                dist, torch.compile(module, backend=BACKEND), activation_checkpointing=selector
+            )
+        elif how == "prepare, then compile":
+            model = torch.compile(
+                faccel.prepare(dist, module, activation_checkpointing=selector), backend=BACKEND
+            )
+        else:
+            model = faccel.prepare(dist, module)
+        torch.manual_seed(1)
+        faccel.backward(dist, model(tokens).square().mean())
+        grads.append([p.grad for p in module.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -204,3 +204,50 @@ def test_torch_compile_with_inductor_on_the_gpu(tmp_path: Path) -> None:
     torch.testing.assert_close(out, eager(x.cuda()), rtol=1e-4, atol=1e-5)
     faccel.save_model(dist, compiled, tmp_path / "model")
     assert (tmp_path / "model" / "model.safetensors").exists()
+
+
+def test_activation_checkpointing_on_the_gpu_keeps_the_gradients_and_lowers_the_peak() -> None:
+    """One GPU: the CUDA generator is preserved too (dropout), and the step's peak allocation drops.
+
+    Close, not bitwise: CUDA's embedding backward adds with atomics, in no fixed order.
+    """
+    import faccel
+    from tests.distributed.meta_workers import Block, TinyGPT
+
+    dist = faccel.detect({})
+    tokens = (torch.arange(8 * 256).reshape(8, 256) % 11).to(dist.device)
+    grads, peaks = [], []
+    for selector in (None, Block):
+        torch.manual_seed(0)
+        model = faccel.prepare(dist, TinyGPT(width=256, depth=4), activation_checkpointing=selector)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.manual_seed(1)  # the dropout masks, drawn on the GPU
+        faccel.backward(dist, model(tokens).float().square().mean())
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert peaks[1] < 0.7 * peaks[0], peaks
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (FSDP2 over NCCL)")
+def test_fsdp2_cpu_offload_keeps_the_shards_on_the_cpu_and_the_gradients(tmp_path: Path) -> None:
+    from tests.distributed import harness, meta_workers
+
+    ranks = harness.run(meta_workers.cuda_policies_run, world_size=2, timeout=180, root=str(tmp_path))
+    for rank, r in enumerate(ranks):
+        assert r["device"] == f"cuda:{rank}"
+        assert r["fsdp"]["sharded_devices"] == r["fsdp"]["grad_devices"] == ["cuda"]
+        # offload: the shards and their gradients on the CPU; the block computed on the GPU
+        assert r["fsdp_offload"]["sharded_devices"] == r["fsdp_offload"]["grad_devices"] == ["cpu"]
+        for case in ("fsdp_offload", "fsdp_keep", "fsdp_ac"):
+            for name, grad in r["fsdp"]["grads"].items():
+                got = torch.tensor(r[case]["grads"][name])
+                torch.testing.assert_close(
+                    got, torch.tensor(grad), rtol=1e-5, atol=1e-6, msg=f"{case} {name}"
+                )
+            assert r[case]["saved"] == r["fsdp"]["saved"], case
+        assert r["fsdp_ac"]["checkpointed"] == ["blocks.0", "blocks.1"]

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._mesh import data_mesh
 from faccel._dist._state import DistState
+from faccel._loop._activation_checkpoint import checkpoint_activations
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
@@ -28,7 +29,16 @@ from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
 from faccel._tree import map_tensors
 from faccel.errors import DistributedError, PrepareError
 
-__all__ = ["Autocast", "default_shard_policy", "is_sharded", "prepare_module", "unwrap_model", "uses_mesh"]
+__all__ = [
+    "Autocast",
+    "check_options",
+    "default_shard_policy",
+    "is_sharded",
+    "prepare_module",
+    "shards_with_fsdp",
+    "unwrap_model",
+    "uses_mesh",
+]
 
 
 def float32_outputs(tree: Any) -> Any:
@@ -134,6 +144,44 @@ def uses_mesh(dist: DistState) -> bool:
     return layout.tensor > 1 or (dist.strategy == "fsdp" and layout.replicate > 1)
 
 
+def shards_with_fsdp(dist: DistState) -> bool:
+    """Whether ``dist``'s strategy and layout give a model to FSDP2's ``fully_shard`` (on peer processes).
+
+    ``strategy='fsdp'`` does, and so does a layout with tensor parallelism and
+    data-parallel ranks (FSDP2 shards over those). In one process nothing is
+    sharded, but the FSDP2 options are accepted, so one script runs at any size.
+    """
+    return dist.strategy == "fsdp" or (uses_mesh(dist) and dist.parallel.data_size > 1)
+
+
+def check_options(dist: DistState, options: PrepareOptions) -> None:
+    """Refuse the options ``dist``'s strategy has no use for, by name.
+
+    Raises:
+        PrepareError: ``offload`` or ``reshard_after_forward=False`` without FSDP2
+            (DDP, DeepSpeed), or ``activation_checkpointing`` under DeepSpeed.
+    """
+    if dist.strategy == "deepspeed" and options.activation_checkpointing is not None:
+        msg = (
+            "under strategy='deepspeed' the model goes to DeepSpeed's engine, and faccel's "
+            "activation_checkpointing is not applied there (ZeRO partitions the parameters its way); "
+            "call torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) in your forward "
+            "(or transformers' model.gradient_checkpointing_enable()), or use strategy='fsdp'"
+        )
+        raise PrepareError(msg)
+    if options.asks_fsdp and not shards_with_fsdp(dist):
+        asked = (
+            f"offload={options.offload!r}" if options.offload is not None else "reshard_after_forward=False"
+        )
+        msg = (
+            f"prepare got {asked}, an FSDP2 option, but strategy={dist.strategy!r} does not shard "
+            "the model with FSDP2; detect(strategy='fsdp') to shard it, or drop the option "
+            "(under DeepSpeed, offload is the config's zero_optimization.offload_param and "
+            "offload_optimizer)"
+        )
+        raise PrepareError(msg)
+
+
 ShardPolicy = Callable[[nn.Module], bool]
 
 
@@ -181,8 +229,16 @@ def _fix_bucket_layout(ddp: DistributedDataParallel) -> None:
 def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh: Any = None) -> nn.Module:
     if not dist.distributed:
         return _wrap_ddp(dist, model, options)  # one process: nothing to shard over
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    # CPU offload: sharded parameters (and their gradients) live on the CPU, each unit copied to the
+    # device for its forward and backward; pinned memory only where there is a device to copy to.
+    offload = (
+        CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
+        if options.offload == "cpu"
+        else OffloadPolicy()
+    )
+    reshard = options.reshard_after_forward
     dtype = dist.autocast_dtype
     # FSDP2 casts parameters itself (and all-reduces in float32), so no autocast layer.
     reduce_dtype = torch.float32 if dtype is not None else None
@@ -194,8 +250,10 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
         if module is not model and should_shard(module):
-            fully_shard(module, mesh=mesh, mp_policy=inner)
-    fully_shard(model, mesh=mesh, mp_policy=root)
+            fully_shard(
+                module, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard, offload_policy=offload
+            )
+    fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=reshard, offload_policy=offload)
     _check_in_before_eval_forwards(dist, model)
     return model
 
@@ -268,6 +326,11 @@ def prepare_module(dist: DistState, model: nn.Module, options: PrepareOptions) -
     Under ``'fsdp'`` FSDP2's ``fully_shard`` changes the module in place (its
     class and its parameters, which become DTensors); that is FSDP2's design.
     """
+    if options.activation_checkpointing is not None:
+        # Before sharding, on a first prepare: FSDP2's hooks then run around the recomputed forward.
+        # On a module prepared before (its wrapper comes back below) it is added where it is missing:
+        # an instance forward inside DDP's or FSDP2's hooks works the same either way.
+        checkpoint_activations(unwrap_model(model), options.activation_checkpointing)
     if isinstance(model, DistributedDataParallel | Autocast):
         return _check_prepared(dist, model)
     # The same module prepared again gets the wrapper it got the first time: a second DDP

@@ -15,7 +15,33 @@ from typing import Any
 import attrs
 from torch import nn
 
-__all__ = ["PrepareOptions"]
+from faccel._loop._activation_checkpoint import Selector, check_selector
+from faccel.errors import ArgumentValueError
+
+__all__ = ["OFFLOADS", "PrepareOptions"]
+
+# prepare's offload values: where FSDP2 keeps the sharded parameters between uses.
+OFFLOADS = (None, "cpu")
+
+
+def _check_selector(options: Any, attribute: Any, value: Any) -> None:
+    if value is not None:
+        check_selector(value)
+
+
+def _check_offload(options: Any, attribute: Any, value: Any) -> None:
+    if value not in OFFLOADS:
+        msg = (
+            f"offload must be None (the sharded parameters stay on dist.device) or 'cpu' (FSDP2's "
+            f"CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU), got {value!r}"
+        )
+        raise ArgumentValueError(msg)
+
+
+def _check_bool(options: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        msg = f"{attribute.name} must be True or False, got {value!r}"
+        raise ArgumentValueError(msg)
 
 
 @attrs.frozen(kw_only=True)
@@ -25,6 +51,8 @@ class PrepareOptions:
     Example:
         >>> PrepareOptions().init, PrepareOptions(split_batches=True).split_batches
         ('reset', True)
+        >>> PrepareOptions(offload="cpu").asks_fsdp, PrepareOptions().asks_fsdp
+        (True, False)
     """
 
     even_batches: bool = True
@@ -34,3 +62,11 @@ class PrepareOptions:
     worker_seeds: str = "rank"
     tp_plan: Mapping[str, Any] | None = None
     init: str | Callable[[nn.Module], None] = "reset"
+    activation_checkpointing: Selector | None = attrs.field(default=None, validator=_check_selector)
+    offload: str | None = attrs.field(default=None, validator=_check_offload)
+    reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
+
+    @property
+    def asks_fsdp(self) -> bool:
+        """Whether an FSDP2-only option differs from its default (``offload``, ``reshard_after_forward``)."""
+        return self.offload is not None or not self.reshard_after_forward

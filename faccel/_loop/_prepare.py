@@ -15,7 +15,7 @@ from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
-from faccel._loop._model import prepare_module
+from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
 from faccel._marks import REPLACED_BY
 from faccel._typecheck import setup_checked
@@ -181,6 +181,9 @@ def prepare(
     worker_seeds: str = "rank",
     tp_plan: Mapping[str, Any] | None = None,
     init: str | Callable[[nn.Module], None] = "reset",
+    activation_checkpointing: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
+    offload: str | None = None,
+    reshard_after_forward: bool = True,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -248,6 +251,26 @@ def prepare(
             follows; a callable ``init(module)``: run on each module that owns
             meta tensors, with those tensors whole and plain on the CPU. Unused
             for a model that is not on meta.
+        activation_checkpointing: Which submodules recompute their activations in
+            the backward instead of keeping them (docs/large-models.md): a module
+            class (``Block``), a tuple of classes, or a predicate ``fn(module) ->
+            bool``; the outermost matches are taken. Each keeps its class,
+            parameters and ``state_dict`` keys; its forward runs through
+            ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with the RNG
+            state preserved, so dropout masks and gradients are bitwise those of
+            the run without it. Applied before DDP, FSDP2 or tensor parallelism
+            wrap the model. Default: none.
+        offload: Under FSDP2: ``'cpu'`` keeps the sharded parameters, their
+            gradients and the optimizer step on the CPU (FSDP2's
+            ``CPUOffloadPolicy``), copying each unit to the device for its forward
+            and backward. Default ``None``: everything on ``dist.device``.
+        reshard_after_forward: Under FSDP2: free each unit's gathered parameters
+            after its forward and gather them again for the backward (``True``,
+            default: less memory), or keep them until the backward (``False``:
+            one all-gather fewer per unit and step). The gradients are the same
+            either way. FSDP2's mixed precision needs no option: it follows
+            ``dist.precision`` (parameters gathered in bf16/fp16, gradients
+            reduced in float32, the sharded parameters kept in float32).
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -261,8 +284,15 @@ def prepare(
             submodule); a model partly on the meta device, or a meta model
             ``init`` cannot fill (a module without ``reset_parameters``, a tensor
             the initializer left unset, a meta non-persistent buffer under
-            ``'empty'``).
-        ArgumentValueError: ``init`` is not ``'reset'``, ``'empty'`` or a callable;
+            ``'empty'``); an ``activation_checkpointing`` that matches no
+            submodule; ``offload`` or ``reshard_after_forward=False`` with a
+            strategy that does not shard with FSDP2 (DDP, DeepSpeed), or
+            ``activation_checkpointing`` under DeepSpeed (not applied to its engine).
+        ArgumentError: ``activation_checkpointing`` is not a class, a tuple or a
+            callable (the type check names the argument).
+        ArgumentValueError: ``activation_checkpointing`` is a class that is not an
+            ``nn.Module`` or a tuple of something else (or empty); ``offload`` is not ``None`` or ``'cpu'``;
+            ``init`` is not ``'reset'``, ``'empty'`` or a callable;
             ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
 
     Example:
@@ -288,7 +318,11 @@ def prepare(
         split_batches=split_batches,
         worker_seeds=worker_seeds,
         tp_plan=tp_plan,
+        activation_checkpointing=activation_checkpointing,
+        offload=offload,
+        reshard_after_forward=reshard_after_forward,
     )
+    check_options(dist, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
         prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
         return prepared[0] if len(prepared) == 1 else prepared

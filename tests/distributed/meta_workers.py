@@ -188,3 +188,85 @@ def empty_then_load(*, root: str, layout: str | None, strategy: str, legacy: boo
         "read": sum(counted),
         "sharded_bytes": sharded_bytes,
     }
+
+
+def _grad_step(dist: Any, root: str, name: str, **options: Any) -> dict[str, Any]:
+    """One forward and backward (dropout on) of a fresh TinyGPT prepared with ``options``; its save_model."""
+    from faccel._loop._activation_checkpoint import is_checkpointed
+
+    torch.manual_seed(0)
+    model = TinyGPT(width=16)
+    keys = list(model.state_dict())
+    prepared = faccel.prepare(dist, model, **options)
+    inner = faccel.unwrap_model(prepared)
+    compute: list[str] = []
+    inner.blocks[0].up.register_forward_hook(lambda m, args, out: compute.append(str(m.weight.dtype)))
+    tokens = ((torch.arange(24).reshape(2, 12) + dist.rank) % 11).to(dist.device)
+    torch.manual_seed(1 + dist.rank)  # the dropout masks differ by rank, and match with and without AC
+    loss = prepared(tokens).float().square().mean()
+    faccel.backward(dist, loss)
+    # This rank's shard of each gradient (the same split in every FSDP2 case; DDP's are whole).
+    grads = {
+        name: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).cpu().tolist()
+        for name, p in inner.named_parameters()
+    }
+    grad_devices = sorted({str(p.grad.device.type) for p in inner.parameters()})
+    faccel.save_model(dist, prepared, f"{root}/{name}")
+    from safetensors import safe_open
+
+    with safe_open(f"{root}/{name}/model.safetensors", framework="pt") as f:
+        saved = sorted(f.keys())
+    return {
+        "loss": loss.item(),
+        "grads": grads,
+        "keys": [keys, list(inner.state_dict())],
+        "saved": saved,
+        "checkpointed": [n for n, m in inner.named_modules() if is_checkpointed(m)],
+        "sharded_dtypes": sorted({str(p.dtype) for p in inner.parameters()}),
+        "sharded_devices": sorted({p.device.type for p in inner.parameters()}),
+        "grad_devices": grad_devices,
+        "compute": compute,
+    }
+
+
+def cuda_policies_run(*, root: str) -> dict[str, Any]:
+    """On 2 GPUs (NCCL): FSDP2 with CPU offload, without, with reshard_after_forward=False, with AC."""
+    fsdp = faccel.detect(strategy="fsdp")
+    return {
+        "device": str(fsdp.device),
+        "fsdp": _grad_step(fsdp, root, "fsdp"),
+        "fsdp_offload": _grad_step(fsdp, root, "fsdp_offload", offload="cpu"),
+        "fsdp_keep": _grad_step(fsdp, root, "fsdp_keep", reshard_after_forward=False),
+        "fsdp_ac": _grad_step(fsdp, root, "fsdp_ac", activation_checkpointing=Block),
+    }
+
+
+def policies_run(*, root: str) -> dict[str, Any]:
+    """FSDP2 with and without activation checkpointing, resharding, CPU offload, bf16; DDP and tensor
+    parallelism with and without AC; DDP refusing offload."""
+    fsdp = faccel.detect(strategy="fsdp")
+    out = {
+        "fsdp": _grad_step(fsdp, root, "fsdp"),
+        "fsdp_ac": _grad_step(fsdp, root, "fsdp_ac", activation_checkpointing=Block),
+        "fsdp_keep": _grad_step(fsdp, root, "fsdp_keep", reshard_after_forward=False),
+        "fsdp_ac_keep": _grad_step(
+            fsdp, root, "fsdp_ac_keep", activation_checkpointing=Block, reshard_after_forward=False
+        ),
+        "fsdp_offload": _grad_step(fsdp, root, "fsdp_offload", offload="cpu"),
+    }
+    bf16 = faccel.detect(strategy="fsdp", precision="bf16")
+    out["bf16"] = _grad_step(bf16, root, "bf16")
+    out["bf16_ac"] = _grad_step(
+        bf16, root, "bf16_ac", activation_checkpointing=lambda m: isinstance(m, Block)
+    )
+    ddp = faccel.detect(strategy="ddp")
+    out["ddp"] = _grad_step(ddp, root, "ddp")
+    out["ddp_ac"] = _grad_step(ddp, root, "ddp_ac", activation_checkpointing=Block)
+    tensor = faccel.detect(layout="tensor=2")
+    out["tp"] = _grad_step(tensor, root, "tp", tp_plan=tp_plan())
+    out["tp_ac"] = _grad_step(tensor, root, "tp_ac", tp_plan=tp_plan(), activation_checkpointing=Block)
+    try:
+        faccel.prepare(ddp, TinyGPT(), offload="cpu")
+    except faccel.errors.PrepareError as error:
+        out["ddp_offload_refused"] = str(error)
+    return out
