@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._consistency import check_setup
 from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
 from faccel._loop._model import prepare_module
@@ -262,6 +263,10 @@ def prepare(
             ``init`` cannot fill (a module without ``reset_parameters``, a tensor
             the initializer left unset, a meta non-persistent buffer under
             ``'empty'``).
+        SetupMismatchError: The ranks were not given the same set-up: a model,
+            optimizer, loader or ``DistState`` that differs on some rank, or
+            another number or kind of objects; raised on every rank, naming the
+            rank and the first item that differs, before anything is wrapped.
         ArgumentValueError: ``init`` is not ``'reset'``, ``'empty'`` or a callable;
             ``worker_seeds`` is not ``'rank'``, ``'shared'`` or ``'torch'``.
 
@@ -289,6 +294,8 @@ def prepare(
         worker_seeds=worker_seeds,
         tp_plan=tp_plan,
     )
+    # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
+    check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
         prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
         return prepared[0] if len(prepared) == 1 else prepared
