@@ -70,6 +70,8 @@ def _tensor(tensor: torch.Tensor) -> dict[str, Any]:
 
 def _module(module: nn.Module) -> Iterator[tuple[str, Any]]:
     yield "class", type(module).__qualname__
+    # A meta build takes another path through prepare (sharded, then materialized) than a real one.
+    yield "built on meta", any(t.is_meta for t in [*module.parameters(), *module.buffers()])
     for name, param in module.named_parameters():
         yield f"parameter {name}", {**_tensor(param), "requires_grad": param.requires_grad}
     for name, buffer in module.named_buffers():
@@ -200,7 +202,9 @@ def encode(entries: Sequence[Entry]) -> bytes:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
+    return json.dumps(
+        value, sort_keys=True
+    )  # as encode() writes it, with the spaces a message reads well with
 
 
 def _where(entry: Entry) -> str:
@@ -221,23 +225,27 @@ def difference_problem(
         True
     """
     for index in range(max(len(mine), len(reference))):
-        if index >= len(mine) or index >= len(reference):
-            extra, side = (reference[index], of) if index >= len(mine) else (mine[index], rank)
-            other = rank if side == of else of
-            return f"rank {side}: has {extra[1]}{_where(extra)}, rank {other} has nothing there"
+        if index >= len(mine):
+            extra = reference[index]
+            return f"rank {rank}: has nothing where rank {of} has {extra[1]}{_where(extra)}"
+        if index >= len(reference):
+            return f"rank {rank}: has {mine[index][1]}{_where(mine[index])} where rank {of} has nothing"
         got, want = list(mine[index]), list(reference[index])
-        if got == want:
+        # Compared as the canonical JSON the digests hash (1 and 1.0, or True and 1, differ there too),
+        # so a difference of digests always has a difference to name.
+        if _show(got) == _show(want):
             continue
-        if got[:2] != want[:2]:  # another item at this place: an extra or missing parameter, ...
+        if _show(got[:2]) != _show(
+            want[:2]
+        ):  # another item at this place: an extra or missing parameter, ...
             return f"rank {rank}: has {got[1]}{_where(got)} where rank {of} has {want[1]}{_where(want)}"
         value, expected = got[2], want[2]
         if isinstance(value, dict) and isinstance(expected, dict):
             for key in sorted(set(value) | set(expected), key=lambda k: (k not in expected, str(k))):
-                if value.get(key) != expected.get(key):
-                    return (
-                        f"rank {rank}: {got[1]} has {key} {_show(value.get(key))}, "
-                        f"rank {of} has {_show(expected.get(key))}{_where(got)}"
-                    )
+                if key not in value or key not in expected or _show(value[key]) != _show(expected[key]):
+                    have = _show(value[key]) if key in value else "none"
+                    other = _show(expected[key]) if key in expected else "none"
+                    return f"rank {rank}: {got[1]} has {key} {have}, rank {of} has {other}{_where(got)}"
         return f"rank {rank}: {got[1]} is {_show(value)}, rank {of} has {_show(expected)}{_where(got)}"
     return None
 
