@@ -103,7 +103,12 @@ def mismatches(*, strategy: str, layout: str | None) -> dict[str, Any]:
 
 
 def cost(*, depth: int, repeats: int = 5) -> dict[str, float]:
-    """Seconds of ``prepare`` (DDP, gloo) of a ``depth``-layer MLP with the check, and of the check alone."""
+    """Seconds of ``prepare`` (DDP, gloo) of a ``depth``-layer MLP: with the check, without it, and the check.
+
+    Without: the same ``prepare`` with ``_prepare``'s ``check_setup`` swapped for a no-op, alternating
+    with the real one call by call (a measurement, not a test).
+    """
+    from faccel._loop import _prepare
     from faccel._loop._consistency import check_setup
     from faccel._loop._options import PrepareOptions
 
@@ -114,15 +119,20 @@ def cost(*, depth: int, repeats: int = 5) -> dict[str, float]:
         model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(depth)))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), _loader(64)
 
-    checks, prepares = [], []
+    def timed(call: Callable[[], Any]) -> float:
+        faccel.wait_for_everyone(dist)
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    seconds: dict[str, list[float]] = {"check": [], "with": [], "without": []}
     for _ in range(repeats):
-        objs = build()
-        faccel.wait_for_everyone(dist)
-        start = time.perf_counter()
-        check_setup(dist, objs, PrepareOptions())
-        checks.append(time.perf_counter() - start)
-        faccel.wait_for_everyone(dist)
-        start = time.perf_counter()
-        faccel.prepare(dist, *objs)
-        prepares.append(time.perf_counter() - start)
-    return {"check": sorted(checks)[len(checks) // 2], "prepare": sorted(prepares)[len(prepares) // 2]}
+        objs, other = build(), build()
+        seconds["check"].append(timed(lambda objs=objs: check_setup(dist, objs, PrepareOptions())))
+        seconds["with"].append(timed(lambda objs=objs: faccel.prepare(dist, *objs)))
+        _prepare.check_setup = lambda *args: None  # type: ignore[assignment]
+        try:
+            seconds["without"].append(timed(lambda other=other: faccel.prepare(dist, *other)))
+        finally:
+            _prepare.check_setup = check_setup
+    return {key: sorted(values)[len(values) // 2] for key, values in seconds.items()}
