@@ -213,6 +213,14 @@ def prepare(
     * Already prepared objects come back unchanged (prepared for another
       ``DistState``: :class:`~faccel.errors.PrepareError`).
 
+    With more than one process, the ranks first check that each was given the
+    same set-up (models' parameter and buffer names, shapes and dtypes, on meta
+    too; optimizer groups; loader lengths and batch sizes; the ``DistState``;
+    the kinds of the objects), by one small ``all_gather`` of digests, before
+    anything is wrapped: a difference is a
+    :class:`~faccel.errors.SetupMismatchError` on every rank naming the rank
+    and the first item. Every rank must make the same ``prepare`` calls.
+
     Args:
         dist: The run's :class:`DistState`.
         *objs: The objects to prepare, in any order.
