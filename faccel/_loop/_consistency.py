@@ -202,13 +202,14 @@ def encode(entries: Sequence[Entry]) -> bytes:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(
-        value, sort_keys=True
-    )  # as encode() writes it, with the spaces a message reads well with
+    # As encode() writes it, with the spaces a message reads well with.
+    return json.dumps(value, sort_keys=True)
 
 
 def _where(entry: Entry) -> str:
-    return f" ({entry[0]} of {_CALL})" if entry[0] and entry[0] != _CALL else ""
+    if entry[0] == _CALL:
+        return f" (in {_CALL})"
+    return f" ({entry[0]} of {_CALL})" if entry[0] else ""
 
 
 def difference_problem(
@@ -235,9 +236,8 @@ def difference_problem(
         # so a difference of digests always has a difference to name.
         if _show(got) == _show(want):
             continue
-        if _show(got[:2]) != _show(
-            want[:2]
-        ):  # another item at this place: an extra or missing parameter, ...
+        if _show(got[:2]) != _show(want[:2]):
+            # Another item at this place: an extra or missing parameter, another kind of object...
             return f"rank {rank}: has {got[1]}{_where(got)} where rank {of} has {want[1]}{_where(want)}"
         value, expected = got[2], want[2]
         if isinstance(value, dict) and isinstance(expected, dict):
@@ -302,9 +302,8 @@ def check_setup(dist: DistState, objs: Sequence[Any], options: PrepareOptions) -
         lengths = [int.from_bytes(h[:8], "little") for h in heads]
         raw = _all_gather(dist, payload, max(lengths))
     descriptions = [json.loads(r[:n]) for r, n in zip(raw, lengths, strict=True)]
-    problem = (
-        mismatch_problem(descriptions) or "the ranks' descriptions differ"
-    )  # same JSON, another digest: never
+    # Other digests always come with another JSON text, which mismatch_problem names; the fallback is a guard.
+    problem = mismatch_problem(descriptions) or "the ranks' descriptions differ"
     msg = (
         f"prepare() on rank {dist.rank}: the ranks were not given the same set-up: {problem}. Every rank "
         "must build the same model, optimizer and loaders (from the same config, with no rank-dependent "
