@@ -19,6 +19,7 @@ __all__ = [
     "LaunchError",
     "PrecisionError",
     "PrepareError",
+    "SetupMismatchError",
     "StorageError",
     "UsageError",
 ]
@@ -78,6 +79,21 @@ class PrepareError(FaccelError, TypeError):
     with a batch size the world size does not divide, or an object prepared
     under a different ``DistState``.
     Fix: follow the message; most cases name the argument to change.
+    """
+
+
+class SetupMismatchError(PrepareError):
+    """The ranks gave :func:`faccel.prepare` different set-ups; raised on every rank alike.
+
+    Cause: a model built differently on one rank (another width, an extra
+    layer, another dtype), an optimizer with other groups or hyper-parameters,
+    a loader of another length or batch size, a ``DistState`` that differs (a
+    ``FACCEL_PRECISION`` set on one node only), or another number or kind of
+    objects in one ``prepare`` call. The message names the rank and the first
+    item that differs: ``rank 1: parameter 0.weight has shape [24, 8], rank 0
+    has [16, 8]``. Checked before anything is wrapped or sharded.
+    Fix: build every object from the same config on every rank, and make the
+    same ``prepare`` calls in the same order on every rank.
     """
 
 

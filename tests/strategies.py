@@ -392,3 +392,45 @@ def checkpointed_stacks(draw: st.DrawFn) -> dict:
         "chosen": draw(st.sets(st.integers(min_value=0, max_value=depth - 1), min_size=1)),
         "seed": draw(st.integers(min_value=0, max_value=2**16)),
     }
+
+
+# JSON values as a set-up description holds them (faccel._loop._consistency): numbers, text, shapes,
+# and records of those (a parameter's shape and dtype, an optimizer group's hyper-parameters).
+_json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.floats(allow_nan=False, width=32)
+    | st.text(max_size=3)
+)
+_json_values = (
+    _json_scalars
+    | st.lists(st.integers(0, 4), max_size=3)
+    | st.dictionaries(st.sampled_from(["shape", "dtype", "lr", "parameters"]), _json_scalars, max_size=3)
+)
+_setup_entries = st.tuples(
+    st.sampled_from(["the DistState", "the Linear (argument 0)", "the SGD (argument 1)", ""]),
+    st.sampled_from(["dist.seed", "parameter 0.weight", "parameter 0.bias", "group 0", "length"]),
+    _json_values,
+).map(list)
+
+
+@st.composite
+def setup_description_pairs(draw: st.DrawFn) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Two set-up descriptions, often alike: the second is the first with a few entries changed,
+    inserted or removed (or, now and then, drawn on its own)."""
+    first = draw(st.lists(_setup_entries, max_size=6))
+    if draw(st.integers(0, 9)) == 0:
+        return first, draw(st.lists(_setup_entries, max_size=6))
+    second = [list(entry) for entry in first]
+    for _ in range(draw(st.integers(0, 2))):
+        action = draw(st.sampled_from(["value", "insert", "remove"]))
+        index = draw(st.integers(0, len(second)))
+        if action == "insert":
+            second.insert(index, draw(_setup_entries))
+        elif second and index < len(second):
+            if action == "remove":
+                del second[index]
+            else:
+                second[index][2] = draw(_json_values)
+    return first, second

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._consistency import check_setup
 from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
 from faccel._loop._model import check_options, prepare_module
@@ -215,6 +216,14 @@ def prepare(
     * Already prepared objects come back unchanged (prepared for another
       ``DistState``: :class:`~faccel.errors.PrepareError`).
 
+    With more than one process, the ranks first check that each was given the
+    same set-up (models' parameter and buffer names, shapes and dtypes, on meta
+    too; optimizer groups; loader lengths and batch sizes; the ``DistState``;
+    the kinds of the objects), by one small ``all_gather`` of digests, before
+    anything is wrapped: a difference is a
+    :class:`~faccel.errors.SetupMismatchError` on every rank naming the rank
+    and the first item. Every rank must make the same ``prepare`` calls.
+
     Args:
         dist: The run's :class:`DistState`.
         *objs: The objects to prepare, in any order.
@@ -288,6 +297,10 @@ def prepare(
             submodule; ``offload`` or ``reshard_after_forward=False`` with a
             strategy that does not shard with FSDP2 (DDP, DeepSpeed), or
             ``activation_checkpointing`` under DeepSpeed (not applied to its engine).
+        SetupMismatchError: The ranks were not given the same set-up: a model,
+            optimizer, loader or ``DistState`` that differs on some rank, or
+            another number or kind of objects; raised on every rank, naming the
+            rank and the first item that differs, before anything is wrapped.
         ArgumentError: ``activation_checkpointing`` is not a class, a tuple or a
             callable (the type check names the argument).
         ArgumentValueError: ``activation_checkpointing`` is a class that is not an
@@ -323,6 +336,8 @@ def prepare(
         reshard_after_forward=reshard_after_forward,
     )
     check_options(dist, options)
+    # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
+    check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
         prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
         return prepared[0] if len(prepared) == 1 else prepared

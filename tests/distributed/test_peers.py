@@ -53,8 +53,8 @@ def test_a_hung_rank_is_named_with_its_last_call_and_step(tmp_path: Path) -> Non
     message = outcome["message"]
     assert message.startswith("gather() on rank 0 of 2 timed out after 0:00:02")
     assert (
-        "The ranks that did not arrive at this gather() (this rank's collective #3): rank 1 (its "
-        "last faccel call: reduce() (its collective #2), at step 3, after 3 backward calls)."
+        "The ranks that did not arrive at this gather() (this rank's collective #4): rank 1 (its "
+        "last faccel call: reduce() (its collective #3), at step 3, after 3 backward calls)."
     ) in message, message
 
 
