@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -212,10 +213,9 @@ def _grad_step(dist: Any, root: str, name: str, **options: Any) -> dict[str, Any
     }
     grad_devices = sorted({str(p.grad.device.type) for p in inner.parameters()})
     faccel.save_model(dist, prepared, f"{root}/{name}")
-    from safetensors import safe_open
+    from tests.distributed.save_model_workers import hf_tensors  # one file, or (FSDP2) an index and shards
 
-    with safe_open(f"{root}/{name}/model.safetensors", framework="pt") as f:
-        saved = sorted(f.keys())
+    saved = sorted(hf_tensors(Path(f"{root}/{name}")))
     return {
         "loss": loss.item(),
         "grads": grads,
