@@ -119,6 +119,53 @@ def _save(folder: Path, **kwargs: Any) -> Path:
     return faccel.save_model(faccel.detect({}), _linear(), folder, **kwargs)
 
 
+def _forge_huge_optimizer_state(root: Path, rows: int) -> Path:
+    """A sharded checkpoint whose headers, state.json, rank page and manifest all agree on an
+    optimizer tensor of ``rows`` x 3 fp32, backed by a sparse file: consistent, forged (issue 26,
+    item 3: every rank used to allocate it before the shape check)."""
+    import attrs
+
+    import faccel
+
+    model = _linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = faccel.TrainState.create(model=model, optimizer=optimizer)
+    folder = faccel.checkpoint(faccel.detect({}), attrs.evolve(state, step=9), root, sharded=True)
+    key, width = "optimizer/state.0.momentum_buffer", 3 * 4
+    content = json.loads((folder / "state.json").read_text())
+    content["tensors"]["optimizer"]["state.0.momentum_buffer"].update(shape=[rows, 3], block=rows)
+    (folder / "state.json").write_text(json.dumps(content))
+    path = folder / "shard-00000.safetensors"
+    header, data = _header(path)
+    meta = json.loads(header.pop("__metadata__")["faccel"])
+    blobs = {k: data[v["data_offsets"][0] : v["data_offsets"][1]] for k, v in header.items()}
+    per = (4 << 20) // width
+    count = -(-rows // per)
+    zeros = hashlib.sha256(bytes(per * width)).hexdigest()
+    meta["hash_rows"][key], meta["rows"][key] = per, [0, rows]
+    meta["sha256"][key] = [zeros] * (count - 1) + [
+        hashlib.sha256(bytes((rows - (count - 1) * per) * width)).hexdigest()
+    ]
+    forged: dict[str, Any] = {"__metadata__": {"faccel": json.dumps(meta, separators=(",", ":"))}}
+    offset = 0
+    for name in [k for k in header if k != key] + [key]:  # the huge one last: a sparse tail
+        size = rows * width if name == key else len(blobs[name])
+        forged[name] = {**header[name], "data_offsets": [offset, offset + size]}
+        offset += size
+    forged[key]["shape"] = [rows, 3]
+    head = _safetensors(forged)
+    path.write_bytes(head + b"".join(blobs[k] for k in header if k != key))
+    os.truncate(path, len(head) + offset)
+    page = json.loads((folder / "ranks-00000.json").read_text())
+    page["ranks"][0]["shard"] = {"size": len(head) + offset, "sha256": hashlib.sha256(head).hexdigest()}
+    (folder / "ranks-00000.json").write_text(json.dumps(page))
+    _rehash(folder, "ranks-00000.json")
+    _rehash(folder, "state.json")
+    return folder
+
+
 def _attacks(tmp: Path) -> list[tuple[str, str, str, bool]]:
     """Set up every attack under ``tmp``: (name, restore or load_model, path, strict)."""
     attacks: list[tuple[str, str, str, bool]] = []
@@ -176,6 +223,9 @@ def _attacks(tmp: Path) -> list[tuple[str, str, str, bool]]:
     folder = restore_case("zero-size tensor with a 2^64 dimension in a checkpoint")
     _with_evil_tensor(folder / "model.safetensors")
     _rehash(folder, "model.safetensors")
+
+    folder = _forge_huge_optimizer_state(tmp / "v2 forged 6 GiB optimizer state", 1 << 29)
+    attacks.append(("v2: a consistent forged 6 GiB optimizer state", "restore", str(folder), True))
 
     folder = load_case("load_model: FIFO model.safetensors")
     (folder / "model.safetensors").unlink()
@@ -242,6 +292,9 @@ REFUSED = {
     "5,000-digit number in state.json": "state.json: not JSON (ValueError",
     "100,000-deep safetensors header in a checkpoint": "model.safetensors: not a valid safetensors file",
     "zero-size tensor with a 2^64 dimension in a checkpoint": "malformed or oversized shape",
+    "v2: a consistent forged 6 GiB optimizer state": (
+        "'momentum_buffer' of parameter 0 is torch.float32 [536870912, 3], the parameter is"
+    ),
     "load_model: FIFO model.safetensors": "model.safetensors: a FIFO, not a regular file",
     "load_model: symlink to an outside model.safetensors": "a symbolic link to",
     "load_model: a shard that is a directory": "-00002-of-00002.safetensors: a folder",

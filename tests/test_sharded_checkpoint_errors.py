@@ -128,8 +128,35 @@ def test_an_index_claiming_a_huge_tensor_is_refused_before_anything_is_allocated
     _claim_huge(folder)
     target = _state(1)
     before = cw.observe(target)
-    # The shard file's entry is checked first (a 2^40-row buffer, 2^40 x 5 x 4 bytes, would have
-    # failed with a RuntimeError of the allocator instead).
-    with pytest.raises(faccel.errors.CheckpointError, match=r"shard-00000\.safetensors.*should hold rows"):
+    # A state that fits neither its parameter nor a scalar is never read, and the checks name it (a
+    # 2^40-row buffer, 2^40 x 5 x 4 bytes, would have failed with a RuntimeError of the allocator).
+    with pytest.raises(
+        faccel.errors.CheckpointError, match=r"'exp_avg' of parameter 0 is torch.float32 \[1099511627776, 4\]"
+    ):
         faccel.restore(faccel.detect({}), target, folder)
     cw.assert_same(cw.observe(target), before)
+
+
+def test_reads_that_need_more_memory_than_the_process_can_take_are_refused_before_allocating() -> None:
+    # Issue 26, item 3: a tensor the target takes whole with no shape to compare with (the state of
+    # an optimizer that has not stepped, of a class faccel does not know) is bounded by memory.
+    import resource
+
+    import torch
+
+    import faccel
+    from faccel._checkpoint._sharded._chunks import Placed
+    from faccel._checkpoint._sharded._flow import allocatable_bytes, check_allocatable
+
+    room = allocatable_bytes()
+    assert room is not None and room > 0
+    rows = room // 4 + 1
+    huge = Placed(dtype=torch.float32, shape=(rows,), block=rows, first=0)
+    small = Placed(dtype=torch.float32, shape=(8,), block=8, first=0)
+    with pytest.raises(faccel.errors.CheckpointError, match=r"optimizer/state\.0\.buf.*more than the"):
+        check_allocatable([("optimizer", "state.0.buf", huge, True, 0, rows)], "ckpt")
+    check_allocatable([("optimizer", "state.0.buf", small, True, 0, 8)], "ckpt")  # fits: no error
+    # A tensor that is not read (None: it fits nothing of the target) costs nothing.
+    check_allocatable([("optimizer", "state.0.buf", huge, None, 0, rows)], "ckpt")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    assert soft == resource.RLIM_INFINITY or room <= soft

@@ -123,6 +123,18 @@ def check_manifest(
     return records, world, version
 
 
+def elementwise_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a built-in whose non-scalar state tensors have their parameter's shape.
+
+    Example:
+        >>> import torch
+        >>> p = [torch.nn.Parameter(torch.ones(2))]
+        >>> elementwise_optimizer(torch.optim.AdamW(p)), elementwise_optimizer(object())
+        (True, False)
+    """
+    return class_name(optimizer) in _ELEMENTWISE
+
+
 # Built-in optimizers whose non-scalar state tensors have their parameter's shape and dtype.
 _ELEMENTWISE = frozenset(
     f"torch.optim.{name}"
@@ -417,7 +429,18 @@ def _check_optimizer(
             problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
             continue
         for key, value in entry.items():
-            if elementwise and not _state_value(key, value):
+            if isinstance(value, torch.Tensor) and value.is_meta:  # not read: it fits nothing of the target
+                live = target.state.get(param, {}).get(key)
+                found = (
+                    f"the target's is {live.dtype} {list(live.shape)}"
+                    if isinstance(live, torch.Tensor)
+                    else f"the parameter is {param.dtype} {list(param.shape)}"
+                )
+                problems.add(
+                    OPTIMIZER,
+                    f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, {found}",
+                )
+            elif elementwise and not _state_value(key, value):
                 problems.add(
                     STATE,
                     f"optimizer state {key!r} of parameter {pid} is a {type(value).__name__} "

@@ -19,6 +19,7 @@ manifest), and reads only those rows, every hash block checked before use.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch.distributed as tdist
 from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, RANKS_FORMAT, page_name, shard_name
 from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, rows_of
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
@@ -223,10 +225,10 @@ class Pages:
             return self.pages[page][rank % PAGE_RANKS]
 
 
-def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[str, dict[Any, Any]]:
+def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
     model = dict(unwrap_model(state.model).state_dict())
-    found: dict[str, dict[Any, Any]] = {"model": model, "optimizer": {}}
+    found: dict[str, Any] = {"model": model, "optimizer": {}}
     if state.optimizer is None:
         return found
     section = content.get("optimizer")
@@ -244,12 +246,17 @@ def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[
         if isinstance(ids, list) and len(ids) == len(live["params"]):
             params.update({i: p for i, p in zip(ids, live["params"], strict=True) if type(i) is int})
     found["param_of"] = params
+    found["state_of"] = {i: state.optimizer.state.get(p, {}) for i, p in params.items()}
+    found["elementwise"] = elementwise_optimizer(state.optimizer)
     return found
 
 
 def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed) -> Any:
     """What ``key`` loads into: the live tensor (for an optimizer state of the parameter's shape, the
-    parameter), ``True`` for a whole plain tensor, None for nothing (a model tensor that does not fit)."""
+    parameter), ``True`` for a whole plain tensor, None for nothing: a tensor that fits nothing the
+    target can take (a model tensor of another shape; an optimizer state that fits neither its
+    parameter nor the target's own state, nor, for a built-in optimizer, a scalar), never read, so
+    that a forged shape costs no allocation (issue 26, item 3); the checks name it."""
     if group == "model":
         live = targets["model"].get(key)
         return (
@@ -261,9 +268,14 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     number = int(parts[1]) if len(parts) == 3 and parts[0] == "state" and parts[1].isdigit() else None
     live = targets.get("param_of", {}).get(number)
     # Elementwise state (exp_avg) is sharded as its parameter; anything else (a 0-d step) is whole.
-    return (
-        live if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype) else True
-    )
+    if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype):
+        return live
+    own = targets.get("state_of", {}).get(number, {}).get(parts[2]) if number is not None else None
+    if isinstance(own, torch.Tensor):  # the target has stepped: its own state says what fits
+        return True if (tuple(own.shape), own.dtype) == (placed.shape, placed.dtype) else None
+    if targets.get("elementwise") and live is not None and math.prod(placed.shape) > 1:
+        return None  # a built-in's state is its parameter's shape, or a scalar
+    return True
 
 
 def read_tensors(
@@ -299,6 +311,7 @@ def read_tensors(
         # A model tensor that does not fit: the checks will refuse the checkpoint, so nothing is
         # read (every tensor stays a meta tensor of its saved shape) (issue 26, item 5).
         jobs = [(group, key, placed, None, start, stop) for group, key, placed, _, start, stop in jobs]
+    check_allocatable(jobs, where)
     needed = sorted(
         {c.rank for _, _, p, live, a, b in jobs if live is not None for c in overlaps(p, world, a, b)}
     )
@@ -340,6 +353,52 @@ def read_tensors(
     for (group, key, *_), value in zip(jobs, values, strict=True):
         out[files[group]][key] = value
     return out, pages
+
+
+def check_allocatable(jobs: list[tuple[str, str, Placed, Any, int, int]], where: str) -> None:
+    """Refuse, before any allocation, reads that need more memory than this process can take.
+
+    What a rank allocates is bounded by its targets' shapes (a forged shape
+    that fits nothing is never read); this bounds what is left, tensors the
+    target takes whole without a shape to compare with (the state of an
+    optimizer that has not stepped), by the memory available to the process
+    (``MemAvailable``, and the address-space limit where one is set).
+    """
+    wanted = [
+        (math.prod(p.shape[1:]) * (b - a) * p.dtype.itemsize if p.shape else p.dtype.itemsize, f"{g}/{k}")
+        for g, k, p, live, a, b in jobs
+        if live is not None
+    ]
+    room = allocatable_bytes()
+    total = sum(size for size, _ in wanted)
+    if room is not None and total > room:
+        size, name = max(wanted)
+        msg = (
+            f"{where}: reading this checkpoint would allocate {total} bytes on this rank (the largest, "
+            f"{name}, {size} bytes), more than the {room} this process can allocate: a checkpoint "
+            "of a larger run (restore it where it fits), or a forged one"
+        )
+        raise CheckpointError(msg)
+
+
+def allocatable_bytes() -> int | None:
+    """What this process can still allocate: ``MemAvailable``, capped by ``RLIMIT_AS``; None if unknown."""
+    import resource
+
+    room = None
+    try:
+        with open("/proc/meminfo", "rb") as info:
+            for line in info:
+                if line.startswith(b"MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm", "rb") as statm:
+                mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            room = min(room if room is not None else soft, max(0, soft - mapped))
+    except (OSError, ValueError, IndexError):
+        return room
+    return room
 
 
 def _opener(directory: Path, pages: Pages, rank: int, step: Any) -> Callable[[], ShardFile]:
