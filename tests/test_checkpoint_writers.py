@@ -190,7 +190,9 @@ def delete_trials(base: Path, trials: int, seed: int) -> dict[str, int]:
     began = time.monotonic()
     faccel.checkpoint(dist, state, timing)
     duration = time.monotonic() - began
-    counts = dict.fromkeys(["refused", "committed", "deleted_after", "overlapping", "broken"], 0)
+    counts = dict.fromkeys(
+        ["refused", "committed", "deleted_after", "deleted_after_commit", "overlapping", "broken"], 0
+    )
     counts |= dict.fromkeys(["restored_latest", "restored_fallback", "restore_error"], 0)
     deleter = _spawn("--deleter")
     assert deleter.stdin is not None and deleter.stdout is not None
@@ -210,7 +212,11 @@ def delete_trials(base: Path, trials: int, seed: int) -> dict[str, int]:
                 counts["refused"] += 1
             elif end < returned:  # deleted while checkpoint() ran: what it returned must be whole
                 counts["committed"] += 1
-                counts["broken"] += not _complete(folder)
+                # Absent: the deletion ran after the commit and its check (the rename into a deleted
+                # root fails, and so does the check after it), in the moments before the return.
+                # Present: written after the deletion ended, so it must be whole.
+                counts["broken"] += folder.exists() and not _complete(folder)
+                counts["deleted_after_commit"] += not folder.exists()
             else:  # deleted (or being deleted) after checkpoint() returned: nothing to check
                 counts["deleted_after" if start > returned else "overlapping"] += 1
             step, how = _restore(root)

@@ -106,7 +106,7 @@ def test_a_shard_file_written_across_sync_boundaries_reads_back_and_checks(
     tensor = torch.randn(3000, 37)
     placed = assign({"model/w": (tensor.dtype, tuple(tensor.shape))}, [], 1)["model/w"]
     path = tmp_path / "shard-0.safetensors"
-    record = write_shard(path, {"model/w": tensor}, {"model/w": placed})
+    record = write_shard(path, {"model/w": tensor}, {"model/w": placed}, rank=0, world=1, step=0)
     (chunk,) = overlaps(placed, 1, 0, 3000)
     shard = ShardFile(path, record, where=str(path))
     try:
