@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,42 @@ def test_convert_writes_the_safetensors_layout(tmp_path: Path) -> None:
     faccel.load_model(faccel.detect({}), target, tmp_path / "out")
     for a, b in zip(source.parameters(), target.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("views", "refusal"),
+    [
+        # Issue 26, item 6: 1,619 bytes on disk that convert wrote as 512 MiB (2^42 elements: a raw
+        # RuntimeError of the allocator).
+        (lambda: {"w": torch.zeros(1).expand(2**27)}, "a view whose elements overlap"),
+        (lambda: {"w": torch.zeros(1).expand(2**42)}, "a view whose elements overlap"),
+        (lambda: {"w": torch.zeros(8).as_strided((4, 4), (1, 1))}, "a view whose elements overlap"),
+        (lambda: (lambda base: {"a": base[:6], "b": base[2:]})(torch.zeros(8)), "views of overlapping bytes"),
+    ],
+)
+def test_bin_views_that_would_write_more_than_they_hold_are_refused(
+    tmp_path: Path, views: Callable[[], dict[str, torch.Tensor]], refusal: str
+) -> None:
+    import faccel
+    from faccel._hf._save_model import convert_weights
+
+    torch.save(views(), tmp_path / "pytorch_model.bin")
+    assert (tmp_path / "pytorch_model.bin").stat().st_size < 4096
+    with pytest.raises(faccel.errors.CheckpointError, match=refusal):
+        convert_weights(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(faccel.errors.CheckpointError, match=refusal):
+        faccel.load_model(faccel.detect({}), torch.nn.Linear(2, 2), tmp_path, strict=False)
+
+
+def test_bin_views_of_disjoint_bytes_and_tied_names_convert_exactly(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from faccel._hf._save_model import convert_weights
+
+    base = torch.arange(8.0)
+    torch.save({"a": base[:3], "b": base[3:], "tied": base[:3]}, tmp_path / "pytorch_model.bin")
+    out = convert_weights(tmp_path, tmp_path / "out")
+    written = load_file(out / "model.safetensors")
+    assert set(written) <= {"a", "b", "tied"} and torch.equal(written["b"], base[3:])
+    assert torch.equal(written.get("a", written.get("tied")), base[:3])

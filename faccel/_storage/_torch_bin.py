@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,4 +72,55 @@ def load_bin(path: Path, within: Sequence[Path] = ()) -> dict[str, torch.Tensor]
         kind = type(loaded).__name__
         msg = f"{path}: must hold a flat mapping of names to tensors (a state dict), got {kind}"
         raise CheckpointError(msg)
+    problem = overlap_problem(loaded)
+    if problem:
+        msg = f"{path}: {problem}; a torch.save of a state dict never holds such views, so it is not read"
+        raise CheckpointError(msg)
     return loaded
+
+
+def overlap_problem(tensors: dict[str, torch.Tensor]) -> str:
+    """Why ``tensors`` would write more bytes than their storages hold, or ``""``.
+
+    A pickled tensor is a view of a storage: a stride-0 view of one element
+    (``torch.zeros(1).expand(2**29)``, 1,619 bytes on disk) would make a 2 GiB
+    file of its copy, and two views of overlapping bytes are two copies. Only
+    views of disjoint bytes, and the same view under two names (tied weights,
+    written once), keep what is written bounded by what was read.
+
+    Example:
+        >>> import torch
+        >>> overlap_problem({"w": torch.zeros(1).expand(4)})[:40]
+        "tensor 'w' is a view whose elements over"
+        >>> base = torch.zeros(6)
+        >>> overlap_problem({"a": base[:3], "b": base[3:], "tied": base[:3]})
+        ''
+    """
+    seen: dict[int, list[tuple[int, int, tuple[Any, ...], str]]] = {}
+    for name, tensor in tensors.items():
+        if not tensor.numel():
+            continue
+        size = tensor.element_size()
+        if any(stride < 0 for stride in tensor.stride()):  # pragma: no cover - torch has no negative strides
+            return f"tensor {name!r} has a negative stride"
+        span = int(sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)) + 1) * size
+        if tensor.numel() * size > span:
+            return (
+                f"tensor {name!r} is a view whose elements overlap ({list(tensor.shape)}, strides "
+                f"{list(tensor.stride())}): its {span} bytes would be written as {tensor.numel() * size}"
+            )
+        start = int(tensor.storage_offset()) * size
+        view = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        for other_start, other_end, other_view, other in seen.setdefault(_storage_key(tensor), []):
+            if (
+                (other_start, other_view) != (start, view)
+                and start < other_end
+                and other_start < start + span
+            ):
+                return f"tensors {other!r} and {name!r} are views of overlapping bytes of one storage"
+        seen[_storage_key(tensor)].append((start, start + span, view, name))
+    return ""
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
