@@ -310,7 +310,12 @@ def restore(
             what="checking the checkpoint",
             raises=CheckpointError,
         )
-        (broken_anywhere,) = agree_max(dist, [int(isinstance(found, _Broken))])
+        (broken_anywhere,) = agree_max(
+            dist,
+            [int(isinstance(found, _Broken))],
+            what="restore's check of the files",
+            raises=CheckpointError,
+        )
         if not broken_anywhere and not isinstance(found, _Broken):
             if passed:
                 skipped = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
@@ -357,7 +362,7 @@ def _refuse_an_abandoned_future(path: Path, step: int) -> None:
 
 def _agree_on_step(dist: DistState, path: str | os.PathLike[str], step: int, what: str) -> None:
     """Raise on every rank unless every rank found the same ``step`` (one collective)."""
-    low, high = agree_max(dist, [-step, step])
+    low, high = agree_max(dist, [-step, step], what="restore's agreement on the step", raises=CheckpointError)
     if -low != high:
         msg = (
             f"{path}: the ranks found different {what} (steps {-low} to {high}); "

@@ -609,7 +609,12 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
     digests = extras_digests(state.extras)
     values = [step, _digest(sorted(digests)), _digest(digests)]
     flags = [int(exists), int(blocked is not None), int(bool(ahead))]
-    low = agree_max(dist, [*(-v for v in values), *values, *flags])
+    low = agree_max(
+        dist,
+        [*(-v for v in values), *values, *flags],
+        what="the checkpoint's agreement",
+        raises=CheckpointError,
+    )
     if -low[0] != low[3]:
         msg = (
             f"the ranks are checkpointing different steps ({-low[0]} to {low[3]}); "
@@ -631,7 +636,12 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
     if -low[1] != low[4] or -low[2] != low[5]:
         differ = sorted(digests)
         if -low[1] == low[4]:  # the same names: find which of them differ
-            each = agree_max(dist, [*(-d for d in digests.values()), *digests.values()])
+            each = agree_max(
+                dist,
+                [*(-d for d in digests.values()), *digests.values()],
+                what="the checkpoint's agreement on extras",
+                raises=CheckpointError,
+            )
             differ = [name for i, name in enumerate(digests) if -each[i] != each[len(digests) + i]]
         msg = (
             f"extras {differ} differ between ranks: checkpoint saves rank 0's extras and restore "

@@ -28,7 +28,7 @@ import torch.distributed as tdist
 from faccel._dist._process_group import comm_device, last_calls, require_group
 from faccel._dist._state import DistState
 from faccel._torch_compat import default_store
-from faccel.errors import FaccelError
+from faccel.errors import DistributedError, FaccelError
 
 __all__ = ["DEFAULT_ARRIVAL", "agree_max", "arrive", "together"]
 
@@ -50,9 +50,25 @@ def _all_reduce(
     return [int(v) for v in tensor.tolist()]
 
 
-def agree_max(dist: DistState, values: Sequence[int]) -> list[int]:
-    """Element-wise maximum of ``values`` over all ranks (the values themselves in one process)."""
-    return _all_reduce(dist, values, tdist.ReduceOp.MAX, name="agree_max")
+def agree_max(
+    dist: DistState,
+    values: Sequence[int],
+    *,
+    what: str = "the ranks' agreement",
+    raises: type[Exception] = DistributedError,
+) -> list[int]:
+    """Element-wise maximum of ``values`` over all ranks (the values themselves in one process).
+
+    A peer lost, or a wait past the process group's timeout, is ``raises``
+    naming ``what`` (the caller's step: a checkpoint's is a ``CheckpointError``),
+    as in :func:`together`, not the backend's bare error.
+    """
+    try:
+        return _all_reduce(dist, values, tdist.ReduceOp.MAX, name="agree_max")
+    except FaccelError:
+        raise
+    except RuntimeError as error:
+        raise raises(_lost_message(dist, what, error)) from error
 
 
 def _waited(store: tdist.Store, keys: list[str], timeout: datetime.timedelta) -> bool:
@@ -171,16 +187,19 @@ def _meet(dist: DistState, failed: int, *, what: str, raises: type[Exception]) -
     except FaccelError:
         raise
     except RuntimeError as error:  # gloo's and NCCL's timeouts, a peer's closed connection
-        first = (
-            str(error).strip().splitlines()[0].split(". ")[0][:200]
-            if str(error).strip()
-            else type(error).__name__
-        )
-        msg = (
-            f"{what}: rank {dist.rank} waited for the other ranks longer than the process group's "
-            f"timeout ({dist.timeout}), or lost one of them ({first}). If {what} takes that long "
-            "(a slow or network file system, a large model), start the job with a larger "
-            "faccel.detect(timeout=...); if a rank died, its own error says why"
-        )
-        raise raises(msg) from error
+        raise raises(_lost_message(dist, what, error)) from error
     return failures
+
+
+def _lost_message(dist: DistState, what: str, error: RuntimeError) -> str:
+    first = (
+        str(error).strip().splitlines()[0].split(". ")[0][:200]
+        if str(error).strip()
+        else type(error).__name__
+    )
+    return (
+        f"{what}: rank {dist.rank} waited for the other ranks longer than the process group's "
+        f"timeout ({dist.timeout}), or lost one of them ({first}). If {what} takes that long "
+        "(a slow or network file system, a large model), start the job with a larger "
+        "faccel.detect(timeout=...); if a rank died, its own error says why"
+    )

@@ -362,7 +362,12 @@ def _save_spread(
     aliases = alias_groups(state)
     # Ties are agreed on: a rank whose piece of a tied tensor is empty cannot see the tie.
     position = {name: index for index, name in enumerate(names)}
-    firsts = agree_max(dist, [position[aliases[name]] if name in aliases else -1 for name in names])
+    firsts = agree_max(
+        dist,
+        [position[aliases[name]] if name in aliases else -1 for name in names],
+        what="save_model's agreement on tied weights",
+        raises=StorageError,
+    )
     stored = [name for name, first in zip(names, firsts, strict=True) if first < 0]
     specs = {name: (state[name].dtype, tuple(state[name].shape)) for name in stored}  # global shapes
     sizes = {name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()}
@@ -379,7 +384,12 @@ def _save_spread(
         _prepare_folder(target)
         return int(_new_tag(target), 16)
 
-    (tag,) = agree_max(dist, [together(dist, prepare, what="save_model", raises=StorageError)])
+    (tag,) = agree_max(
+        dist,
+        [together(dist, prepare, what="save_model", raises=StorageError)],
+        what="save_model",
+        raises=StorageError,
+    )
     files = shard_names(len(planned), tag=f"{tag:08x}")
     sizes_of = {
         file: len(header) + sum(sizes[name] for name in part.names)

@@ -159,3 +159,18 @@ def peer_gone_before_checkpoint(root: str, timeout_s: float) -> dict[str, Any]:
     if dist.rank == 1:
         return {"error": None, "message": "left", "seconds": 0.0}
     return _outcome(lambda: faccel.checkpoint(dist, state, root))
+
+
+def peer_gone_at_the_agreement(timeout_s: float) -> dict[str, Any]:
+    """Both ranks check in (the store), then rank 1 leaves before the agreement's all_reduce (26.10)."""
+    import faccel
+    from faccel._dist._consensus import agree_max, arrive
+
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=timeout_s))
+    arrive(
+        dist, "agreement", timeout=datetime.timedelta(seconds=timeout_s), raises=faccel.errors.CheckpointError
+    )
+    if dist.rank == 1:
+        return {"error": None, "message": "left", "seconds": 0.0}
+    what = "the checkpoint's agreement"
+    return _outcome(lambda: agree_max(dist, [1], what=what, raises=faccel.errors.CheckpointError))

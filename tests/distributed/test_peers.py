@@ -122,3 +122,12 @@ def test_a_peer_gone_before_a_checkpoint_ends_within_the_process_groups_timeout(
     assert "rank(s) [1] did not call it within 0:00:03" in survivor["message"]
     assert "crashed, was killed or left" in survivor["message"]
     assert timeout_s - 0.5 < survivor["seconds"]  # the job's timeout (named above) ended it, not the 60 s
+
+
+def test_a_peer_gone_at_the_agreement_step_is_the_callers_named_error() -> None:
+    # Issue 26, item 10: the ranks' agreement (an all_reduce after the check-in) raised the
+    # backend's bare RuntimeError when a peer was gone; now it is the caller's error, naming the step.
+    survivor, _ = harness.run(peer_workers.peer_gone_at_the_agreement, timeout=60, timeout_s=3.0)
+    assert survivor["error"] == "CheckpointError", survivor
+    assert survivor["message"].startswith("the checkpoint's agreement: rank 0 waited for the other ranks")
+    assert "or lost one of them" in survivor["message"]
