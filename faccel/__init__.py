@@ -53,14 +53,14 @@ if (
     from faccel._dist._state import state_from_env as state_from_env
     from faccel._hf._save_model import load_model as load_model
     from faccel._hf._save_model import save_model as save_model
-    from faccel._loop._accumulate import MicroStep as MicroStep
     from faccel._loop._accumulate import accumulate as accumulate
     from faccel._loop._accumulate import micro_batches as micro_batches
-    from faccel._loop._accumulate import micro_step as micro_step
     from faccel._loop._accumulate import steps_per_epoch as steps_per_epoch
     from faccel._loop._backward import backward as backward
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
+    from faccel._loop._micro_step import MicroStep as MicroStep
+    from faccel._loop._micro_step import micro_step as micro_step
     from faccel._loop._model import unwrap_model as unwrap_model
     from faccel._loop._precision import autocast as autocast
     from faccel._loop._precision import grad_scaler as grad_scaler

@@ -20,13 +20,8 @@ from typing import Any
 _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "faccel": {
         "faccel": ("errors", "func"),
-        "faccel._loop._accumulate": (
-            "MicroStep",
-            "accumulate",
-            "micro_batches",
-            "micro_step",
-            "steps_per_epoch",
-        ),
+        "faccel._loop._accumulate": ("accumulate", "micro_batches", "steps_per_epoch"),
+        "faccel._loop._micro_step": ("MicroStep", "micro_step"),
         "faccel._loop._backward": ("backward",),
         "faccel._checkpoint": ("checkpoint", "free_memory", "latest_checkpoint", "restore"),
         "faccel._loop._clip": ("clip_grad_norm", "clip_grad_value"),

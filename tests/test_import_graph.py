@@ -204,6 +204,7 @@ PURE = (
     "faccel._data._sharding",
     "faccel._data._split",
     "faccel._data._samplers",
+    "faccel._loop._micro_step",
 )
 PROCESSES = (
     "faccel._dist._process_group",

@@ -1,11 +1,10 @@
-"""Gradient accumulation, with the boundary as a pure function of plain integers.
+"""Gradient accumulation in the loop: micro-batches from the loader, and the no-sync contexts.
 
-Micro-step ``i`` of an epoch with ``n`` batches and ``k`` accumulation steps
-belongs to group ``i // k``; the group syncs (all-reduces and steps) at its
-last micro-step, and its losses are divided by the group's real size, so the
-last, partial group of an epoch is weighted correctly. No counter is kept
-anywhere: :func:`micro_batches` derives each :class:`MicroStep` from the
-loader's position.
+No counter is kept anywhere: :func:`micro_batches` derives each
+:class:`~faccel._loop._micro_step.MicroStep` from the loader's position, by
+the pure boundary of ``_micro_step``; :func:`accumulate` skips the gradient
+all-reduce (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``) inside
+a group.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,75 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._data._loader import PreparedLoader
 from faccel._dist._state import DistState
+from faccel._loop._micro_step import MicroStep, sync_boundary
 from faccel._loop._model import is_sharded
 from faccel._typecheck import setup_checked
-from faccel.errors import AccumulationError, ArgumentError, ArgumentValueError
+from faccel.errors import ArgumentError, ArgumentValueError
 
-__all__ = ["MicroStep", "accumulate", "micro_batches", "micro_step", "steps_per_epoch"]
+__all__ = ["accumulate", "micro_batches", "steps_per_epoch"]
 
 # nullcontext keeps no state, so one instance serves every `with` (in the hot loop).
 _NOTHING = contextlib.nullcontext()
-
-
-class MicroStep(NamedTuple):
-    """Where a micro-batch sits in its accumulation group.
-
-    A named tuple rather than an attrs record: one is made per micro-batch in
-    the training loop, and a frozen attrs instance measured ~1.5% of a small
-    model's micro-step (a named tuple: within noise of none).
-
-    Attributes:
-        index: The micro-step's index in the epoch (batches consumed before it).
-        sync: Whether this micro-step ends its group: gradients are all-reduced
-            and the optimizer steps after it.
-        group_size: Micro-steps in this group (its losses are divided by it).
-        items: The items (tokens, samples) of the whole group on every
-            data-parallel rank, counted by ``micro_batches(..., items=count)``
-            before the group starts; None when not counted. ``backward(...,
-            items=n)`` divides the loss sum by it instead of by ``group_size``.
-
-    Example:
-        >>> micro_step(9, accumulation_steps=4, num_batches=10)
-        MicroStep(index=9, sync=True, group_size=2, items=None)
-    """
-
-    # Shadows tuple.index (a method nobody calls on a MicroStep): the name reads best.
-    index: int  # type: ignore[assignment]
-    sync: bool
-    group_size: int
-    items: int | None = None
-
-
-def micro_step(index: int, *, accumulation_steps: int, num_batches: int | None) -> MicroStep:
-    """The :class:`MicroStep` of micro-batch ``index``. Pure.
-
-    Args:
-        index: Batches consumed in the epoch before this one.
-        accumulation_steps: Micro-batches per optimizer step.
-        num_batches: Batches in the epoch; None when unknown (then every group
-            is taken as full and the caller must say when the data ends).
-
-    Raises:
-        AccumulationError: ``index`` outside ``[0, num_batches)`` or steps < 1.
-
-    Example:
-        >>> [micro_step(i, accumulation_steps=2, num_batches=5).sync for i in range(5)]
-        [False, True, False, True, True]
-    """
-    if accumulation_steps < 1:
-        msg = f"accumulation_steps must be >= 1, got {accumulation_steps!r}"
-        raise AccumulationError(msg)
-    if index < 0 or (num_batches is not None and index >= num_batches):
-        msg = f"micro-step index must be in [0, {num_batches}), got {index!r}"
-        raise AccumulationError(msg)
-    return _micro(index, accumulation_steps, num_batches)
-
-
-def _micro(index: int, k: int, num_batches: int | None) -> MicroStep:
-    # The boundary itself, for arguments already known to be valid (the hot loop).
-    first = index - index % k
-    end = first + k if num_batches is None else min(first + k, num_batches)
-    return MicroStep(index=index, sync=index == end - 1, group_size=end - first)
 
 
 def _groups(iterable: Iterable[Any], size: int, first: int) -> Iterator[list[Any]]:
@@ -143,7 +82,7 @@ def micro_batches(
         total = None
     if total is not None:
         for offset, batch in enumerate(loader):
-            yield _micro(start + offset, k, total), batch
+            yield sync_boundary(start + offset, k, total), batch
         return
     # Groups stay aligned to the epoch (index // k) when resuming mid-epoch.
     index = start

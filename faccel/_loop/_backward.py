@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from faccel._dist._state import DistState
-from faccel._loop._accumulate import MicroStep
+from faccel._loop._micro_step import MicroStep
 from faccel.errors import AccumulationError, ArgumentError, ArgumentValueError, PrecisionError
 
 __all__ = ["backward"]
