@@ -70,6 +70,17 @@ def test_sigkill_at_random_moments_loads_the_earlier_save_or_the_new_one_never_a
     _crash_loop(tmp_path, trials=TRIALS, seed=1234)
 
 
+def _assert_old_then_new_and_retries_clean(result: dict, before: int, after: int) -> None:
+    loaded = result["loaded"]
+    assert result["operations"] > 8 and len(loaded) == result["operations"]
+    # Before the commit: the earlier save; from the commit on: the new one; never a mix, never nothing.
+    switch = loaded.index(after)
+    assert switch > 0 and loaded == [before] * switch + [after] * (len(loaded) - switch), loaded
+    # A retry after any kill completes, and leaves exactly its own files (no temporaries, no orphans).
+    assert result["retried"] == [after] * len(loaded)
+    assert result["files"] == [sw.expected_files(after)] * len(loaded)
+
+
 @pytest.mark.parametrize(
     ("before", "after"),
     [(4, 5), (5, 6), (6, 7), (7, 8)],
@@ -83,14 +94,7 @@ def test_sigkill_at_every_file_operation_of_a_save(tmp_path: Path, before: int, 
         before=before,
         after=after,
     )
-    loaded = result["loaded"]
-    assert result["operations"] > 8 and len(loaded) == result["operations"]
-    # Before the commit: the earlier save; from the commit on: the new one; never a mix, never nothing.
-    switch = loaded.index(after)
-    assert switch > 0 and loaded == [before] * switch + [after] * (len(loaded) - switch), loaded
-    # A retry after any kill completes, and leaves exactly its own files (no temporaries, no orphans).
-    assert result["retried"] == [after] * len(loaded)
-    assert result["files"] == [sw.expected_files(after)] * len(loaded)
+    _assert_old_then_new_and_retries_clean(result, before, after)
 
 
 @pytest.mark.parametrize(
@@ -110,12 +114,7 @@ def test_sigkill_at_every_file_operation_of_a_sharded_model_s_save(
         before=before,
         after=after,
     )
-    loaded = result["loaded"]
-    assert result["operations"] > 8 and len(loaded) == result["operations"]
-    switch = loaded.index(after)
-    assert switch > 0 and loaded == [before] * switch + [after] * (len(loaded) - switch), loaded
-    assert result["retried"] == [after] * len(loaded)
-    assert result["files"] == [sw.expected_files(after)] * len(loaded)
+    _assert_old_then_new_and_retries_clean(result, before, after)
 
 
 def main(argv: list[str] | None = None) -> None:

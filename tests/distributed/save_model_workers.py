@@ -136,29 +136,7 @@ def save_model_kill_at_every_operation(directory: str, before: int, after: int) 
 
     dist = faccel.detect({})
     model = _model()
-    _save(dist, model, directory + ".warmup", 1)
-
-    def reset() -> None:
-        shutil.rmtree(directory, ignore_errors=True)
-        _save(dist, model, directory, before)
-
-    def write_and_die_at(kill_at: int) -> None:
-        patches = [(os, name) for name in ("open", "write", "fsync", "replace", "rename", "unlink")]
-        die_at_operation(kill_at, patches, lambda: _save(dist, model, directory, after), directory + ".count")
-
-    reset()
-    assert _wait(_fork(lambda: write_and_die_at(0))) == 0
-    with open(directory + ".count") as handle:
-        total = int(handle.read())
-    loaded, retried, files = [], [], []
-    for kill_at in range(1, total + 1):
-        reset()
-        assert _wait(_fork(lambda k=kill_at: write_and_die_at(k))) == -signal.SIGKILL
-        loaded.append(read_version(directory))
-        _save(dist, model, directory, after)
-        retried.append(read_version(directory))
-        files.append(untagged(directory))
-    return {"operations": total, "loaded": loaded, "retried": retried, "files": files}
+    return _kill_at_every_operation(dist, model, directory, before, after)
 
 
 # --- save_model of a sharded model, every rank writing its share: test_save_model_sharded.py
@@ -306,6 +284,11 @@ def sharded_save_kill_at_every_operation(directory: str, before: int, after: int
         fully_shard(layer)
     fully_shard(model)
     assert is_sharded(model)  # save_model takes the sharded model's path
+    return _kill_at_every_operation(dist, model, directory, before, after)
+
+
+def _kill_at_every_operation(dist: Any, model: Any, directory: str, before: int, after: int) -> dict:
+    """The kill loop of the two tests above: count the save's file operations, then die at each."""
     _save(dist, model, directory + ".warmup", 1)
 
     def reset() -> None:
