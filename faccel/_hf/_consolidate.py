@@ -212,18 +212,20 @@ def consolidate(
     if target.exists() and not target.is_dir():
         msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"
         raise StorageError(msg)
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        _remove_temporaries(target)
-    except OSError as error:
-        raise _storage_error(target, error) from error
-    held = [name for name in os.listdir(target) if name.endswith(".safetensors") or name == INDEX_NAME]
-    if held:
-        msg = f"{target} already holds weights ({sorted(held)[:3]}); consolidate into a new folder"
-        raise StorageError(msg)
+    # The checkpoint is opened and checked first; a run that fails later removes the folder it made.
     specs, read, close = _specs_and_reader(folder)
     written: list[Path] = []
+    created = not target.exists()
     try:
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            _remove_temporaries(target)
+        except OSError as error:
+            raise _storage_error(target, error) from error
+        held = [name for name in os.listdir(target) if name.endswith(".safetensors") or name == INDEX_NAME]
+        if held:
+            msg = f"{target} already holds weights ({sorted(held)[:3]}); consolidate into a new folder"
+            raise StorageError(msg)
         sizes = {
             name: dtype.itemsize * int(torch.Size(shape).numel()) for name, (dtype, shape) in specs.items()
         }
@@ -248,6 +250,9 @@ def consolidate(
             for each in (path, path.with_name(f".tmp-{path.name}")):
                 with contextlib.suppress(OSError):
                     each.unlink()
+        if created:
+            with contextlib.suppress(OSError):  # only if empty: nothing of anyone else's is removed
+                target.rmdir()
         if isinstance(error, OSError) and not isinstance(error, StorageError):
             raise _storage_error(target, error) from error
         raise
