@@ -82,3 +82,136 @@ def _full_params(dist: Any, model: torch.nn.Module) -> list[list[float]]:
                 out.append(param.detach().flatten().tolist())
         return out
     return [p.detach().flatten().tolist() for p in inner.parameters()]
+
+
+def _zero(stage: int) -> dict[str, Any]:
+    # Threshold 0: ZeRO-3 partitions even this tiny model's parameters (by default it keeps
+    # parameters under 1e5 elements whole on every rank).
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {"zero_optimization": zero}
+
+
+def _odd_model() -> torch.nn.Module:
+    # 65 parameters, a bias of 7: ZeRO's partitions are padded, and one parameter spans two ranks.
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+
+
+def _prepared(dist: Any) -> tuple[Any, ...]:
+    import faccel
+
+    model = _odd_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    x, y = _task()
+    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+    model, optimizer, loader, scheduler = faccel.prepare(dist, model, optimizer, raw, scheduler)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+    return model, optimizer, loader, scheduler, state
+
+
+def _train(
+    dist: Any, objects: tuple[Any, ...], state: Any, *, until: int, root: str, save_at: int = 0
+) -> Any:
+    import attrs
+
+    import faccel
+
+    model, optimizer, loader, scheduler, _ = objects
+    for inputs, targets in loader.resume(state):
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        faccel.backward(dist, loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        state = attrs.evolve(state, step=state.step + 1, position=state.position + 1)
+        if state.step == save_at:
+            faccel.checkpoint(dist, state, root)
+        if state.step == until:
+            break
+    return state
+
+
+def _zero_view(model: Any) -> dict[str, list[list[float]]]:
+    """The whole fp32 masters and AdamW moments, read through DeepSpeed's own API."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    view: dict[str, list[list[float]]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+    for param in model.module.parameters():
+        view["master"].append(safe_get_full_fp32_param(param).flatten().tolist())
+        for key in ("exp_avg", "exp_avg_sq"):
+            view[key].append(safe_get_full_optimizer_state(param, key).flatten().tolist())
+    return view
+
+
+def stop_and_resume(*, stage: int, root: str, stop: int = 6, steps: int = 9) -> dict[str, Any]:
+    """A run checkpointed at ``stop`` and trained on to ``steps``; then a fresh engine restored from
+    the checkpoint and trained to ``steps`` too, in the same processes: both final weights."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import faccel
+
+    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage))
+    first = _prepared(dist)
+    state = _train(dist, first, first[4], until=stop, root=root, save_at=stop)
+    saved = _zero_view(first[0])
+    _train(dist, first, state, until=steps, root=root)
+    uninterrupted = _full_params(dist, first[0])
+    second = _prepared(dist)
+    restored = faccel.restore(dist, second[4], root)
+    after_restore = _zero_view(second[0])
+    ended = _train(dist, second, restored, until=steps, root=root)
+    folder = faccel.latest_checkpoint(root)
+    files = sorted(path.name for path in folder.iterdir()) if folder is not None else []
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": _full_params(dist, second[0]),
+        "saved": saved,
+        "after_restore": after_restore,
+        "restored_step": restored.step,
+        "ended_step": ended.step,
+        "lr": [first[1].param_groups[0]["lr"], second[1].param_groups[0]["lr"]],
+        "counters": [first[0].global_steps, second[0].global_steps],
+        "files": files,
+    }
+
+
+def restore_elsewhere(*, stage: int, root: str, steps: int = 2) -> dict[str, Any]:
+    """A fresh engine (any world size, any stage) restored from ``root``; its ZeRO state, then trained on."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import faccel
+
+    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage))
+    objects = _prepared(dist)
+    restored = faccel.restore(dist, objects[4], root)
+    view = _zero_view(objects[0])
+    ended = _train(dist, objects, restored, until=restored.step + steps, root=root)
+    finite = all(torch.isfinite(torch.tensor(p)).all().item() for p in _full_params(dist, objects[0]))
+    # Another model's shapes: refused by name before anything is loaded.
+    other = _model()
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=0.01)
+    x, y = _task()
+    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    other, other_optimizer, _ = faccel.prepare(dist, other, other_optimizer, raw)
+    before = _full_params(dist, other)
+    try:
+        faccel.restore(dist, faccel.TrainState.create(model=other, optimizer=other_optimizer), root)
+        refusal = None
+    except faccel.errors.CheckpointError as error:
+        refusal = str(error)
+    untouched = _full_params(dist, other) == before
+    try:
+        other_optimizer.state_dict()
+        direct = None
+    except faccel.errors.UsageError as error:
+        direct = str(error)
+    return {
+        "view": view,
+        "step": restored.step,
+        "ended": ended.step,
+        "finite": finite,
+        "refusal": refusal,
+        "untouched": untouched,
+        "state_dict": direct,
+    }

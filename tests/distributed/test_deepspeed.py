@@ -44,3 +44,54 @@ def test_zero_stages_train_like_ddp_with_faccel_filling_the_config(ddp: list[dic
         assert result["clipping"] == 0.0  # not DeepSpeed's silent 1.0
         assert result["lr"] == ddp[0]["lr"]  # the torch scheduler stepped DeepSpeed's learning rate
         _close(result["params"], ddp[0]["params"])
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+    """ZeRO-2 and ZeRO-3 runs on 2 ranks, checkpointed at step 6, then restored into fresh engines."""
+    runs = {}
+    for stage in (2, 3):
+        root = str(tmp_path_factory.mktemp(f"zero{stage}"))
+        runs[stage] = (
+            root,
+            harness.run(workers.stop_and_resume, world_size=2, timeout=300, stage=stage, root=root),
+        )
+    return runs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resume_at_step_6_ends_bitwise_equal_to_the_uninterrupted_run(stopped: dict, stage: int) -> None:
+    _, results = stopped[stage]
+    for result in results:
+        assert result["restored_step"] == 6 and result["ended_step"] == 9
+        assert result["after_restore"] == result["saved"]  # ZeRO's masters and moments, bitwise
+        assert result["resumed"] == result["uninterrupted"]  # bitwise (floats compared exactly)
+        assert result["lr"][0] == result["lr"][1] and result["counters"] == [9, 9]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_checkpoint_holds_only_safetensors_and_json(stopped: dict, stage: int) -> None:
+    for result in stopped[stage][1]:
+        assert result["files"] == [
+            "extras.safetensors",
+            "manifest.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "rng-00000.json",
+            "rng-00001.json",
+            "state.json",
+        ]
+
+
+@pytest.mark.parametrize(("written", "read"), [(2, 3), (3, 1)])
+def test_a_checkpoint_of_2_ranks_restores_exactly_on_1_rank_at_another_stage(
+    stopped: dict, written: int, read: int
+) -> None:
+    root, results = stopped[written]
+    (result,) = harness.run(workers.restore_elsewhere, world_size=1, timeout=300, stage=read, root=root)
+    assert result["step"] == 6 and result["view"] == results[0]["saved"]  # resharded, bitwise
+    assert result["ended"] == 8 and result["finite"]
+    # Another model: refused by name, nothing loaded.
+    assert "does not fit the objects given" in result["refusal"] and "[7, 6] in the file" in result["refusal"]
+    assert result["untouched"]
+    assert "faccel.checkpoint" in result["state_dict"]
