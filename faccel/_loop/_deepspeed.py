@@ -44,11 +44,14 @@ __all__ = [
     "engine_backward",
     "fill_config",
     "full_state",
+    "gather_named",
     "gathered_tensors",
+    "has_partitioned_parameters",
     "is_deepspeed_engine",
     "load_full_state",
     "prepare_deepspeed",
     "target_state",
+    "whole_specs",
 ]
 
 # The values meaning "faccel, fill this in" (Accelerate's and HF Trainer's spelling).
@@ -437,6 +440,44 @@ def gathered_tensors(engine: Any, *, keep: bool = True) -> Iterator[tuple[str, t
         yield name, value
 
 
+def has_partitioned_parameters(model: object) -> bool:
+    """Whether ``model`` is a DeepSpeed engine whose module holds ZeRO-3 partitioned parameters."""
+    return is_deepspeed_engine(model) and any(_partitioned(p) for p in model.module.parameters())  # type: ignore[attr-defined]
+
+
+def whole_specs(engine: Any) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
+    """Each state dict name's whole dtype and shape, and the tied names ``{later: first}`` (one
+    parameter under two names). No data, no communication."""
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        specs[name] = (tensor.dtype, _whole_shape(tensor) if _partitioned(tensor) else tuple(tensor.shape))
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return specs, aliases
+
+
+def gather_named(engine: Any, names: Sequence[str], *, keep: bool) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``names``, each ZeRO-3 parameter gathered alone and copied to the CPU
+    (kept only where ``keep``). A collective under ZeRO-3: every rank calls it with the same names."""
+    import deepspeed
+
+    state = engine.module.state_dict(keep_vars=True)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        tensor = state[name]
+        if _partitioned(tensor):
+            with deepspeed.zero.GatheredParameters([tensor]):
+                if keep:
+                    out[name] = tensor.detach().to("cpu", copy=True)
+        elif keep:
+            out[name] = tensor.detach()
+    return out
+
+
 def _flat_partitions(engine: Any) -> list[tuple[int, torch.Tensor]]:
     """This rank's flat fp32 partitions, each with the index of the torch param group it steps."""
     zero = engine.optimizer
@@ -542,14 +583,18 @@ def load_full_state(
 ) -> None:
     """Load whole tensors (:func:`full_state`'s form, from any world size and ZeRO stage) into a
     DeepSpeed run: the module, ZeRO's fp32 masters and optimizer state partitions, the torch groups'
-    hyperparameters and the engine's counters. A collective under ZeRO-3: every rank calls it."""
+    hyperparameters and the engine's counters. A collective under ZeRO-3: every rank calls it.
+
+    Without an optimizer state (``load_model``), the masters are set from the weights: else the
+    next step would put ZeRO's old masters back into the model."""
     import deepspeed
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     stage = _stage(engine)
     with torch.no_grad():
         for name, target in engine.module.state_dict(keep_vars=True).items():
-            value = model_state[name]
+            value = model_state.get(name)
+            if value is None:  # load_model(strict=False): a name the file lacks
+                continue
             if _partitioned(target):
                 with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
                     target.data.copy_(value)
@@ -558,6 +603,7 @@ def load_full_state(
     if stage == 0:
         if optimizer is not None and optimizer_state is not None:
             optimizer.optimizer.load_state_dict(dict(optimizer_state))
+        _load_masters(engine, {}, model_state)  # DeepSpeed's fp16/bf16 optimizer at stage 0
         return
     saved_state: Mapping[int, Mapping[str, Any]] = optimizer_state["state"] if optimizer_state else {}
     groups = optimizer.groups if optimizer is not None else []
@@ -601,30 +647,37 @@ def load_full_state(
         for key, value in optimizer_state.get("deepspeed", {}).get("loss_scaler", {}).items():
             if scaler is not None and hasattr(scaler, key):
                 setattr(scaler, key, value)
-    names = {id(t): n for n, t in engine.module.named_parameters()}
-    index = 0
-    for params in groups:
-        for param in params:
-            entry = saved_state.get(index, {})
-            index += 1
-            if not param.requires_grad:
+    index_of = {id(p): i for i, p in enumerate(p for params in groups for p in params)}
+    _load_masters(engine, {p: saved_state[i] for p, i in index_of.items() if i in saved_state}, model_state)
+
+
+def _load_masters(
+    engine: Any, saved: Mapping[int, Mapping[str, Any]], model_state: Mapping[str, torch.Tensor]
+) -> None:
+    """ZeRO's fp32 master of each parameter (saved, or its weight) and its optimizer state partitions;
+    ``saved`` maps ``id(param)`` to its saved optimizer state."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    stage = _stage(engine)
+    zero = engine.optimizer
+    for name, param in engine.module.named_parameters():
+        entry = saved.get(id(param), {})
+        master = entry.get(FP32_MASTER, model_state.get(name))
+        if not param.requires_grad or master is None:
+            continue
+        rank = zero._get_param_partition_rank(param) if stage == 3 else 0
+        if stage == 3:
+            part, _ = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False)
+            _set_partition(part, master, rank)
+        else:
+            safe_set_full_fp32_param(param, master.to(torch.float32))
+        for key, value in entry.items():
+            if key == FP32_MASTER or not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
-            master = entry.get(FP32_MASTER)
-            if master is None:
-                master = model_state[names[id(param)]]
-            rank = zero._get_param_partition_rank(param) if stage == 3 else 0
             if stage == 3:
-                part, _ = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False)
-                _set_partition(part, master, rank)
+                part, _ = zero._get_fp32_opt_state_partition(
+                    param, release_swap_buffers=False, optim_state_key=key
+                )
+                _set_partition(part, value, rank)
             else:
-                safe_set_full_fp32_param(param, master.to(torch.float32))
-            for key, value in entry.items():
-                if key == FP32_MASTER or not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    continue
-                if stage == 3:
-                    part, _ = zero._get_fp32_opt_state_partition(
-                        param, release_swap_buffers=False, optim_state_key=key
-                    )
-                    _set_partition(part, value, rank)
-                else:
-                    safe_set_full_optimizer_state(param, value.to(torch.float32), key)
+                safe_set_full_optimizer_state(param, value.to(torch.float32), key)

@@ -215,3 +215,78 @@ def restore_elsewhere(*, stage: int, root: str, steps: int = 2) -> dict[str, Any
         "untouched": untouched,
         "state_dict": direct,
     }
+
+
+def _whole(model: Any) -> dict[str, torch.Tensor]:
+    """The module's parameters, whole (each ZeRO-3 one gathered through DeepSpeed's own API)."""
+    import deepspeed
+
+    out = {}
+    for name, param in model.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            out[name] = param.detach().clone()
+    return out
+
+
+def save_model_and_the_rest(*, stage: int, directory: str) -> dict[str, Any]:
+    """A tiny GPT-2 trained 2 steps under ZeRO ``stage``: save_model (in shards), load_model back into
+    a fresh engine, from_pretrained on rank 0; clip_grad_norm, unwrap_model and gather_for_metrics."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import faccel
+    from tests.distributed.save_model_workers import tiny_gpt2
+
+    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage))
+    tokens = torch.randint(0, 101, (16, 16), generator=torch.Generator().manual_seed(3))
+    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
+
+    def build(seed: int) -> tuple[Any, ...]:
+        model = tiny_gpt2(seed)
+        return faccel.prepare(dist, model, torch.optim.AdamW(model.parameters(), lr=1e-2), raw)
+
+    model, optimizer, loader = build(0)
+    seen, gathered, refusal = [], None, None
+    for number, (batch,) in enumerate(loader.at(epoch=0)):
+        loss = model(batch, labels=batch).loss
+        faccel.backward(dist, loss)
+        if number == 0:
+            try:
+                faccel.clip_grad_norm(dist, model, 1.0)
+            except faccel.errors.UsageError as error:
+                refusal = str(error)
+            seen = batch[:, 0].tolist()
+            gathered = faccel.gather_for_metrics(dist, batch[:, 0], loader, batch=0).tolist()
+        optimizer.step()
+        optimizer.zero_grad()
+        if number == 1:
+            break
+    trained = _whole(model)
+    folder = os.path.join(directory, f"zero{stage}")
+    faccel.save_model(dist, model, folder, max_shard_size=40_000)
+    fresh, _, _ = build(1)
+    differed = any(not torch.equal(t, trained[n]) for n, t in _whole(fresh).items())
+    faccel.load_model(dist, fresh, folder)
+    loaded = _whole(fresh)
+    masters = {n: safe_get_full_fp32_param(p) for n, p in fresh.module.named_parameters()}
+    result = {
+        "unwrapped": faccel.unwrap_model(model) is model.module,
+        "refusal": refusal,
+        "seen": seen,
+        "gathered": gathered,
+        "differed": differed,
+        "loaded": all(torch.equal(loaded[n], t) for n, t in trained.items()),
+        "masters": all(torch.equal(masters[n], t) for n, t in trained.items()),
+        "files": sorted(os.listdir(folder)),
+    }
+    if dist.is_main_process:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        state = dict(hf.named_parameters())
+        result["from_pretrained"] = all(torch.equal(state[n], t) for n, t in trained.items())
+        result["tied"] = hf.lm_head.weight is hf.transformer.wte.weight
+        plain = tiny_gpt2(2)
+        result["load_model_plain"] = faccel.load_model(faccel.detect({}), plain, folder) == ((), ())
+        result["plain_equal"] = all(torch.equal(p, trained[n]) for n, p in plain.named_parameters())
+    return result

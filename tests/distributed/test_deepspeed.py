@@ -95,3 +95,24 @@ def test_a_checkpoint_of_2_ranks_restores_exactly_on_1_rank_at_another_stage(
     assert "does not fit the objects given" in result["refusal"] and "[7, 6] in the file" in result["refusal"]
     assert result["untouched"]
     assert "faccel.checkpoint" in result["state_dict"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_model_writes_the_hf_layout_that_load_model_and_from_pretrained_read(
+    tmp_path, stage: int
+) -> None:
+    results = harness.run(
+        workers.save_model_and_the_rest, world_size=2, timeout=300, stage=stage, directory=str(tmp_path)
+    )
+    for result in results:
+        # Shards of at most 40 kB and their index (ZeRO-3: gathered one parameter at a time).
+        assert "model.safetensors.index.json" in result["files"] and "config.json" in result["files"]
+        assert len([f for f in result["files"] if f.endswith(".safetensors")]) == 4
+        assert result["differed"] and result["loaded"]  # load_model into a fresh engine: the trained weights
+        assert result["masters"]  # and ZeRO's fp32 masters, which the next step starts from
+        assert result["unwrapped"]
+        assert "gradient_clipping" in result["refusal"]  # clip_grad_norm would clip nothing: refused
+        assert sorted(result["gathered"]) == sorted(results[0]["seen"] + results[1]["seen"])
+    main = results[0]
+    assert main["from_pretrained"] and main["tied"]  # transformers reads it, the head tied again
+    assert main["load_model_plain"] and main["plain_equal"]  # and so does load_model into a plain model
