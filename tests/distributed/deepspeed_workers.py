@@ -113,7 +113,14 @@ def _prepared(dist: Any) -> tuple[Any, ...]:
 
 
 def _train(
-    dist: Any, objects: tuple[Any, ...], state: Any, *, until: int, root: str, save_at: int = 0
+    dist: Any,
+    objects: tuple[Any, ...],
+    state: Any,
+    *,
+    until: int,
+    root: str,
+    save_at: int = 0,
+    blocking: bool = True,
 ) -> Any:
     import attrs
 
@@ -128,7 +135,7 @@ def _train(
         optimizer.zero_grad()
         state = attrs.evolve(state, step=state.step + 1, position=state.position + 1)
         if state.step == save_at:
-            faccel.checkpoint(dist, state, root)
+            faccel.checkpoint(dist, state, root, blocking=blocking)
         if state.step == until:
             break
     return state
@@ -154,7 +161,8 @@ def stop_and_resume(*, stage: int, root: str, stop: int = 6, steps: int = 9) -> 
 
     dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage))
     first = _prepared(dist)
-    state = _train(dist, first, first[4], until=stop, root=root, save_at=stop)
+    # ZeRO-3 saves in the background (blocking=False) while training goes on; ZeRO-2 blocks.
+    state = _train(dist, first, first[4], until=stop, root=root, save_at=stop, blocking=stage != 3)
     saved = _zero_view(first[0])
     _train(dist, first, state, until=steps, root=root)
     uninterrupted = _full_params(dist, first[0])
