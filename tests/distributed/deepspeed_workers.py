@@ -127,8 +127,10 @@ def _train(
     import faccel
 
     model, optimizer, loader, scheduler, _ = objects
+    low = torch.bfloat16 if dist.precision == "bf16" else None  # DeepSpeed's bf16 weights take bf16 inputs
     for inputs, targets in loader.resume(state):
-        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        outputs = model(inputs.to(low)) if low is not None else model(inputs)
+        loss = torch.nn.functional.mse_loss(outputs.float(), targets)
         faccel.backward(dist, loss)
         optimizer.step()
         scheduler.step()
@@ -153,13 +155,15 @@ def _zero_view(model: Any) -> dict[str, list[list[float]]]:
     return view
 
 
-def stop_and_resume(*, stage: int, root: str, stop: int = 6, steps: int = 9) -> dict[str, Any]:
+def stop_and_resume(
+    *, stage: int, root: str, stop: int = 6, steps: int = 9, precision: str = "fp32"
+) -> dict[str, Any]:
     """A run checkpointed at ``stop`` and trained on to ``steps``; then a fresh engine restored from
     the checkpoint and trained to ``steps`` too, in the same processes: both final weights."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import faccel
 
-    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage))
+    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage), precision=precision)
     first = _prepared(dist)
     # ZeRO-3 saves in the background (blocking=False) while training goes on; ZeRO-2 blocks.
     state = _train(dist, first, first[4], until=stop, root=root, save_at=stop, blocking=stage != 3)

@@ -116,3 +116,13 @@ def test_save_model_writes_the_hf_layout_that_load_model_and_from_pretrained_rea
     main = results[0]
     assert main["from_pretrained"] and main["tied"]  # transformers reads it, the head tied again
     assert main["load_model_plain"] and main["plain_equal"]  # and so does load_model into a plain model
+
+
+def test_a_bf16_resume_is_bitwise_too_with_zero_s_fp32_masters_saved(tmp_path) -> None:
+    results = harness.run(
+        workers.stop_and_resume, world_size=2, timeout=300, stage=2, root=str(tmp_path), precision="bf16"
+    )
+    for result in results:
+        # bf16 weights in the model file, ZeRO's fp32 masters beside the moments: both come back.
+        assert result["after_restore"] == result["saved"]
+        assert result["resumed"] == result["uninterrupted"]
