@@ -495,7 +495,7 @@ def _check_optimizer(engine: Any, optimizer: Any, dist: DistState) -> DeepSpeedO
             f"DeepSpeedOptimizer), got a {type(optimizer).__name__}; pass the prepared one"
         )
         raise CheckpointError(msg)
-    if optimizer is not None and _stage(engine) == 0 and dist.precision != "fp32":
+    if optimizer is not None and _stage(engine) == 0 and dist.precision != "no":
         msg = (
             f"faccel cannot yet checkpoint a DeepSpeed run at ZeRO stage 0 with precision "
             f"{dist.precision!r} (DeepSpeed's own fp16/bf16 optimizer keeps its masters apart); use "

@@ -156,7 +156,7 @@ def _zero_view(model: Any) -> dict[str, list[list[float]]]:
 
 
 def stop_and_resume(
-    *, stage: int, root: str, stop: int = 6, steps: int = 9, precision: str = "fp32"
+    *, stage: int, root: str, stop: int = 6, steps: int = 9, precision: str = "no"
 ) -> dict[str, Any]:
     """A run checkpointed at ``stop`` and trained on to ``steps``; then a fresh engine restored from
     the checkpoint and trained to ``steps`` too, in the same processes: both final weights."""
@@ -218,6 +218,11 @@ def restore_elsewhere(*, stage: int, root: str, steps: int = 2) -> dict[str, Any
         direct = None
     except faccel.errors.UsageError as error:
         direct = str(error)
+    try:
+        faccel.checkpoint(dist, ended, os.path.join(root, "sharded"), sharded=True)
+        sharded = None
+    except faccel.errors.ArgumentValueError as error:
+        sharded = str(error)
     return {
         "view": view,
         "step": restored.step,
@@ -226,6 +231,7 @@ def restore_elsewhere(*, stage: int, root: str, steps: int = 2) -> dict[str, Any
         "refusal": refusal,
         "untouched": untouched,
         "state_dict": direct,
+        "sharded": sharded,
     }
 
 

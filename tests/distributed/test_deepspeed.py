@@ -95,6 +95,7 @@ def test_a_checkpoint_of_2_ranks_restores_exactly_on_1_rank_at_another_stage(
     assert "does not fit the objects given" in result["refusal"] and "[7, 6] in the file" in result["refusal"]
     assert result["untouched"]
     assert "faccel.checkpoint" in result["state_dict"]
+    assert "pass sharded=False" in result["sharded"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
