@@ -20,6 +20,13 @@ The seed loop runs unchanged: ``prepare`` returns the engine as the model and
 a :class:`DeepSpeedOptimizer` whose ``step`` is the engine's; ``backward``
 finds the engine from the loss's graph and runs the engine's backward with
 faccel's micro-step as the accumulation boundary.
+
+Checkpoints, ``save_model`` and ``load_model`` see ZeRO's state as whole
+tensors: :func:`full_state` gathers the module and ZeRO's fp32 masters and
+optimizer state partitions one parameter at a time (the torch optimizer's form,
+keyed by parameter index), :func:`load_full_state` scatters them back into any
+world size and stage, and :func:`gather_named` gathers a shard's weights for
+``save_model``. DeepSpeed's own ``save_checkpoint`` (pickle) is never used.
 """
 
 from __future__ import annotations
