@@ -279,6 +279,12 @@ def save_model_and_the_rest(*, stage: int, directory: str) -> dict[str, Any]:
         optimizer.zero_grad()
         if number == 1:
             break
+    try:
+        with faccel.uneven_inputs(dist, model):
+            pass
+        uneven = None
+    except faccel.errors.UsageError as error:
+        uneven = str(error)
     trained = _whole(model)
     folder = os.path.join(directory, f"zero{stage}")
     faccel.save_model(dist, model, folder, max_shard_size=40_000)
@@ -290,6 +296,7 @@ def save_model_and_the_rest(*, stage: int, directory: str) -> dict[str, Any]:
     result = {
         "unwrapped": faccel.unwrap_model(model) is model.module,
         "refusal": refusal,
+        "uneven": uneven,
         "seen": seen,
         "gathered": gathered,
         "differed": differed,

@@ -113,6 +113,7 @@ def test_save_model_writes_the_hf_layout_that_load_model_and_from_pretrained_rea
         assert result["masters"]  # and ZeRO's fp32 masters, which the next step starts from
         assert result["unwrapped"]
         assert "gradient_clipping" in result["refusal"]  # clip_grad_norm would clip nothing: refused
+        assert "even_batches=True" in result["uneven"] and "DeepSpeed" in result["uneven"]
         assert sorted(result["gathered"]) == sorted(results[0]["seen"] + results[1]["seen"])
     main = results[0]
     assert main["from_pretrained"] and main["tied"]  # transformers reads it, the head tied again
