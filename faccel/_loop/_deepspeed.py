@@ -512,6 +512,20 @@ def _check_optimizer(engine: Any, optimizer: Any, dist: DistState) -> DeepSpeedO
     return optimizer
 
 
+def _relink(engine: Any, torch_state: Any) -> None:
+    """ZeRO-1/2: point each parameter's fragment at its group's optimizer state anew.
+
+    DeepSpeed links them once, after the first group's first step, when the later groups have no
+    state yet (0.19: their fragments stay empty and ``safe_get_full_optimizer_state`` fails for
+    them); relinked once every group has its state, and after a restore replaced the states."""
+    zero = engine.optimizer
+    if not hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        return
+    zero._hp_optimizer_states_linked = False
+    if all(torch_state.get(flat) for _, flat in _flat_partitions(engine)):
+        zero._lazy_init_hp_params_optimizer_state()
+
+
 def full_state(
     dist: DistState, engine: Any, optimizer: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -532,6 +546,7 @@ def full_state(
     if _stage(engine) == 0:
         return model_state, (prepared.optimizer.state_dict() if keep else {})
     torch_state = prepared.optimizer.state
+    _relink(engine, torch_state)
     scalars: dict[int, dict[str, Any]] = {}
     elementwise: dict[int, list[str]] = {}
     for group, flat in _flat_partitions(engine):
@@ -551,8 +566,8 @@ def full_state(
     for number, (torch_group, params) in enumerate(zip(prepared.param_groups, prepared.groups, strict=True)):
         ids = []
         for param in params:
-            entry = dict(scalars.get(number, {}))
-            for key in elementwise.get(number, []):
+            entry = dict(scalars.get(number, {})) if param.requires_grad else {}
+            for key in elementwise.get(number, []) if param.requires_grad else []:
                 entry[key] = safe_get_full_optimizer_state(param, key).detach().to("cpu", copy=True)
             if param.dtype != torch.float32 and param.requires_grad:
                 entry[FP32_MASTER] = safe_get_full_fp32_param(param).detach().to("cpu", copy=True)
@@ -642,10 +657,7 @@ def load_full_state(
                 else:
                     fresh[key] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
             torch_state[flat] = fresh
-        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: link the fragments anew
-            zero._hp_optimizer_states_linked = False
-            if all(flat in torch_state for _, flat in _flat_partitions(engine)):
-                zero._lazy_init_hp_params_optimizer_state()
+        _relink(engine, torch_state)
         counters = optimizer_state.get("deepspeed", {}).get("counters", {})
         for name in _COUNTERS:
             if name in counters:

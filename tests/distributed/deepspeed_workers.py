@@ -103,7 +103,11 @@ def _prepared(dist: Any) -> tuple[Any, ...]:
     import faccel
 
     model = _odd_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    # Two groups (no weight decay on the biases): ZeRO keeps a flat partition per group.
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     x, y = _task()
     raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
@@ -148,7 +152,7 @@ def _zero_view(model: Any) -> dict[str, list[list[float]]]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     view: dict[str, list[list[float]]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
-    for param in model.module.parameters():
+    for param in model.module.parameters():  # the order of the model, not of the groups
         view["master"].append(safe_get_full_fp32_param(param).flatten().tolist())
         for key in ("exp_avg", "exp_avg_sq"):
             view[key].append(safe_get_full_optimizer_state(param, key).flatten().tolist())
