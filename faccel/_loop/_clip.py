@@ -28,13 +28,13 @@ def _params(model_or_params: Params) -> list[torch.Tensor]:
     else:
         params = list(model_or_params)
     if is_deepspeed_engine(model_or_params) or any(hasattr(p, DEEPSPEED_ENGINE) for p in params):
-        # ZeRO keeps the gradients in its partitions: the parameters' .grad is None, and clipping
-        # them would silently clip nothing.
+        # ZeRO reduces and partitions the gradients into its own buffers: clipping the parameters'
+        # .grad would not change what the step uses, silently.
         msg = (
-            "under strategy='deepspeed' the gradients lie in ZeRO's partitions, not in the parameters' "
-            ".grad, and the engine clips them in its step: put the limit in the deepspeed config, "
-            "faccel.detect(strategy='deepspeed', deepspeed={..., 'gradient_clipping': MAX_NORM}), and "
-            "drop the clip call; model.get_global_grad_norm() gives the norm after optimizer.step()"
+            "under strategy='deepspeed' the gradients the step uses lie in ZeRO's buffers, not in the "
+            "parameters' .grad, and the engine clips them in its step: put the limit in the deepspeed "
+            "config, faccel.detect(strategy='deepspeed', deepspeed={..., 'gradient_clipping': MAX_NORM}), "
+            "and drop the clip call; model.get_global_grad_norm() gives the norm after optimizer.step()"
         )
         raise UsageError(msg)
     return params
