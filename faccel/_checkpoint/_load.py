@@ -22,6 +22,8 @@ from faccel._checkpoint._capture import is_stateful
 from faccel._checkpoint._format import STATE
 from faccel._checkpoint._sharded._fsdp_state import load_full_state
 from faccel._checkpoint._verify import Loadable
+from faccel._loop._deepspeed import is_deepspeed_engine
+from faccel._loop._deepspeed import load_full_state as load_deepspeed_state
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._torch_compat import is_dtensor
 from faccel._train_state import TrainState
@@ -90,7 +92,10 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
     if state.scheduler is not None and loadable.scheduler is not None:
         _into(where, "scheduler", state.scheduler, dict(loadable.scheduler))
     model = unwrap_model(state.model)
-    if is_sharded(model) and not any(is_dtensor(t) for t in loadable.model.values()):
+    if is_deepspeed_engine(state.model):
+        # Whole tensors into ZeRO's partitions. A collective under ZeRO-3: every rank takes part.
+        load_deepspeed_state(state.model, state.optimizer, loadable.model, loadable.optimizer)
+    elif is_sharded(model) and not any(is_dtensor(t) for t in loadable.model.values()):
         # Whole tensors (version 1). A collective: every rank scatters them into its own shards.
         load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
     else:  # plain tensors, or (version 2 into FSDP2) DTensors holding this rank's rows

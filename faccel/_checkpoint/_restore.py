@@ -44,7 +44,7 @@ from faccel._checkpoint._save import _resolve
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
 )
-from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng
+from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng, model_target
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
@@ -149,7 +149,7 @@ def _whole_file_caps(state: TrainState) -> dict[str, int]:
     """The most bytes a version 1 ``model.safetensors`` and ``optimizer.safetensors`` may have to fit
     ``state``'s objects: a larger file is refused by name before a buffer for it is allocated, whatever
     size the manifest claims (issue 26, item 3)."""
-    model_bytes = sum(t.numel() * t.element_size() for t in state.model.state_dict().values())
+    model_bytes = sum(t.numel() * t.element_size() for t in model_target(state).values())
     return {
         # twice the model: a checkpoint written in wider dtypes than the objects now hold still counts
         MODEL: 2 * model_bytes + _HEADER_ROOM,

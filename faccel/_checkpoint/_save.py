@@ -80,6 +80,8 @@ from faccel._checkpoint._sharded._shard_file import write_shard
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._deepspeed import full_state as deepspeed_full_state
+from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import (
     FileRecord,
@@ -343,6 +345,13 @@ def checkpoint(
 
     model = unwrap_model(train_state.model)
     fsdp = is_sharded(model)
+    if sharded and is_deepspeed_engine(train_state.model):
+        msg = (
+            "checkpoint(..., sharded=True) of a DeepSpeed run: faccel writes ZeRO's partitions as whole "
+            "tensors (gathered one at a time), which restore at any world size and ZeRO stage; pass "
+            "sharded=False or leave it out"
+        )
+        raise ArgumentValueError(msg)
     shards = _use_shards(model, dist, fsdp=fsdp, sharded=sharded)
     # The writing rank holds the root's lock from before its leftovers are removed until the commit
     # (or failure) is over; the OS releases it if the process dies.
@@ -452,6 +461,8 @@ def _whole_job(
     # FSDP2 in the whole-tensor format: every rank takes part in gathering whole tensors onto
     # rank 0, which then writes them exactly as an unsharded model's (any world size restores them).
     whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
+    if is_deepspeed_engine(train_state.model):  # ZeRO's partitions gathered whole, one tensor at a time
+        whole = deepspeed_full_state(dist, train_state.model, train_state.optimizer)
 
     def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
         if not dist.is_main_process:

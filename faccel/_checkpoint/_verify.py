@@ -37,6 +37,7 @@ from faccel._checkpoint._format import (
 )
 from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._dist._state import DistState
+from faccel._loop._deepspeed import DeepSpeedOptimizer, is_deepspeed_engine, target_state
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs
@@ -306,10 +307,13 @@ def _stage(
         if is_stateful(state.extras[name])
     ]
     trials += [("scaler", state.scaler, scaler), ("scheduler", state.scheduler, scheduler)]
-    trials.append(("optimizer", state.optimizer, optimizer))
     target = unwrap_model(state.model)
-    if not is_sharded(target):  # an FSDP2 model loads through collectives: its shapes are checked
-        trials.append(("model", target, model))
+    # FSDP2 and DeepSpeed load through collectives: their shapes are checked (a DeepSpeed optimizer's
+    # whole-tensor state too, in _check_optimizer).
+    if not is_deepspeed_engine(state.model):
+        trials.append(("optimizer", state.optimizer, optimizer))
+        if not is_sharded(target):
+            trials.append(("model", target, model))
     for field, obj, saved in trials:
         if obj is None or saved is None or (field == "scaler" and not saved):
             continue
@@ -327,6 +331,13 @@ def _refs_by_file(content: Mapping[str, Any]) -> dict[str, set[str]]:
         for file, key in tensor_refs(content.get(part)):
             refs.setdefault(file, set()).add(key)
     return refs
+
+
+def model_target(state: TrainState) -> dict[str, torch.Tensor]:
+    """The state dict a checkpoint's model must fit: a DeepSpeed ZeRO-3 parameter's whole shape."""
+    if is_deepspeed_engine(state.model):
+        return target_state(state.model)
+    return dict(unwrap_model(state.model).state_dict())
 
 
 def _check_model(
@@ -354,7 +365,7 @@ def _check_model(
         tensor = stored.get(aliases.get(key, key))
         if tensor is not None:
             saved[key] = tensor
-    target = unwrap_model(state.model).state_dict()
+    target = model_target(state)
     specs = {key: (tensor.dtype, tuple(tensor.shape)) for key, tensor in saved.items()}
     _, _, mismatches = compare_tensors(specs, target, strict=True)
     for mismatch in mismatches:
@@ -393,13 +404,16 @@ def _check_optimizer(
     if not isinstance(groups, list) or not isinstance(entries, dict):
         problems.add(STATE, "the optimizer state needs param_groups (a list) and state (a dict)")
         return {}
-    if len(groups) != len(target.param_groups):
-        problems.add(
-            STATE, f"{len(groups)} optimizer param groups saved, the target has {len(target.param_groups)}"
-        )
+    # A DeepSpeed run's groups hold ZeRO's flat partitions: its checkpoint numbers the model's
+    # parameters (whole shapes, float32 state) as the torch optimizer held them before ZeRO.
+    live_groups = target.param_groups
+    if isinstance(target, DeepSpeedOptimizer):
+        live_groups = target.checkpoint_groups()
+    if len(groups) != len(live_groups):
+        problems.add(STATE, f"{len(groups)} optimizer param groups saved, the target has {len(live_groups)}")
         return saved
     params: dict[int, torch.Tensor] = {}
-    for number, (group, live) in enumerate(zip(groups, target.param_groups, strict=True)):
+    for number, (group, live) in enumerate(zip(groups, live_groups, strict=True)):
         ids = group.get("params") if isinstance(group, dict) else None
         if not isinstance(ids, list) or not all(type(i) is int for i in ids):
             problems.add(STATE, f"param group {number} has no list of parameter ids")
@@ -422,7 +436,8 @@ def _check_optimizer(
             for key in sorted(saved_keys, key=str):
                 _check_kind(group[key], live[key], f"param group {number}'s {key!r}", problems)
         params.update(zip(ids, live["params"], strict=True))
-    elementwise = class_name(target) in _ELEMENTWISE
+    inner = target.optimizer if isinstance(target, DeepSpeedOptimizer) else target
+    elementwise = class_name(inner) in _ELEMENTWISE
     for pid, entry in entries.items():
         param = params.get(pid)
         if param is None or not isinstance(entry, dict):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import secrets
@@ -47,6 +48,14 @@ from faccel._dist._state import DistState
 from faccel._hf._assign import assign, rank_files
 from faccel._hf._shard_read import load_rows
 from faccel._hf._spread_write import OwnFile, write_own
+from faccel._loop._deepspeed import (
+    gather_named,
+    has_partitioned_parameters,
+    is_deepspeed_engine,
+    load_full_state,
+    target_state,
+    whole_specs,
+)
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import (
     MAX_JSON,
@@ -222,24 +231,35 @@ def _write_model(
     stored: Mapping[str, torch.Tensor],
     max_shard_size: int,
     extras: Mapping[str, bytes] | None = None,
+    *,
+    fetch: tuple[Mapping[str, int], Callable[[list[str]], Mapping[str, torch.Tensor]]] | None = None,
 ) -> None:
     """Write the weights, committed as a whole (see the module's docstring), then ``extras`` (name -> bytes).
 
     A failed write (an ``OSError``) deletes what it wrote before raising; the
-    weights a loader reads are then those of the earlier save.
+    weights a loader reads are then those of the earlier save. ``fetch``: the
+    tensors' sizes in bytes and how to get one shard's tensors when it is written
+    (then ``stored`` is unused): one shard at a time in memory.
     """
     _prepare_folder(directory)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in stored.items()}
+
+    def held(group: list[str]) -> Mapping[str, torch.Tensor]:
+        return {key: stored[key] for key in group}
+
+    get: Callable[[list[str]], Mapping[str, torch.Tensor]] = held
+    if fetch is not None:
+        sizes, get = dict(fetch[0]), fetch[1]
     groups = split_shards(sizes, max_shard_size)
     try:
         if len(groups) == 1:
             # One rename commits: model.safetensors takes precedence over any index.
-            atomic_write(directory / WEIGHTS_NAME, plan(stored, metadata=_METADATA))
+            atomic_write(directory / WEIGHTS_NAME, plan(get(groups[0]), metadata=_METADATA))
         else:
             names = shard_names(len(groups), tag=_new_tag(directory))
             for name, group in zip(names, groups, strict=True):
                 temporary = directory / f".tmp-{name}"
-                write_durably(temporary, plan({key: stored[key] for key in group}, metadata=_METADATA))
+                write_durably(temporary, plan(get(group), metadata=_METADATA))
                 os.replace(temporary, directory / name)  # a new name: no loader reads it yet
             fsync_dir(directory)
             weight_map = {key: name for name, group in zip(names, groups, strict=True) for key in group}
@@ -320,6 +340,9 @@ def save_model(
     if is_sharded(inner):  # FSDP2, HSDP, tensor parallelism: every rank writes its share
         _save_spread(dist, inner, target, limit, configs)
         return target
+    if has_partitioned_parameters(model):  # DeepSpeed ZeRO-3: gathered tensor by tensor
+        _save_gathered(dist, model, target, limit, configs)
+        return target
 
     def write() -> None:
         if dist.is_main_process:
@@ -328,6 +351,39 @@ def save_model(
 
     together(dist, write, what="save_model", raises=StorageError)
     return target
+
+
+def _save_gathered(
+    dist: DistState, engine: Any, target: Path, limit: int, configs: Mapping[str, bytes]
+) -> None:
+    """DeepSpeed ZeRO-3: every rank gathers one shard's parameters at a time, one parameter at a time
+    (each copied to the CPU of the main process, which writes the shard, then freed): at most one shard
+    (``max_shard_size``) whole in memory."""
+    specs, aliases = whole_specs(engine)
+    sizes = {
+        name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        for name, (dtype, shape) in specs.items()
+        if name not in aliases
+    }
+    groups = split_shards(sizes, limit)
+    done: list[list[str]] = []
+
+    def get(group: list[str]) -> Mapping[str, torch.Tensor]:
+        done.append(group)
+        return gather_named(engine, group, keep=dist.is_main_process)
+
+    def write() -> None:
+        if not dist.is_main_process:
+            for group in groups:
+                get(group)
+            return
+        try:
+            _write_model(target, {}, limit, configs, fetch=(sizes, get))
+        finally:  # a failed write still takes part in the other ranks' gathers, then raises
+            for group in groups[len(done) :]:
+                get(group)
+
+    together(dist, write, what="save_model", raises=StorageError)
 
 
 def _prepare_folder(directory: Path) -> None:
@@ -595,8 +651,13 @@ def load_model(
     folder = Path(directory)
     layout, within = _layout(folder)
     inner = unwrap_model(model)
-    target = inner.state_dict()
+    deepspeed = is_deepspeed_engine(model)
+    target = target_state(model) if deepspeed else inner.state_dict()
     specs = {name: _spec(entry) for name, (_, entry) in layout.items()}
+    if deepspeed:  # ZeRO-3's stand-ins have no memory to tell ties by: the engine names them
+        for later, first in whole_specs(model)[1].items():
+            if later not in specs and first in specs:
+                specs[later] = specs[first]
     missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
     if problems:
         msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
@@ -622,7 +683,10 @@ def load_model(
                 tensors = {name: layout[name][1] for name in names}
             else:  # safetensors: the entries say where to read
                 tensors = _read_tensors(folder / file, {name: layout[name][1] for name in names}, within)
-            inner.load_state_dict(tensors, strict=False)
+            if deepspeed:  # into ZeRO's partitions and fp32 masters too (a collective under ZeRO-3)
+                load_full_state(model, None, tensors, None)
+            else:
+                inner.load_state_dict(tensors, strict=False)
     return tuple(missing), tuple(unexpected)
 
 

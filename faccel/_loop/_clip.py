@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from faccel._dist._state import DistState
+from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._model import unwrap_model
-from faccel.errors import PrecisionError
+from faccel._marks import DEEPSPEED_ENGINE
+from faccel.errors import PrecisionError, UsageError
 
 __all__ = ["clip_grad_norm", "clip_grad_value"]
 
@@ -18,11 +20,24 @@ Params = nn.Module | torch.Tensor | Iterable[torch.Tensor]
 
 
 def _params(model_or_params: Params) -> list[torch.Tensor]:
+    params: list[torch.Tensor]
     if isinstance(model_or_params, nn.Module):
-        return list(unwrap_model(model_or_params).parameters())
-    if isinstance(model_or_params, torch.Tensor):
-        return [model_or_params]
-    return list(model_or_params)
+        params = list(unwrap_model(model_or_params).parameters())
+    elif isinstance(model_or_params, torch.Tensor):
+        params = [model_or_params]
+    else:
+        params = list(model_or_params)
+    if is_deepspeed_engine(model_or_params) or any(hasattr(p, DEEPSPEED_ENGINE) for p in params):
+        # ZeRO reduces and partitions the gradients into its own buffers: clipping the parameters'
+        # .grad would not change what the step uses, silently.
+        msg = (
+            "under strategy='deepspeed' the gradients the step uses lie in ZeRO's buffers, not in the "
+            "parameters' .grad, and the engine clips them in its step: put the limit in the deepspeed "
+            "config, faccel.detect(strategy='deepspeed', deepspeed={..., 'gradient_clipping': MAX_NORM}), "
+            "and drop the clip call; model.get_global_grad_norm() gives the norm after optimizer.step()"
+        )
+        raise UsageError(msg)
+    return params
 
 
 def _unscale(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer | None) -> None:
@@ -73,6 +88,8 @@ def clip_grad_norm(
 
     Raises:
         PrecisionError: An active scaler without ``optimizer``.
+        UsageError: A DeepSpeed engine's parameters (clip with the config's
+            ``gradient_clipping``: docs/deepspeed.md).
         RuntimeError: ``error_if_nonfinite`` and a non-finite norm (torch's).
 
     Example:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._state import DistState
+from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel.errors import UsageError
 
 __all__ = ["uneven_inputs"]
@@ -46,7 +47,7 @@ def uneven_inputs(
 
     Raises:
         UsageError: There are peers but ``model`` is not the DDP module
-            ``prepare`` returned (an FSDP2 model, or the unwrapped module), or
+            ``prepare`` returned (an FSDP2 model, a DeepSpeed engine, or the unwrapped module), or
             ``dist.accumulation_steps`` > 1 (the ranks would disagree on which
             micro-steps synchronise).
 
@@ -71,6 +72,13 @@ def uneven_inputs(
     if not dist.distributed:
         yield
         return
+    if is_deepspeed_engine(model):
+        msg = (
+            "uneven_inputs cannot join a DeepSpeed engine (ZeRO's collectives have no Join hook): keep "
+            "prepare(..., even_batches=True) under strategy='deepspeed', which gives every rank the same "
+            "number of batches"
+        )
+        raise UsageError(msg)
     if not isinstance(model, DistributedDataParallel):
         msg = (
             f"uneven_inputs needs the DistributedDataParallel model faccel.prepare returned, got a "

@@ -44,3 +44,87 @@ def test_zero_stages_train_like_ddp_with_faccel_filling_the_config(ddp: list[dic
         assert result["clipping"] == 0.0  # not DeepSpeed's silent 1.0
         assert result["lr"] == ddp[0]["lr"]  # the torch scheduler stepped DeepSpeed's learning rate
         _close(result["params"], ddp[0]["params"])
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+    """ZeRO-2 and ZeRO-3 runs on 2 ranks, checkpointed at step 6, then restored into fresh engines."""
+    runs = {}
+    for stage in (2, 3):
+        root = str(tmp_path_factory.mktemp(f"zero{stage}"))
+        runs[stage] = (
+            root,
+            harness.run(workers.stop_and_resume, world_size=2, timeout=300, stage=stage, root=root),
+        )
+    return runs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resume_at_step_6_ends_bitwise_equal_to_the_uninterrupted_run(stopped: dict, stage: int) -> None:
+    _, results = stopped[stage]
+    for result in results:
+        assert result["restored_step"] == 6 and result["ended_step"] == 9
+        assert result["after_restore"] == result["saved"]  # ZeRO's masters and moments, bitwise
+        assert result["resumed"] == result["uninterrupted"]  # bitwise (floats compared exactly)
+        assert result["lr"][0] == result["lr"][1] and result["counters"] == [9, 9]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_checkpoint_holds_only_safetensors_and_json(stopped: dict, stage: int) -> None:
+    for result in stopped[stage][1]:
+        assert result["files"] == [
+            "extras.safetensors",
+            "manifest.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "rng-00000.json",
+            "rng-00001.json",
+            "state.json",
+        ]
+
+
+@pytest.mark.parametrize(("written", "read"), [(2, 3), (3, 1)])
+def test_a_checkpoint_of_2_ranks_restores_exactly_on_1_rank_at_another_stage(
+    stopped: dict, written: int, read: int
+) -> None:
+    root, results = stopped[written]
+    (result,) = harness.run(workers.restore_elsewhere, world_size=1, timeout=300, stage=read, root=root)
+    assert result["step"] == 6 and result["view"] == results[0]["saved"]  # resharded, bitwise
+    assert result["ended"] == 8 and result["finite"]
+    # Another model: refused by name, nothing loaded.
+    assert "does not fit the objects given" in result["refusal"] and "[7, 6] in the file" in result["refusal"]
+    assert result["untouched"]
+    assert "faccel.checkpoint" in result["state_dict"]
+    assert "pass sharded=False" in result["sharded"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_model_writes_the_hf_layout_that_load_model_and_from_pretrained_read(
+    tmp_path, stage: int
+) -> None:
+    results = harness.run(
+        workers.save_model_and_the_rest, world_size=2, timeout=300, stage=stage, directory=str(tmp_path)
+    )
+    for result in results:
+        # Shards of at most 40 kB and their index (ZeRO-3: gathered one parameter at a time).
+        assert "model.safetensors.index.json" in result["files"] and "config.json" in result["files"]
+        assert len([f for f in result["files"] if f.endswith(".safetensors")]) == 4
+        assert result["differed"] and result["loaded"]  # load_model into a fresh engine: the trained weights
+        assert result["masters"]  # and ZeRO's fp32 masters, which the next step starts from
+        assert result["unwrapped"]
+        assert "gradient_clipping" in result["refusal"]  # clip_grad_norm would clip nothing: refused
+        assert "even_batches=True" in result["uneven"] and "DeepSpeed" in result["uneven"]
+        assert sorted(result["gathered"]) == sorted(results[0]["seen"] + results[1]["seen"])
+    main = results[0]
+    assert main["from_pretrained"] and main["tied"]  # transformers reads it, the head tied again
+    assert main["load_model_plain"] and main["plain_equal"]  # and so does load_model into a plain model
+
+
+def test_a_bf16_resume_is_bitwise_too_with_zero_s_fp32_masters_saved(tmp_path) -> None:
+    results = harness.run(
+        workers.stop_and_resume, world_size=2, timeout=300, stage=2, root=str(tmp_path), precision="bf16"
+    )
+    for result in results:
+        # bf16 weights in the model file, ZeRO's fp32 masters beside the moments: both come back.
+        assert result["after_restore"] == result["saved"]
+        assert result["resumed"] == result["uninterrupted"]
