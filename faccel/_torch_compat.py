@@ -34,6 +34,7 @@ __all__ = [
     "random_sampler_draws_all",
     "rebuild_ddp_buckets",
     "set_group_timeout",
+    "view_base",
 ]
 
 
@@ -135,3 +136,15 @@ def set_group_timeout(group: Any, timeout: Any) -> None:
     import torch.distributed as tdist
 
     tdist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (``tensor`` itself when it is no view).
+
+    A memory plan counts each storage a forward saves once, and tells a
+    parameter's transpose (what ``nn.Linear`` saves) from an activation; on the
+    meta device there are no data pointers to compare, so the view's base is
+    the one answer.
+    """
+    base = tensor._base
+    return tensor if base is None else base

@@ -57,6 +57,14 @@ def test_compiled_original() -> None:
     assert compat.compiled_original(inner) is None
 
 
+def test_view_base_on_meta_and_real_tensors() -> None:
+    for device in ("cpu", "meta"):
+        weight = torch.zeros(3, 4, device=device)
+        assert compat.view_base(weight) is weight
+        assert compat.view_base(weight.t()) is weight
+        assert compat.view_base(weight.t()[1:]) is weight  # a view of a view: the root
+
+
 def test_is_dtensor_on_plain_values() -> None:
     assert not compat.is_dtensor(torch.zeros(1))
     assert not compat.is_dtensor(nn.Parameter(torch.zeros(1)))
