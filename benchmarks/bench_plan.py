@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{plan.parameters / 1e6:.1f}M parameters, 2 ranks, FSDP2, AdamW, batch {BATCH}x{TOKENS}; "
         f"{args.rounds} rounds (medians)"
     )
-    print(
-        f"{'figure':<40} {'plan (MB)':>9} {'rank 0 (MB)':>13} {'rank 1 (MB)':>13}  measured / plan"
-    )
+    print(f"{'figure':<40} {'plan (MB)':>9} {'rank 0 (MB)':>13} {'rank 1 (MB)':>13}  measured / plan")
     for name, planned, measured in (
         ("states after the step", row.states, after),
         ("peak", row.peak, peak),

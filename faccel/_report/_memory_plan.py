@@ -380,8 +380,8 @@ def parse_candidate(text: str, world_size: int) -> Layout:
     return layout
 
 
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.3f}"
+def _gib(n: int | None, unit: int = 2**30) -> str:
+    return "-" if n is None else f"{n / unit:.3f}"
 
 
 @attrs.frozen
@@ -420,19 +420,23 @@ class MemoryPlan:
             f"{self.model}: {self.parameters / 1e6:.2f}M parameters, {_gib(self.parameter_bytes)} GiB; "
             f"largest tensor {self.largest[0]} {_gib(self.largest[1])} GiB; optimizer {self.optimizer}"
         )
+        # GiB, or MiB for a model whose every figure is below a GiB.
+        unit, name = (
+            (2**30, "GiB") if max((r.total for r in self.layouts), default=0) >= 2**30 else (2**20, "MiB")
+        )
         lines = [
             head,
             f"activations: {self.activations_note}",
-            "GiB per rank (the largest rank)",
+            f"{name} per rank (the largest rank)",
             f"{'layout':<32} {'strategy':<8} {'params':>8} {'grads':>8} {'optim':>8} {'buffers':>8} "
             f"{'in flight':>9} {'activ.':>8} {'peak':>8} {'sum':>8}",
         ]
         for row in self.layouts:
             lines.append(
-                f"{row.layout!s:<32} {row.strategy:<8} {_gib(row.parameters):>8} {_gib(row.gradients):>8} "
-                f"{_gib(row.optimizer):>8} {_gib(row.buffers):>8} {_gib(row.in_flight):>9} "
-                f"{_gib(row.activations):>8} {_gib(row.peak):>8} {_gib(row.total):>8}"
-                + (f"  ({row.note})" if row.note else "")
+                f"{row.layout!s:<32} {row.strategy:<8} {_gib(row.parameters, unit):>8} "
+                f"{_gib(row.gradients, unit):>8} {_gib(row.optimizer, unit):>8} {_gib(row.buffers, unit):>8} "
+                f"{_gib(row.in_flight, unit):>9} {_gib(row.activations, unit):>8} {_gib(row.peak, unit):>8} "
+                f"{_gib(row.total, unit):>8}" + (f"  ({row.note})" if row.note else "")
             )
         return "\n".join(lines)
 
