@@ -1,26 +1,29 @@
-"""The memory plan against measured memory: FSDP2 on 2 gloo ranks, a GPT-2 built on meta, one AdamW step.
+"""The memory plan against measured memory: FSDP2 on 2 gloo ranks, a GPT-2 built on meta, two AdamW steps.
 
 The setting: a GPT-2 built from a ``GPT2Config`` (no hub access; width 768, 8
-blocks, a vocabulary of 8192, 256 positions: about 63M parameters, 0.25 GB in
-float32) under ``torch.device("meta")``, sharded and allocated by
-``faccel.prepare(dist, model, optimizer-less, init=fill)`` (FSDP2 over the 2
-ranks; ``fill`` draws each module's own tensors, as ``init="reset"`` would for a
-model with ``reset_parameters``), then ``torch.optim.AdamW`` and one training step
-on a batch of 4 sequences of 128 tokens, twice (``zero_grad``, forward with labels,
-backward, step): the second step is the steady one, with AdamW's state already made.
+blocks, a vocabulary of 8192, 256 positions, dropout off: about 63M parameters,
+0.25 GB in float32) under ``torch.device("meta")``, sharded and allocated by
+``faccel.prepare(dist, model, init=fill)`` (FSDP2 over the 2 ranks; ``fill``
+draws each module's own tensors, as ``init="reset"`` would for a model with
+``reset_parameters``), then ``torch.optim.AdamW`` and two training steps on a
+batch of 4 sequences of 128 tokens (``zero_grad``, forward with labels, backward,
+step): the second is the steady one, with AdamW's state already made.
 
 Memory: each rank's resident set size (``/proc/self/statm``), sampled every
-2 ms by a thread from just before the meta build to just after the step; the
-figures are the growth over the resident size before the build: the peak, and
-the size after the step (garbage collected). The processes run with
+2 ms by a thread from just before the meta build to just after the second step;
+the figures are the growth over the resident size before the build: the peak,
+and the size after the second step (garbage collected). A throwaway meta build
+runs before that baseline: the model code's first use imports modules (about
+140 MB here), which is code, not the model. The processes run with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the OS.
 
 The plan: ``faccel.estimate_memory(build, 2, ["fsdp"], optimizer="adamw",
 inputs=the batch)``, made in the parent on meta tensors before the ranks start.
 Its ``states`` (parameters, gradients, AdamW state, buffers) is compared with
-the growth after the step, its ``peak`` (states and what is in flight, with the
-larger of activations and gradients) and its ``total`` (everything added up)
-with the peak; the ratio measured / plan is the figure.
+the growth after the second step; its ``peak`` (the states and what is in
+flight, with the larger of activations and gradients) and its ``total``
+(everything added up) with the peak. The figure is measured / plan, the larger
+rank's. Plan in MB here (1e6 bytes); ``python -m faccel plan`` prints MiB or GiB.
 
     python benchmarks/bench_plan.py                 # 63M parameters, 3 rounds
     python benchmarks/bench_plan.py --width 512 --rounds 1

@@ -8,8 +8,9 @@ The flow, each step of which holds at most this rank's share of the model:
 
 1. the memory plan first: ``faccel.estimate_memory`` (``python -m faccel plan``) prints what each
    rank will hold, from a meta build;
-2. the model is built from its config under ``torch.device("meta")`` (shapes, no storage), and the
-   optimizer over those meta parameters;
+2. the model is built from its config under ``torch.device("meta")`` (shapes, no storage), a
+   module whose buffers are computed rather than loaded (a Llama rotary table) rebuilt on the CPU,
+   and the optimizer made over the meta parameters;
 3. ``faccel.prepare(dist, model, optimizer, loader, init="empty")`` shards it (FSDP2 over the ranks)
    and allocates this rank's shards only; the optimizer is pointed at the sharded parameters;
 4. ``faccel.load_model`` reads only this rank's rows of each tensor from ``START``;
@@ -67,6 +68,25 @@ def probe(vocab: int, length: int) -> torch.Tensor:
     return (torch.arange(2 * length).view(2, length) * 7) % vocab
 
 
+def computed_buffers_on_cpu(model: torch.nn.Module, config: object) -> None:
+    """Rebuild, on the CPU, each module whose meta buffers are computed, never loaded (rotary tables).
+
+    A Llama-style ``rotary_emb`` computes ``inv_freq`` in its constructor, as a
+    non-persistent buffer: in no weights file, so ``load_model`` cannot fill it,
+    and transformers gives the module no ``reset_parameters()`` to recompute it,
+    so ``prepare(init="empty")`` refuses it by name. Such a module holds a few
+    numbers: built again outside meta from the config, it keeps its values
+    through ``prepare`` (docs/large-models.md). GPT-2 has none.
+    """
+    for path, module in list(model.named_modules()):
+        owns_meta_buffers = any(buffer.is_meta for buffer in module.buffers(recurse=False))
+        if path and owns_meta_buffers and not hasattr(module, "reset_parameters"):
+            with torch.device("cpu"):
+                rebuilt = type(module)(config=config)
+            parent, _, name = path.rpartition(".")
+            model.get_submodule(parent).register_module(name, rebuilt)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     dist = faccel.detect(strategy="fsdp", seed=args.seed)
@@ -82,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     with torch.device("meta"):  # shapes only: no rank ever holds the whole model
         model = build()
+    computed_buffers_on_cpu(model, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     data = counting_data(config.vocab_size, 64 * dist.world_size, args.seq_len, args.seed)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)

@@ -1,6 +1,7 @@
 """examples/finetune_large.py on 2 processes: a GPT-2 built on meta from its config, sharded (FSDP2),
 loaded by rows from a ``save_pretrained`` folder, fine-tuned, checkpointed, resumed and exported; the
-export loads with ``from_pretrained`` with the fine-tuned model's logits, bit for bit.
+export loads with ``from_pretrained`` with the fine-tuned model's logits, bit for bit. And a Llama,
+whose rotary table is computed, not loaded.
 
 Small and offline: the test writes the starting folder itself (a 2-layer GPT-2 of width 32).
 """
@@ -76,3 +77,28 @@ def test_two_processes_load_by_rows_fine_tune_checkpoint_resume_and_export(tmp_p
     assert "resumed from step 8" in second and "step 9: loss" in second and "step 1: loss" not in second
     assert json.loads(second.split("done: ", 1)[1].splitlines()[0])["step"] == 10
     assert torch.equal(load_file(out / "logits.safetensors")["final"], _logits(out, probe))
+
+
+def test_a_llama_with_a_computed_rotary_table_loads_trains_and_exports(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="the example needs transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    start, out = tmp_path / "start", tmp_path / "out"
+    transformers.LlamaForCausalLM(config).save_pretrained(start)
+    _run("--model_dir", str(start), "--output_dir", str(out), "--steps", "2", "--checkpoint_every", "2")
+    probe = (torch.arange(32).view(2, 16) * 7) % 64
+    written = load_file(out / "logits.safetensors")
+    # The rotary table (inv_freq, in no weights file) came out right: else the logits would differ.
+    assert torch.equal(written["loaded"], _logits(start, probe))
+    assert torch.equal(written["final"], _logits(out, probe))

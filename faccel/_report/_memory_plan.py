@@ -403,7 +403,7 @@ class MemoryPlan:
         >>> [(str(row.layout), row.parameters) for row in plan.layouts]
         [('replicate=2,shard=1,tensor=1', 4198400), ('replicate=1,shard=2,tensor=1', 2099200)]
         >>> print(str(plan).splitlines()[0])
-        Linear: 1.05M parameters, 0.004 GiB; largest tensor weight 0.004 GiB; optimizer adamw
+        Linear: 1.05M parameters, 4.004 MiB; largest tensor weight 4.000 MiB; optimizer adamw
     """
 
     model: str
@@ -416,13 +416,13 @@ class MemoryPlan:
     layouts: tuple[LayoutPlan, ...]
 
     def __str__(self) -> str:
-        head = (
-            f"{self.model}: {self.parameters / 1e6:.2f}M parameters, {_gib(self.parameter_bytes)} GiB; "
-            f"largest tensor {self.largest[0]} {_gib(self.largest[1])} GiB; optimizer {self.optimizer}"
-        )
         # GiB, or MiB for a model whose every figure is below a GiB.
-        unit, name = (
-            (2**30, "GiB") if max((r.total for r in self.layouts), default=0) >= 2**30 else (2**20, "MiB")
+        big = max([self.parameter_bytes, *(r.total for r in self.layouts)]) >= 2**30
+        unit, name = (2**30, "GiB") if big else (2**20, "MiB")
+        head = (
+            f"{self.model}: {self.parameters / 1e6:.2f}M parameters, {_gib(self.parameter_bytes, unit)} "
+            f"{name}; largest tensor {self.largest[0]} {_gib(self.largest[1], unit)} {name}; "
+            f"optimizer {self.optimizer}"
         )
         lines = [
             head,
