@@ -167,6 +167,8 @@ def test_estimate_memory_refuses_by_name() -> None:
         faccel.estimate_memory("tests.test_memory_plan", 2)
     with pytest.raises(ArgumentError, match=r"not an nn\.Module"):
         faccel.estimate_memory(lambda: 3, 2)
+    with pytest.raises(ArgumentError, match="world_size"):
+        faccel.estimate_memory(_block, "8")  # type: ignore[arg-type]
     with pytest.raises(ArgumentValueError, match="hsdp:RxS"):
         parse_candidate("zero3", 8)
     with pytest.raises(ArgumentValueError, match="world size is 8"):

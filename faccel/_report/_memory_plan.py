@@ -28,6 +28,7 @@ from torch import nn
 
 from faccel._dist._layout import Layout, parse_layout, strategy_for
 from faccel._torch_compat import view_base
+from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError
 
 __all__ = [
@@ -488,6 +489,7 @@ def _build(model: nn.Module | Callable[[], nn.Module] | str) -> nn.Module:
     return built
 
 
+@setup_checked
 def estimate_memory(
     model: nn.Module | Callable[[], nn.Module] | str,
     world_size: int,
@@ -521,7 +523,7 @@ def estimate_memory(
         A :class:`MemoryPlan`; ``str()`` of it is the table ``python -m faccel plan`` prints.
 
     Raises:
-        ArgumentError: ``model`` is none of the accepted kinds.
+        ArgumentError: ``model`` is none of the accepted kinds, or an argument of the wrong type.
         ArgumentValueError: A candidate that does not span ``world_size`` ranks, or an unknown optimizer.
 
     Example:
