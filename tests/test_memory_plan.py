@@ -71,6 +71,19 @@ def test_fsdp_shares_sum_to_the_model_and_shrink_as_the_world_grows(
     assert layout_plan(specs, Layout(replicate=small)).parameters == total  # DDP: the whole model
 
 
+@given(layout_sizes(max_world=64))
+def test_every_grid_is_a_candidate_and_the_short_names_mean_their_layouts(
+    sizes: tuple[int, int, int],
+) -> None:
+    replicate, shard, tensor = sizes
+    world = replicate * shard * tensor
+    assert parse_candidate(f"{replicate}x{shard}x{tensor}", world) == Layout(*sizes)
+    assert parse_candidate(str(Layout(*sizes)), world) == Layout(*sizes)
+    assert parse_candidate(f"hsdp:{replicate}x{shard * tensor}", world) == Layout(replicate, shard * tensor)
+    assert parse_candidate(f"tp:{tensor}", world) == Layout(shard=world // tensor, tensor=tensor)
+    assert parse_candidate("ddp", world).replicate == parse_candidate("fsdp", world).shard == world
+
+
 def test_ddp_holds_a_bucket_copy_of_the_gradients_and_fsdp_the_largest_unit_whole() -> None:
     specs = [
         ParamSpec("embed", (100, 8), 4, unit=""),
@@ -237,3 +250,16 @@ def test_the_command_line_says_what_is_wrong(gpt2_config: str, capsys: pytest.Ca
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--world-size", "2"])  # neither --hf-config nor --model
     assert exit_.value.code == 2
+
+
+def test_the_command_line_builds_a_model_from_a_function_path(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "tests.test_memory_plan:_block", "--world-size", "2", "--optimizer", "sgd"]
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == faccel.estimate_memory(_block, 2, ["ddp", "fsdp"], optimizer="sgd").to_dict()
+    assert [row["optimizer"] for row in got["layouts"]] == [row["gradients"] for row in got["layouts"]]
+    assert (
+        main(["plan", "--model", "tests.test_memory_plan:_block", "--world-size", "2", "--optimizer", "lion"])
+        == 1
+    )
+    assert "optimizer must be one of" in capsys.readouterr().err
