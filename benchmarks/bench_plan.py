@@ -18,7 +18,7 @@ runs before that baseline: the model code's first use imports modules (about
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the OS.
 
 The plan: ``faccel.estimate_memory(build, 2, ["fsdp"], optimizer="adamw",
-inputs=the batch)``, made in the parent on meta tensors before the ranks start.
+inputs=the batch)``, made in the parent on fake tensors before the ranks start.
 Its ``states`` (parameters, gradients, AdamW state, buffers) is compared with
 the growth after the second step; its ``peak`` (the states and what is in
 flight, with the larger of activations and gradients) and its ``total``

@@ -25,6 +25,7 @@ from torch import nn
 __all__ = [
     "compiled_original",
     "default_store",
+    "fake_tensors",
     "is_dtensor",
     "local_box",
     "local_rows",
@@ -148,3 +149,16 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor:
     """
     base = tensor._base
     return tensor if base is None else base
+
+
+def fake_tensors() -> Any:
+    """A context in which tensors have shapes, dtypes and a device but no storage (``FakeTensorMode``).
+
+    A model built in it is a CPU model that allocates nothing, and its forward
+    runs each op's real dispatch for the CPU (the attention kernel the CPU
+    would pick), so the tensors it saves for backward are those a real forward
+    saves, byte for byte. Tensors made outside it may be passed in.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

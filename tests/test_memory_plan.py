@@ -3,6 +3,7 @@ forward that counts activations, and the command line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -117,7 +118,7 @@ def test_the_tp_plan_says_which_dims_split() -> None:
     assert dims["0.weight"] == 1  # an embedding's colwise split is its embedding dim
 
 
-def _saved_bytes_on_cpu(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+def _saved_bytes_on_cpu(model: nn.Module, inputs: tuple[torch.Tensor, ...], *, math: bool = True) -> int:
     """What a real forward saves for backward, each storage once, parameters left out: by data pointer."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
@@ -131,8 +132,11 @@ def _saved_bytes_on_cpu(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> i
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # The meta device has one attention kernel, the math one (it saves the softmax); the CPU's
-    # flash kernel saves less. The same kernel here, so the two counts can be compared.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sdpa_kernel(SDPBackend.MATH):
+    # flash kernel saves less. math=True: the meta device's kernel, to compare with a meta count.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        if math:
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
         model(*inputs)
     return sum(storages.values())
 
@@ -156,6 +160,16 @@ def test_activations_counted_on_meta_equal_a_real_forwards_saved_tensors() -> No
     assert counted == _saved_bytes_on_cpu(real, (ids,))
     assert counted > 3 * 7 * 16 * 4 * 4  # several activations of the batch, not just its input
     assert not any(p.device.type != "meta" for p in meta.parameters())  # nothing was allocated
+
+
+def test_activations_counted_on_fake_tensors_equal_a_real_cpu_forwards() -> None:
+    # A model built from its function is built on fake CPU tensors: the CPU's own attention
+    # kernel (flash), which saves less than the math one; the count is the real forward's.
+    ids = torch.randint(0, 50, (3, 7))
+    plan = faccel.estimate_memory(_block, 1, ["ddp"], inputs=(ids,))
+    real = _saved_bytes_on_cpu(_block(), (ids,), math=False)
+    assert plan.activations == real < _saved_bytes_on_cpu(_block(), (ids,))
+    assert "fake CPU tensors" in plan.activations_note
 
 
 def test_estimate_memory_takes_a_function_a_path_or_a_model() -> None:
@@ -198,7 +212,10 @@ def test_a_forward_that_needs_real_data_is_reported_not_raised() -> None:
             return self.lin(x) if x.sum().item() > 0 else x  # .item() on meta fails
 
     plan = faccel.estimate_memory(NeedsData, 1, ["ddp"], inputs=(torch.ones(2, 4),))
-    assert plan.activations is None and "forward on meta tensors failed" in plan.activations_note
+    assert plan.activations is None and "forward on fake CPU tensors failed" in plan.activations_note
+    with torch.device("meta"):
+        plan = faccel.estimate_memory(NeedsData(), 1, ["ddp"], inputs=(torch.ones(2, 4),))
+    assert plan.activations is None and "forward on meta tensors (attention" in plan.activations_note
     assert (plan.layouts[0].parameters, plan.layouts[0].in_flight) == (80, 0)  # one process: no DDP buckets
 
 

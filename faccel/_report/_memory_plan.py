@@ -1,12 +1,12 @@
 """A memory plan before launch: the bytes each rank holds under each candidate layout.
 
-:func:`estimate_memory` builds the model on the meta device (shapes, no storage),
+:func:`estimate_memory` builds the model with no storage (fake CPU tensors, or meta),
 reads every parameter's shape and dtype, and reports for each layout, per rank
 (the largest rank), the bytes of parameters, gradients, optimizer state, buffers
 and what a step holds in flight, plus the largest tensor (what a sharded
 ``save_model`` or ``load_model`` holds at once) and, when inputs are given, the
-activations one forward saves for backward, counted on meta tensors (nothing is
-allocated). ``python -m faccel plan`` is its command line (Accelerate's
+activations one forward saves for backward, counted on those storage-less tensors
+(nothing is allocated). ``python -m faccel plan`` is its command line (Accelerate's
 ``accelerate estimate-memory``).
 
 The core is pure: :func:`rank_bytes` computes one rank's share of one tensor
@@ -17,6 +17,7 @@ parallelism's split of the dim its plan names.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatch
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from faccel._dist._layout import Layout, parse_layout, strategy_for
-from faccel._torch_compat import view_base
+from faccel._torch_compat import fake_tensors, view_base
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError
 
@@ -300,15 +301,22 @@ def param_specs(model: nn.Module, tp_plan: Mapping[str, Any] | None = None) -> l
     ]
 
 
-def activation_bytes(model: nn.Module, inputs: Any) -> int:
-    """Bytes of the tensors one forward of ``model`` on ``inputs`` saves for backward, on meta.
+def activation_bytes(model: nn.Module, inputs: Any, fake: Any = None) -> int:
+    """Bytes of the tensors one forward of ``model`` on ``inputs`` saves for backward; nothing allocated.
 
     ``inputs`` is a tuple of positional arguments or a mapping of keyword
-    arguments; its tensors are moved to meta, and ``model`` must be on meta
-    (nothing is allocated). Each saved storage counts once (a view counts its
-    base); the parameters a layer saves are not activations and are left out.
-    Counted with ``torch.autograd.graph.saved_tensors_hooks``: what a forward
-    holds until its backward, which dominates the activation memory of a step.
+    arguments. ``model`` is on meta, or was built in ``fake`` (a
+    ``faccel._torch_compat.fake_tensors()`` context, as :func:`estimate_memory`
+    builds a model from its function). On meta, the inputs are moved to meta
+    and attention runs as SDPA's math kernel (the one the meta device has),
+    which saves the softmax. With ``fake``, the inputs become fake CPU tensors
+    of their shapes and dtypes, and every op dispatches as on the CPU: the
+    count is a real CPU forward's, byte for byte.
+
+    Each saved storage counts once (a view counts its base); the parameters a
+    layer saves are not activations and are left out. Counted with
+    ``torch.autograd.graph.saved_tensors_hooks``: what a forward holds until
+    its backward, which dominates the activation memory of a step.
 
     Example:
         >>> with torch.device("meta"):
@@ -325,14 +333,22 @@ def activation_bytes(model: nn.Module, inputs: Any) -> int:
             seen.setdefault(id(root), root)
         return tensor
 
-    def meta(value: Any) -> Any:
-        return value.to("meta") if isinstance(value, torch.Tensor) else value
+    def moved(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if fake is None:
+            return value.to("meta")
+        return torch.zeros(value.shape, dtype=value.dtype)  # in the fake mode: a shape, no storage
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.enable_grad():
+    with contextlib.ExitStack() as stack:
+        if fake is not None:
+            stack.enter_context(fake)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
+        stack.enter_context(torch.enable_grad())
         if isinstance(inputs, Mapping):
-            model(**{key: meta(value) for key, value in inputs.items()})
+            model(**{key: moved(value) for key, value in inputs.items()})
         else:
-            model(*(meta(value) for value in inputs))
+            model(*(moved(value) for value in inputs))
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
@@ -469,9 +485,10 @@ class MemoryPlan:
         }
 
 
-def _build(model: nn.Module | Callable[[], nn.Module] | str) -> nn.Module:
+def _build(model: nn.Module | Callable[[], nn.Module] | str) -> tuple[nn.Module, Any]:
+    """The model, and the fake-tensor context it was built in (None: built on meta, or given)."""
     if isinstance(model, nn.Module):
-        return model
+        return model, None
     if isinstance(model, str):
         module_name, _, function = model.partition(":")
         if not module_name or not function:
@@ -481,12 +498,18 @@ def _build(model: nn.Module | Callable[[], nn.Module] | str) -> nn.Module:
     if not callable(model):
         msg = f"model must be an nn.Module, a callable that builds one or 'module:function', got {model!r}"
         raise ArgumentError(msg)
-    with torch.device("meta"):
-        built = model()
+    fake = fake_tensors()
+    try:
+        with fake:  # a CPU model with no storage: its forward dispatches as on the CPU
+            built = model()
+    except Exception:  # a constructor that reads values (.item()): build on meta instead
+        fake = None
+        with torch.device("meta"):
+            built = model()
     if not isinstance(built, nn.Module):
         msg = f"the model function returned a {type(built).__name__}, not an nn.Module"
         raise ArgumentError(msg)
-    return built
+    return built, fake
 
 
 @setup_checked
@@ -499,10 +522,11 @@ def estimate_memory(
     inputs: Any = None,
     tp_plan: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
-    """The bytes each rank needs under each candidate layout, from a model built on meta; no memory used.
+    """The bytes each rank needs under each candidate layout, from a model built with no storage.
 
     Args:
-        model: A function that builds the model (called under ``torch.device("meta")``),
+        model: A function that builds the model (called in a fake-tensor context:
+            CPU tensors with no storage; on meta if its constructor reads values),
             its ``"module:function"`` path, or a model (on meta or not: only shapes are read).
         world_size: The ranks of the job.
         layouts: Candidates: :class:`Layout` values or ``"ddp"``, ``"fsdp"``,
@@ -512,7 +536,7 @@ def estimate_memory(
             parameter), ``"sgd"`` (momentum: 1) or ``"none"``; each state tensor
             has its parameter's dtype, as torch's optimizers make them.
         inputs: One rank's batch, a tuple of arguments or a mapping of keyword
-            arguments (tensors, moved to meta): with it, the activations of one
+            arguments (only their shapes and dtypes are used): with it, the activations of one
             forward are counted (:func:`activation_bytes`); the same per rank
             in every layout (tensor parallelism may divide some of them).
         tp_plan: The ``parallelize_module`` plan ``prepare`` would get: which
@@ -541,7 +565,7 @@ def estimate_memory(
     if optimizer not in OPTIMIZER_STATES:
         msg = f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}"
         raise ArgumentValueError(msg)
-    built = _build(model)
+    built, fake = _build(model)
     candidates = [
         candidate if isinstance(candidate, Layout) else parse_candidate(candidate, world_size)
         for candidate in (layouts if layouts is not None else ["ddp", "fsdp"])
@@ -555,15 +579,16 @@ def estimate_memory(
     activations: int | None = None
     if inputs is None:
         note = "not measured (give inputs: one rank's batch)"
-    elif not all(p.is_meta for p in built.parameters()):
+    elif fake is None and not all(p.is_meta for p in built.parameters()):
         note = "not measured (the model is not on meta; pass a function that builds it)"
     else:
+        kind = "fake CPU tensors" if fake is not None else "meta tensors (attention by SDPA's math kernel)"
         try:
-            activations = activation_bytes(built, inputs)
+            activations = activation_bytes(built, inputs, fake)
         except Exception as error:  # a forward that needs real data (.item(), a data-dependent branch)
-            note = f"not measured: a forward on meta tensors failed ({type(error).__name__}: {error})"[:300]
+            note = f"not measured: a forward on {kind} failed ({type(error).__name__}: {error})"[:300]
         else:
-            note = "one forward's tensors saved for backward, counted on meta tensors"
+            note = f"one forward's tensors saved for backward, counted on {kind}"
     largest = max(specs, key=lambda spec: spec.nbytes, default=ParamSpec("-", (0,), 1))
     return MemoryPlan(
         model=type(built).__name__,
