@@ -70,6 +70,8 @@ if (
     from faccel._report._logging import RankLogger as RankLogger
     from faccel._report._logging import get_logger as get_logger
     from faccel._report._logging import print as print
+    from faccel._report._memory_plan import MemoryPlan as MemoryPlan
+    from faccel._report._memory_plan import estimate_memory as estimate_memory
     from faccel._report._progress import progress as progress
     from faccel._report._tracking import Tracker as Tracker
     from faccel._report._tracking import end_training as end_training

@@ -1,5 +1,5 @@
 """The command line: ``python -m faccel env [--json]``, ``convert SOURCE TARGET``, ``plot RUN``,
-``consolidate CKPT OUT``.
+``consolidate CKPT OUT``, ``plan (--hf-config CONFIG | --model MODULE:FUNCTION) --world-size N``.
 
 Exit status: 0 on success, 1 when ``env``'s report found a problem (each is
 printed with its fix) or a command failed with a faccel error, 2 for a usage error.
@@ -45,6 +45,56 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     out = consolidate(args.checkpoint, args.out, max_shard_size=args.max_shard_size)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    return 0
+
+
+def _hf_model(config_path: str) -> tuple[object, dict[str, object]]:
+    """A function building the causal LM of a transformers ``config.json`` (or its folder); its length."""
+    from pathlib import Path
+
+    from faccel.errors import ArgumentValueError
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        msg = "--hf-config needs transformers (pip install transformers); or pass --model module:function"
+        raise ArgumentValueError(msg) from None
+    path = Path(config_path)
+    if not path.exists():
+        msg = f"--hf-config {config_path!r} does not exist; give a config.json or the folder that holds one"
+        raise ArgumentValueError(msg)
+    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    limits = [getattr(config, key, None) for key in ("max_position_embeddings", "n_positions")]
+    return (lambda: AutoModelForCausalLM.from_config(config)), {
+        "positions": next((n for n in limits if n), None)
+    }
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from faccel._report._memory_plan import estimate_memory
+
+    if args.hf_config:
+        model, facts = _hf_model(args.hf_config)
+        length = args.seq_len or min(512, int(facts["positions"] or 512))  # type: ignore[call-overload]
+        inputs: object = {"input_ids": torch.zeros(args.batch_size, length, dtype=torch.long)}
+        if not args.activations:
+            inputs = None
+    else:
+        model, inputs = args.model, None
+    plan = estimate_memory(
+        model,  # type: ignore[arg-type]
+        args.world_size,
+        args.layouts.split(","),
+        optimizer=args.optimizer,
+        inputs=inputs,
+    )
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(plan)
     return 0
 
 
@@ -103,6 +153,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     plot.add_argument("run", help="the run's folder (or its metrics.jsonl)")
     plot.add_argument("--out", default=None, help="the PNG to write (default RUN/metrics.png)")
+    plan = commands.add_parser(
+        "plan",
+        help="bytes per rank of parameters, gradients, optimizer state and activations for each layout",
+        description="Build the model on the meta device (no memory) and print, for each candidate "
+        "layout, what the largest rank holds: parameters, gradients, optimizer state, buffers, what a "
+        "step holds in flight, activations of one forward (with --hf-config), and the largest tensor "
+        "(what a sharded save or load holds at once). Accelerate's `accelerate estimate-memory`.",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-config", help="a transformers config.json (or its folder): its causal LM")
+    source.add_argument("--model", help="MODULE:FUNCTION, a function that builds the model (called on meta)")
+    plan.add_argument("--world-size", type=int, required=True, help="ranks of the job")
+    plan.add_argument(
+        "--layouts",
+        default="ddp,fsdp",
+        help="comma-separated candidates: ddp, fsdp, hsdp:RxS, tp:T, RxSxT (default ddp,fsdp)",
+    )
+    plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd (momentum) or none")
+    plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank (--hf-config; default 1)")
+    plan.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (--hf-config; default min(512, max))"
+    )
+    plan.add_argument(
+        "--no-activations", dest="activations", action="store_false", help="skip the meta forward"
+    )
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
     from faccel.errors import FaccelError
@@ -112,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "convert": _convert,
         "consolidate": _consolidate,
         "plot": _plot,
+        "plan": _plan,
     }
     try:
         return handlers[args.command](args)

@@ -44,6 +44,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._loop._precision": ("autocast", "grad_scaler", "optimizer_step"),
         "faccel._loop._prepare": ("prepare",),
         "faccel._dist._process_group": ("detect", "main_process_first", "shutdown", "wait_for_everyone"),
+        "faccel._report._memory_plan": ("MemoryPlan", "estimate_memory"),
         "faccel._report._progress": ("progress",),
         "faccel._dist._random": ("set_seed",),
         "faccel._hf._save_model": ("load_model", "save_model"),

@@ -25,6 +25,7 @@ from torch import nn
 __all__ = [
     "compiled_original",
     "default_store",
+    "fake_tensors",
     "is_dtensor",
     "local_box",
     "local_rows",
@@ -34,6 +35,7 @@ __all__ = [
     "random_sampler_draws_all",
     "rebuild_ddp_buckets",
     "set_group_timeout",
+    "view_base",
 ]
 
 
@@ -135,3 +137,28 @@ def set_group_timeout(group: Any, timeout: Any) -> None:
     import torch.distributed as tdist
 
     tdist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (``tensor`` itself when it is no view).
+
+    A memory plan counts each storage a forward saves once, and tells a
+    parameter's transpose (what ``nn.Linear`` saves) from an activation; on the
+    meta device there are no data pointers to compare, so the view's base is
+    the one answer.
+    """
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def fake_tensors() -> Any:
+    """A context in which tensors have shapes, dtypes and a device but no storage (``FakeTensorMode``).
+
+    A model built in it is a CPU model that allocates nothing, and its forward
+    runs each op's real dispatch for the CPU (the attention kernel the CPU
+    would pick), so the tensors it saves for backward are those a real forward
+    saves, byte for byte. Tensors made outside it may be passed in.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

@@ -434,3 +434,25 @@ def setup_description_pairs(draw: st.DrawFn) -> tuple[list[list[Any]], list[list
             else:
                 second[index][2] = draw(_json_values)
     return first, second
+
+
+@st.composite
+def plan_param_specs(draw: st.DrawFn) -> list[Any]:
+    """Parameters as the memory plan sees them: shapes of up to 3 dims (rows may be fewer than ranks),
+    element sizes of 1 to 8 bytes, a tensor-parallel dim or none, frozen ones, a few FSDP2 units."""
+    from faccel._report._memory_plan import ParamSpec
+
+    out = []
+    for index in range(draw(st.integers(min_value=1, max_value=8))):
+        shape = tuple(draw(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=3)))
+        out.append(
+            ParamSpec(
+                name=f"p{index}",
+                shape=shape,
+                itemsize=draw(st.sampled_from([1, 2, 4, 8])),
+                tensor_dim=draw(st.one_of(st.none(), st.integers(min_value=0, max_value=len(shape) - 1))),
+                trainable=draw(st.booleans()),
+                unit=draw(st.sampled_from(["", "layers.0", "layers.1"])),
+            )
+        )
+    return out

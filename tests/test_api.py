@@ -78,6 +78,9 @@ PINNED: dict[str, list[str]] = {
         # preemption: a stop signal as a flag, read with any_rank at a step boundary
         "StopSignal",
         "stop_signal",
+        # large models: the memory plan before launch (python -m faccel plan)
+        "MemoryPlan",
+        "estimate_memory",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers
     "faccel.func": [

@@ -209,7 +209,7 @@ def test_cli_without_a_command_explains_usage() -> None:
     )
     assert done.returncode == 2
     assert "usage: python -m faccel" in done.stderr
-    assert "{env,convert,consolidate,plot}" in done.stderr
+    assert "{env,convert,consolidate,plot,plan}" in done.stderr
 
 
 def test_cli_never_starts_a_process_group() -> None:

@@ -57,6 +57,24 @@ def test_compiled_original() -> None:
     assert compat.compiled_original(inner) is None
 
 
+def test_view_base_on_meta_and_real_tensors() -> None:
+    for device in ("cpu", "meta"):
+        weight = torch.zeros(3, 4, device=device)
+        assert compat.view_base(weight) is weight
+        assert compat.view_base(weight.t()) is weight
+        assert compat.view_base(weight.t()[1:]) is weight  # a view of a view: the root
+
+
+def test_fake_tensors_have_shapes_and_no_storage() -> None:
+    with compat.fake_tensors():
+        net = nn.Linear(4096, 4096)  # 64 MiB if it were real
+        out = net(torch.zeros(3, 4096))
+        assert type(net.weight).__name__ == "FakeTensor" and net.weight.device.type == "cpu"
+        assert out.shape == (3, 4096) and type(out).__name__ == "FakeTensor"
+    with pytest.raises(Exception, match="_local_scalar_dense"):
+        net.weight.sum().item()  # no values to read
+
+
 def test_is_dtensor_on_plain_values() -> None:
     assert not compat.is_dtensor(torch.zeros(1))
     assert not compat.is_dtensor(nn.Parameter(torch.zeros(1)))
