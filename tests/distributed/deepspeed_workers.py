@@ -24,10 +24,25 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
 
+def _items(batch: Any) -> int:
+    # The targets whose first value is positive: a count that varies by batch and rank.
+    return int((batch[1][:, 0] > 0).sum())
+
+
 def seed_loop(
-    *, strategy: str, stage: int = 2, accumulation_steps: int = 1, steps: int = 6, config: Any = None
+    *,
+    strategy: str,
+    stage: int = 2,
+    accumulation_steps: int = 1,
+    steps: int = 6,
+    config: Any = None,
+    samples: int = 96,
+    epochs: int = 1,
+    items: bool = False,
 ) -> dict[str, Any]:
-    """The seed loop (micro-steps when accumulating) for ``steps`` optimizer steps; the weights at the end."""
+    """The seed loop (micro-steps when accumulating) for ``steps`` optimizer steps over up to
+    ``epochs`` epochs of the first ``samples`` samples; the weights at the end. With ``items``,
+    the loss is a sum over the counted targets (``_items``) and backward divides by the group's count."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import faccel
 
@@ -39,24 +54,36 @@ def seed_loop(
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     x, y = _task()
-    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+    dataset = torch.utils.data.TensorDataset(x[:samples], y[:samples])
+    raw = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True)
     model, optimizer, loader, scheduler = faccel.prepare(dist, model, optimizer, raw, scheduler)
-    done = 0
-    for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=0)):
-        with faccel.accumulate(dist, model, micro):
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
-            faccel.backward(dist, loss, micro=micro)
-        if micro.sync:
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            done += 1
-            if done == steps:
-                break
+    done, group_sizes = 0, []
+    for epoch in range(epochs):
+        count = _items if items else None
+        for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=epoch), items=count):
+            with faccel.accumulate(dist, model, micro):
+                if items:
+                    keep = targets[:, 0] > 0
+                    error = (model(inputs) - targets)[keep]
+                    faccel.backward(dist, error.pow(2).sum(), micro=micro, items=int(keep.sum()))
+                else:
+                    loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                    faccel.backward(dist, loss, micro=micro)
+            if micro.sync:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                group_sizes.append(micro.group_size)
+                done += 1
+                if done == steps:
+                    break
+        if done == steps:
+            break
     result: dict[str, Any] = {
         "kind": type(model).__name__,
         "lr": optimizer.param_groups[0]["lr"],
         "steps": done,
+        "group_sizes": group_sizes,
     }
     if strategy == "deepspeed":
         result["config"] = {

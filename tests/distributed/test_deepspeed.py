@@ -46,6 +46,49 @@ def test_zero_stages_train_like_ddp_with_faccel_filling_the_config(ddp: list[dic
         _close(result["params"], ddp[0]["params"])
 
 
+# 88 samples: 11 batches of 4 a rank, so an epoch of accumulation_steps=2 ends with a group of 1;
+# 9 steps run through it into the next epoch.
+_ACCUMULATING = {"accumulation_steps": 2, "samples": 88, "epochs": 2, "steps": 9}
+
+
+@pytest.fixture(scope="module")
+def ddp_accumulating() -> dict[bool, list[dict]]:
+    """The same accumulating loop under DDP: losses as means, and as sums by item count."""
+    return {
+        items: harness.run(
+            workers.seed_loop, world_size=2, timeout=300, strategy="ddp", items=items, **_ACCUMULATING
+        )
+        for items in (False, True)
+    }
+
+
+@pytest.mark.parametrize(("stage", "items"), [(2, False), (3, False), (2, True)])
+def test_accumulation_with_a_partial_last_group_trains_like_ddp(
+    ddp_accumulating: dict[bool, list[dict]], stage: int, items: bool
+) -> None:
+    want = ddp_accumulating[items][0]
+    assert want["group_sizes"] == [2, 2, 2, 2, 2, 1, 2, 2, 2]  # the partial group is in the run
+    results = harness.run(
+        workers.seed_loop,
+        world_size=2,
+        timeout=300,
+        strategy="deepspeed",
+        config=workers._zero(stage),
+        items=items,
+        **_ACCUMULATING,
+    )
+    for result in results:
+        assert result["stage"] == stage and result["group_sizes"] == want["group_sizes"]
+        assert result["config"] == {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "train_batch_size": 16,  # 4 x 2 micro-steps x 2 ranks
+        }
+        assert result["lr"] == want["lr"]
+        # The group of 1 is divided by 1, not by DeepSpeed's configured 2 (faccel scales the loss).
+        _close(result["params"], want["params"])
+
+
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
     """ZeRO-2 and ZeRO-3 runs on 2 ranks, checkpointed at step 6, then restored into fresh engines."""
