@@ -158,7 +158,8 @@ def _train(
     import faccel
 
     model, optimizer, loader, scheduler, _ = objects
-    low = torch.bfloat16 if dist.precision == "bf16" else None  # DeepSpeed's bf16 weights take bf16 inputs
+    # DeepSpeed's bf16 and fp16 weights take inputs of their dtype.
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
     for inputs, targets in loader.resume(state):
         outputs = model(inputs.to(low)) if low is not None else model(inputs)
         loss = torch.nn.functional.mse_loss(outputs.float(), targets)
@@ -186,6 +187,20 @@ def _zero_view(model: Any) -> dict[str, list[list[float]]]:
     return view
 
 
+def _scaler_view(model: Any) -> dict[str, Any]:
+    """The fp16 loss scaler's numbers and the engine's skipped steps (empty without fp16)."""
+    scaler = getattr(model.optimizer, "loss_scaler", None)
+    if scaler is None or not model.fp16_enabled():
+        return {}
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    return {"skipped": model.skipped_steps, **{key: getattr(scaler, key) for key in keys}}
+
+
+# fp16 whose dynamic loss scale starts at 2**16 and doubles after every 2 clean steps, so it
+# overflows again and again: by step 6 the scaler has skipped steps and moved its scale both ways.
+FP16 = {"initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}
+
+
 def stop_and_resume(
     *, stage: int, root: str, stop: int = 6, steps: int = 9, precision: str = "no"
 ) -> dict[str, Any]:
@@ -194,16 +209,23 @@ def stop_and_resume(
     os.environ["DS_ACCELERATOR"] = "cpu"
     import faccel
 
-    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage), precision=precision)
+    config = _zero(stage)
+    if precision == "fp16":
+        config["fp16"] = dict(FP16)
+    dist = faccel.detect(strategy="deepspeed", deepspeed=config, precision=precision)
     first = _prepared(dist)
     # ZeRO-3 saves in the background (blocking=False) while training goes on; ZeRO-2 blocks.
     state = _train(dist, first, first[4], until=stop, root=root, save_at=stop, blocking=stage != 3)
     saved = _zero_view(first[0])
+    saved_scaler = _scaler_view(first[0])
     _train(dist, first, state, until=steps, root=root)
     uninterrupted = _full_params(dist, first[0])
+    ended_scaler = _scaler_view(first[0])
     second = _prepared(dist)
+    fresh_scaler = _scaler_view(second[0])
     restored = faccel.restore(dist, second[4], root)
     after_restore = _zero_view(second[0])
+    restored_scaler = _scaler_view(second[0])
     ended = _train(dist, second, restored, until=steps, root=root)
     folder = faccel.latest_checkpoint(root)
     files = sorted(path.name for path in folder.iterdir()) if folder is not None else []
@@ -217,6 +239,12 @@ def stop_and_resume(
         "lr": [first[1].param_groups[0]["lr"], second[1].param_groups[0]["lr"]],
         "counters": [first[0].global_steps, second[0].global_steps],
         "files": files,
+        "scaler": {
+            "saved": saved_scaler,
+            "fresh": fresh_scaler,
+            "restored": restored_scaler,
+            "ended": [ended_scaler, _scaler_view(second[0])],
+        },
     }
 
 

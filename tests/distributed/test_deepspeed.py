@@ -171,3 +171,20 @@ def test_a_bf16_resume_is_bitwise_too_with_zero_s_fp32_masters_saved(tmp_path) -
         # bf16 weights in the model file, ZeRO's fp32 masters beside the moments: both come back.
         assert result["after_restore"] == result["saved"]
         assert result["resumed"] == result["uninterrupted"]
+
+
+def test_an_fp16_resume_is_bitwise_with_the_dynamic_loss_scaler_restored(tmp_path) -> None:
+    # DeepSpeed's fp16 runs on this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported()).
+    results = harness.run(
+        workers.stop_and_resume, world_size=2, timeout=300, stage=2, root=str(tmp_path), precision="fp16"
+    )
+    for result in results:
+        scaler = result["scaler"]
+        saved = scaler["saved"]
+        # By step 6 the scaler has skipped overflowing steps and moved its scale from 2**16.
+        assert saved["skipped"] > 0 and saved["cur_scale"] != 2.0**16
+        assert scaler["fresh"]["cur_scale"] == 2.0**16  # a fresh engine's: restore must set it
+        assert scaler["restored"] == saved  # scale, iteration, last overflow, hysteresis, skipped
+        assert scaler["ended"][0] == scaler["ended"][1]
+        assert result["after_restore"] == result["saved"]
+        assert result["resumed"] == result["uninterrupted"]
