@@ -39,10 +39,12 @@ def seed_loop(
     samples: int = 96,
     epochs: int = 1,
     items: bool = False,
+    sgd: bool = False,
 ) -> dict[str, Any]:
     """The seed loop (micro-steps when accumulating) for ``steps`` optimizer steps over up to
     ``epochs`` epochs of the first ``samples`` samples; the weights at the end. With ``items``,
-    the loss is a sum over the counted targets (``_items``) and backward divides by the group's count."""
+    the loss is a sum over the counted targets (``_items``) and backward divides by the group's count;
+    with ``sgd``, SGD with momentum instead of AdamW."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import faccel
 
@@ -51,7 +53,10 @@ def seed_loop(
         options["deepspeed"] = config if config is not None else {"zero_optimization": {"stage": stage}}
     dist = faccel.detect(strategy=strategy, accumulation_steps=accumulation_steps, **options)
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    if sgd:  # the step follows the gradient's scale (AdamW's hardly does): a mis-scaled group shows
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     x, y = _task()
     dataset = torch.utils.data.TensorDataset(x[:samples], y[:samples])
