@@ -97,6 +97,7 @@ def seed_loop(
         }
         result["clipping"] = model.gradient_clipping()
         result["stage"] = model.zero_optimization_stage()
+        result["offload"] = bool(model.zero_cpu_offload())
     result["params"] = _full_params(dist, model)
     return result
 

@@ -42,7 +42,21 @@ def test_zero_stages_train_like_ddp_with_faccel_filling_the_config(ddp: list[dic
             "train_batch_size": 8,
         }
         assert result["clipping"] == 0.0  # not DeepSpeed's silent 1.0
+        assert not result["offload"]
         assert result["lr"] == ddp[0]["lr"]  # the torch scheduler stepped DeepSpeed's learning rate
+        _close(result["params"], ddp[0]["params"])
+
+
+def test_zero_offload_of_the_optimizer_to_the_cpu_trains_like_ddp(ddp: list[dict]) -> None:
+    # ZeRO-Offload's code path (on this CPU-only machine the "offloaded" state was on the CPU anyway).
+    # A torch optimizer under offload needs DeepSpeed's own opt-in: it refuses by default.
+    config = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    results = harness.run(workers.seed_loop, world_size=2, timeout=300, strategy="deepspeed", config=config)
+    for result in results:
+        assert result["stage"] == 2 and result["steps"] == 6 and result["offload"]
         _close(result["params"], ddp[0]["params"])
 
 
