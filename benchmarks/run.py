@@ -41,7 +41,7 @@ RESULTS = HERE / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Display order; modules not listed come after, by name.
-ORDER = ("step", "accumulation", "data", "import", "checkpoint", "functional", "ddp", "parallel")
+ORDER = ("step", "accumulation", "data", "import", "checkpoint", "functional", "ddp", "deepspeed", "parallel")
 # Benchmarks other issues own: shown as pending until their module exists.
 PLANNED: Mapping[str, str] = {
     "accumulation": "step time with 4 micro-steps of accumulation vs manual accumulation "
@@ -58,6 +58,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "import": "import: seconds the import adds to `import torch`",
     "checkpoint": "checkpoint: durable save time, 50M-parameter MLP + AdamW / `torch.save` + fsync",
     "ddp_step": "ddp: time per step, 2 gloo processes / plain DDP's",
+    "deepspeed_step": "deepspeed: time per ZeRO-2 step, 2 gloo processes / DeepSpeed's own loop's",
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
 }
 
@@ -289,7 +290,12 @@ def run_one(name: str, *, quick: bool) -> dict[str, Any]:
         record["title"] = (module.__doc__ or name).strip().splitlines()[0]
         # What it measured, kept with the figures: a later change of method must not relabel them.
         record["about"] = _about(module.__doc__ or "")
-        if callable(getattr(module, "run", None)):
+        # A module whose optional dependency is missing says so (``unavailable() -> reason | None``).
+        unavailable = getattr(module, "unavailable", None)
+        reason = unavailable() if callable(unavailable) else None
+        if reason:
+            record["skipped"] = reason
+        elif callable(getattr(module, "run", None)):
             record["rows"] = [attrs.asdict(coerce(row, name)) for row in module.run(quick)]
         elif quick:
             record["skipped"] = "a script without run(quick); included in full runs only (its own rounds)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import statistics
 
 import attrs
@@ -139,3 +140,28 @@ def test_the_activation_checkpointing_count_is_the_by_hand_one_and_a_tenth_of_pl
 
     kept = {subject: bench.activations_kept(subject) for subject in bench.SUBJECTS}
     assert kept[common.FACCEL] == kept[bench.BY_HAND] < kept[common.PLAIN] / 10, kept
+
+
+def test_the_deepspeed_benchmark_says_why_it_cannot_run_without_deepspeed() -> None:
+    from benchmarks import bench_deepspeed
+
+    installed = importlib.util.find_spec("deepspeed") is not None
+    assert (bench_deepspeed.unavailable() is None) == installed
+    if not installed:  # CI: run.py records it as skipped, and run() gives no rows
+        assert "pip install 'faccel[deepspeed]'" in (bench_deepspeed.unavailable() or "")
+        assert bench_deepspeed.run(quick=True) == []
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_the_deepspeed_benchmark_compares_a_zero2_step_and_a_checkpoint_with_deepspeed_by_hand() -> None:
+    # Two gloo processes, then one, quick rounds (about 45 s here); the figures themselves are not checked.
+    from benchmarks import bench_deepspeed
+
+    found = bench_deepspeed.run(quick=True)
+    assert [(row.subject, row.baseline) for row in found] == [
+        ("raw DeepSpeed", None),
+        ("faccel", "raw DeepSpeed"),
+    ] * 3
+    assert found[1].target == common.GOALS["deepspeed_step"]["faccel"]
+    assert all(row.value > 0 and row.rounds > 0 for row in found)

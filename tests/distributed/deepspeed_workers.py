@@ -24,10 +24,27 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
 
+def _items(batch: Any) -> int:
+    # The targets whose first value is positive: a count that varies by batch and rank.
+    return int((batch[1][:, 0] > 0).sum())
+
+
 def seed_loop(
-    *, strategy: str, stage: int = 2, accumulation_steps: int = 1, steps: int = 6, config: Any = None
+    *,
+    strategy: str,
+    stage: int = 2,
+    accumulation_steps: int = 1,
+    steps: int = 6,
+    config: Any = None,
+    samples: int = 96,
+    epochs: int = 1,
+    items: bool = False,
+    sgd: bool = False,
 ) -> dict[str, Any]:
-    """The seed loop (micro-steps when accumulating) for ``steps`` optimizer steps; the weights at the end."""
+    """The seed loop (micro-steps when accumulating) for ``steps`` optimizer steps over up to
+    ``epochs`` epochs of the first ``samples`` samples; the weights at the end. With ``items``,
+    the loss is a sum over the counted targets (``_items``) and backward divides by the group's count;
+    with ``sgd``, SGD with momentum instead of AdamW."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import faccel
 
@@ -36,27 +53,42 @@ def seed_loop(
         options["deepspeed"] = config if config is not None else {"zero_optimization": {"stage": stage}}
     dist = faccel.detect(strategy=strategy, accumulation_steps=accumulation_steps, **options)
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    if sgd:  # the step follows the gradient's scale (AdamW's hardly does): a mis-scaled group shows
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     x, y = _task()
-    raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+    dataset = torch.utils.data.TensorDataset(x[:samples], y[:samples])
+    raw = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True)
     model, optimizer, loader, scheduler = faccel.prepare(dist, model, optimizer, raw, scheduler)
-    done = 0
-    for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=0)):
-        with faccel.accumulate(dist, model, micro):
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
-            faccel.backward(dist, loss, micro=micro)
-        if micro.sync:
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            done += 1
-            if done == steps:
-                break
+    done, group_sizes = 0, []
+    for epoch in range(epochs):
+        count = _items if items else None
+        for micro, (inputs, targets) in faccel.micro_batches(dist, loader.at(epoch=epoch), items=count):
+            with faccel.accumulate(dist, model, micro):
+                if items:
+                    keep = targets[:, 0] > 0
+                    error = (model(inputs) - targets)[keep]
+                    faccel.backward(dist, error.pow(2).sum(), micro=micro, items=int(keep.sum()))
+                else:
+                    loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                    faccel.backward(dist, loss, micro=micro)
+            if micro.sync:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                group_sizes.append(micro.group_size)
+                done += 1
+                if done == steps:
+                    break
+        if done == steps:
+            break
     result: dict[str, Any] = {
         "kind": type(model).__name__,
         "lr": optimizer.param_groups[0]["lr"],
         "steps": done,
+        "group_sizes": group_sizes,
     }
     if strategy == "deepspeed":
         result["config"] = {
@@ -65,6 +97,7 @@ def seed_loop(
         }
         result["clipping"] = model.gradient_clipping()
         result["stage"] = model.zero_optimization_stage()
+        result["offload"] = bool(model.zero_cpu_offload())
     result["params"] = _full_params(dist, model)
     return result
 
@@ -131,7 +164,8 @@ def _train(
     import faccel
 
     model, optimizer, loader, scheduler, _ = objects
-    low = torch.bfloat16 if dist.precision == "bf16" else None  # DeepSpeed's bf16 weights take bf16 inputs
+    # DeepSpeed's bf16 and fp16 weights take inputs of their dtype.
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
     for inputs, targets in loader.resume(state):
         outputs = model(inputs.to(low)) if low is not None else model(inputs)
         loss = torch.nn.functional.mse_loss(outputs.float(), targets)
@@ -159,6 +193,20 @@ def _zero_view(model: Any) -> dict[str, list[list[float]]]:
     return view
 
 
+def _scaler_view(model: Any) -> dict[str, Any]:
+    """The fp16 loss scaler's numbers and the engine's skipped steps (empty without fp16)."""
+    scaler = getattr(model.optimizer, "loss_scaler", None)
+    if scaler is None or not model.fp16_enabled():
+        return {}
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    return {"skipped": model.skipped_steps, **{key: getattr(scaler, key) for key in keys}}
+
+
+# fp16 whose dynamic loss scale starts at 2**16 and doubles after every 2 clean steps, so it
+# overflows again and again: by step 6 the scaler has skipped steps and moved its scale both ways.
+FP16 = {"initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}
+
+
 def stop_and_resume(
     *, stage: int, root: str, stop: int = 6, steps: int = 9, precision: str = "no"
 ) -> dict[str, Any]:
@@ -167,16 +215,23 @@ def stop_and_resume(
     os.environ["DS_ACCELERATOR"] = "cpu"
     import faccel
 
-    dist = faccel.detect(strategy="deepspeed", deepspeed=_zero(stage), precision=precision)
+    config = _zero(stage)
+    if precision == "fp16":
+        config["fp16"] = dict(FP16)
+    dist = faccel.detect(strategy="deepspeed", deepspeed=config, precision=precision)
     first = _prepared(dist)
     # ZeRO-3 saves in the background (blocking=False) while training goes on; ZeRO-2 blocks.
     state = _train(dist, first, first[4], until=stop, root=root, save_at=stop, blocking=stage != 3)
     saved = _zero_view(first[0])
+    saved_scaler = _scaler_view(first[0])
     _train(dist, first, state, until=steps, root=root)
     uninterrupted = _full_params(dist, first[0])
+    ended_scaler = _scaler_view(first[0])
     second = _prepared(dist)
+    fresh_scaler = _scaler_view(second[0])
     restored = faccel.restore(dist, second[4], root)
     after_restore = _zero_view(second[0])
+    restored_scaler = _scaler_view(second[0])
     ended = _train(dist, second, restored, until=steps, root=root)
     folder = faccel.latest_checkpoint(root)
     files = sorted(path.name for path in folder.iterdir()) if folder is not None else []
@@ -190,6 +245,12 @@ def stop_and_resume(
         "lr": [first[1].param_groups[0]["lr"], second[1].param_groups[0]["lr"]],
         "counters": [first[0].global_steps, second[0].global_steps],
         "files": files,
+        "scaler": {
+            "saved": saved_scaler,
+            "fresh": fresh_scaler,
+            "restored": restored_scaler,
+            "ended": [ended_scaler, _scaler_view(second[0])],
+        },
     }
 
 

@@ -42,8 +42,66 @@ def test_zero_stages_train_like_ddp_with_faccel_filling_the_config(ddp: list[dic
             "train_batch_size": 8,
         }
         assert result["clipping"] == 0.0  # not DeepSpeed's silent 1.0
+        assert not result["offload"]
         assert result["lr"] == ddp[0]["lr"]  # the torch scheduler stepped DeepSpeed's learning rate
         _close(result["params"], ddp[0]["params"])
+
+
+def test_zero_offload_of_the_optimizer_to_the_cpu_trains_like_ddp(ddp: list[dict]) -> None:
+    # ZeRO-Offload's code path (on this CPU-only machine the "offloaded" state was on the CPU anyway).
+    # A torch optimizer under offload needs DeepSpeed's own opt-in: it refuses by default.
+    config = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    results = harness.run(workers.seed_loop, world_size=2, timeout=300, strategy="deepspeed", config=config)
+    for result in results:
+        assert result["stage"] == 2 and result["steps"] == 6 and result["offload"]
+        _close(result["params"], ddp[0]["params"])
+
+
+# 88 samples: 11 batches of 4 a rank, so an epoch of accumulation_steps=2 ends with a group of 1;
+# 9 steps run through it into the next epoch.
+# SGD: AdamW is all but blind to a gradient scaled by a constant (both runs dividing by an extra 2).
+_ACCUMULATING = {"accumulation_steps": 2, "samples": 88, "epochs": 2, "steps": 9, "sgd": True}
+
+
+@pytest.fixture(scope="module")
+def ddp_accumulating() -> dict[bool, list[dict]]:
+    """The same accumulating loop under DDP: losses as means, and as sums by item count."""
+    return {
+        items: harness.run(
+            workers.seed_loop, world_size=2, timeout=300, strategy="ddp", items=items, **_ACCUMULATING
+        )
+        for items in (False, True)
+    }
+
+
+@pytest.mark.parametrize(("stage", "items"), [(2, False), (3, False), (2, True)])
+def test_accumulation_with_a_partial_last_group_trains_like_ddp(
+    ddp_accumulating: dict[bool, list[dict]], stage: int, items: bool
+) -> None:
+    want = ddp_accumulating[items][0]
+    assert want["group_sizes"] == [2, 2, 2, 2, 2, 1, 2, 2, 2]  # the partial group is in the run
+    results = harness.run(
+        workers.seed_loop,
+        world_size=2,
+        timeout=300,
+        strategy="deepspeed",
+        config=workers._zero(stage),
+        items=items,
+        **_ACCUMULATING,
+    )
+    for result in results:
+        assert result["stage"] == stage and result["group_sizes"] == want["group_sizes"]
+        assert result["config"] == {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "train_batch_size": 16,  # 4 x 2 micro-steps x 2 ranks
+        }
+        assert result["lr"] == want["lr"]
+        # The group of 1 is divided by 1, not by DeepSpeed's configured 2 (faccel scales the loss).
+        _close(result["params"], want["params"])
 
 
 @pytest.fixture(scope="module")
@@ -126,5 +184,22 @@ def test_a_bf16_resume_is_bitwise_too_with_zero_s_fp32_masters_saved(tmp_path) -
     )
     for result in results:
         # bf16 weights in the model file, ZeRO's fp32 masters beside the moments: both come back.
+        assert result["after_restore"] == result["saved"]
+        assert result["resumed"] == result["uninterrupted"]
+
+
+def test_an_fp16_resume_is_bitwise_with_the_dynamic_loss_scaler_restored(tmp_path) -> None:
+    # DeepSpeed's fp16 runs on this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported()).
+    results = harness.run(
+        workers.stop_and_resume, world_size=2, timeout=300, stage=2, root=str(tmp_path), precision="fp16"
+    )
+    for result in results:
+        scaler = result["scaler"]
+        saved = scaler["saved"]
+        # By step 6 the scaler has skipped overflowing steps and moved its scale from 2**16.
+        assert saved["skipped"] > 0 and saved["cur_scale"] != 2.0**16
+        assert scaler["fresh"]["cur_scale"] == 2.0**16  # a fresh engine's: restore must set it
+        assert scaler["restored"] == saved  # scale, iteration, last overflow, hysteresis, skipped
+        assert scaler["ended"][0] == scaler["ended"][1]
         assert result["after_restore"] == result["saved"]
         assert result["resumed"] == result["uninterrupted"]
