@@ -251,3 +251,32 @@ def test_fsdp2_cpu_offload_keeps_the_shards_on_the_cpu_and_the_gradients(tmp_pat
                 )
             assert r[case]["saved"] == r["fsdp"]["saved"], case
         assert r["fsdp_ac"]["checkpointed"] == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize(
+    ("precision", "offload"),
+    [("bf16", False), ("fp16", False), ("bf16", True)],
+    ids=["bf16", "fp16", "offload"],
+)
+def test_deepspeed_on_the_gpu_resumes_bitwise(tmp_path: Path, precision: str, offload: bool) -> None:
+    # DeepSpeed's GPU path (DS_ACCELERATOR=cuda, NCCL) on one GPU, ZeRO-2: a stop at step 6 and a
+    # resume end bitwise equal to the uninterrupted run; the checkpoint is safetensors and JSON only.
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'faccel[deepspeed]')")
+    from tests.distributed import deepspeed_workers, harness
+
+    (result,) = harness.run(
+        deepspeed_workers.stop_and_resume,
+        world_size=1,
+        timeout=600,
+        stage=2,
+        root=str(tmp_path),
+        precision=precision,
+        accelerator="cuda",
+        offload=offload,
+    )
+    assert result["restored_step"] == 6 and result["ended_step"] == 9
+    assert result["resumed"] == result["uninterrupted"]
+    assert result["after_restore"] == result["saved"]
+    assert all(name.endswith((".safetensors", ".json")) for name in result["files"]), result["files"]
+    if precision == "fp16":
+        assert result["scaler"]["restored"] == result["scaler"]["saved"]

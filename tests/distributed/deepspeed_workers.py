@@ -208,16 +208,28 @@ FP16 = {"initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}
 
 
 def stop_and_resume(
-    *, stage: int, root: str, stop: int = 6, steps: int = 9, precision: str = "no"
+    *,
+    stage: int,
+    root: str,
+    stop: int = 6,
+    steps: int = 9,
+    precision: str = "no",
+    accelerator: str = "cpu",
+    offload: bool = False,
 ) -> dict[str, Any]:
     """A run checkpointed at ``stop`` and trained on to ``steps``; then a fresh engine restored from
-    the checkpoint and trained to ``steps`` too, in the same processes: both final weights."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    the checkpoint and trained to ``steps`` too, in the same processes: both final weights.
+    ``accelerator="cuda"``: DeepSpeed's GPU path (tests/test_cuda.py); ``offload``: ZeRO-Offload of
+    the optimizer state to the CPU."""
+    os.environ["DS_ACCELERATOR"] = accelerator
     import faccel
 
     config = _zero(stage)
     if precision == "fp16":
         config["fp16"] = dict(FP16)
+    if offload:  # a torch optimizer, not DeepSpeedCPUAdam: DeepSpeed must be told to take it
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
     dist = faccel.detect(strategy="deepspeed", deepspeed=config, precision=precision)
     first = _prepared(dist)
     # ZeRO-3 saves in the background (blocking=False) while training goes on; ZeRO-2 blocks.

@@ -203,3 +203,15 @@ def test_an_fp16_resume_is_bitwise_with_the_dynamic_loss_scaler_restored(tmp_pat
         assert scaler["ended"][0] == scaler["ended"][1]
         assert result["after_restore"] == result["saved"]
         assert result["resumed"] == result["uninterrupted"]
+
+
+def test_an_offloaded_run_resumes_bitwise(tmp_path) -> None:
+    # ZeRO-2 with the optimizer state offloaded to the CPU (ZeRO-Offload): its checkpoint and
+    # restore go through the same gather and scatter, and the resume at step 6 is bitwise.
+    ranks = harness.run(
+        workers.stop_and_resume, world_size=2, timeout=300, stage=2, root=str(tmp_path), offload=True
+    )
+    for result in ranks:
+        assert result["restored_step"] == 6 and result["ended_step"] == 9
+        assert result["after_restore"] == result["saved"]
+        assert result["resumed"] == result["uninterrupted"]
