@@ -43,7 +43,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     from faccel._hf._consolidate import consolidate
 
-    out = consolidate(args.checkpoint, args.out, max_shard_size=args.max_shard_size)
+    out = consolidate(
+        args.checkpoint, args.out, max_shard_size=args.max_shard_size, allow_sparse=args.allow_sparse
+    )
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 
@@ -145,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     consolidate.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNNNNNN) or a root of them")
     consolidate.add_argument("out", help="a new folder to write model.safetensors (or shards) into")
     consolidate.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
+    consolidate.add_argument(
+        "--allow-sparse",
+        action="store_true",
+        help="write weights that claim more than the files occupy on disk (a compressing file system)",
+    )
     plot = commands.add_parser(
         "plot",
         help="draw a run's logged metrics (faccel.init_tracker's jsonl) to a PNG",

@@ -103,3 +103,37 @@ def test_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> No
         assert os.listdir(disk) == []  # the shard written before the failure and the temporary: gone
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> None:
+    # Issue 26, item 6: a forged checkpoint of 144 KB on disk consolidated into a 2 GiB file. Here a
+    # consistent one (manifest rehashed) claims a 128 MiB tensor that a sparse file's holes "hold".
+    import hashlib
+    import json
+    import struct
+
+    from faccel._hf._consolidate import consolidate
+
+    folder = faccel.checkpoint(faccel.detect({}), _state(1.0), tmp_path / "ckpt")
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8 : 8 + length]), raw[8 + length :]
+    claim = 32 << 20  # float32 elements: 128 MiB
+    header["huge"] = {"dtype": "F32", "shape": [claim], "data_offsets": [len(data), len(data) + 4 * claim]}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    os.truncate(path, path.stat().st_size + 4 * claim)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(16 << 20):
+            digest.update(block)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert sum(p.stat().st_blocks * 512 for p in folder.iterdir()) < 1 << 20  # under 1 MiB on disk
+    with pytest.raises(CheckpointError, match=r"weights claim \d+ bytes, but its files occupy \d+ bytes"):
+        consolidate(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    out = consolidate(folder, tmp_path / "out", allow_sparse=True)  # asked for: written
+    assert (out / "model.safetensors").stat().st_size > 4 * claim

@@ -173,7 +173,11 @@ def _write_file(path: Path, header: bytes, order: list[str], read: Callable[[str
 
 
 def consolidate(
-    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    allow_sparse: bool = False,
 ) -> Path:
     """Write a checkpoint's model weights to ``out`` in the Hugging Face layout, one tensor at a time.
 
@@ -186,12 +190,17 @@ def consolidate(
         checkpoint: A checkpoint folder or a root folder of checkpoints.
         out: A new (or empty of weights) folder to write into.
         max_shard_size: Largest output file, in bytes or as text (``"5GB"``).
+        allow_sparse: Write the weights even when they claim more than twice the
+            bytes the checkpoint's files occupy on disk (plus 64 MiB): files with
+            holes, as a forged checkpoint has, or a file system that compresses.
 
     Returns:
         ``out``.
 
     Raises:
-        CheckpointError: No checkpoint there, or a file that fails its checks.
+        CheckpointError: No checkpoint there, or a file that fails its checks;
+            weights that claim more than the files occupy (see ``allow_sparse``),
+            before anything is written.
         StorageError: ``out`` is a file, or already holds weights.
 
     Example:
@@ -214,6 +223,12 @@ def consolidate(
         raise StorageError(msg)
     # The checkpoint is opened and checked first; a run that fails later removes the folder it made.
     specs, read, close = _specs_and_reader(folder)
+    if not allow_sparse:
+        try:
+            _check_backed(folder, specs)
+        except BaseException:
+            close()
+            raise
     written: list[Path] = []
     created = not target.exists()
     try:
@@ -259,6 +274,31 @@ def consolidate(
     finally:
         close()
     return target
+
+
+def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """Refuse weights that claim far more bytes than the checkpoint's files occupy on disk.
+
+    Each byte written is read from one byte of a file, but a file with holes
+    (sparse) reads as zeros it never stored: a forged 144 KB checkpoint once
+    consolidated into 2 GiB. Its blocks on disk (``st_blocks``) bound what it
+    really holds; twice that plus 64 MiB leaves room for file systems that
+    allocate lazily.
+    """
+    claimed = sum(dtype.itemsize * int(torch.Size(shape).numel()) for dtype, shape in specs.values())
+    stored = 0
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            stat = entry.stat(follow_symlinks=False)
+            stored += min(stat.st_size, getattr(stat, "st_blocks", stat.st_size // 512 + 1) * 512)
+    if claimed > 2 * stored + (64 << 20):
+        msg = (
+            f"{folder}: its weights claim {claimed} bytes, but its files occupy {stored} bytes on disk "
+            "(they have holes: a forged or damaged checkpoint, or a file system that compresses); "
+            "nothing was written. If the checkpoint is yours, pass allow_sparse=True "
+            "(python -m faccel consolidate --allow-sparse)"
+        )
+        raise CheckpointError(msg)
 
 
 def _remove_temporaries(target: Path) -> None:
