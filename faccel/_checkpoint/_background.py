@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as tdist
 
+from faccel._dist._consensus import store_lost_message
 from faccel._dist._runtime import Pending, Runtime
 from faccel._dist._state import DistState
 from faccel._torch_compat import default_store
@@ -176,7 +177,7 @@ def _unreported(store: tdist.Store | None, key: str) -> str | None:
     return text
 
 
-def wait(runtime: Runtime, dist: DistState | None = None) -> None:
+def wait(runtime: Runtime, dist: DistState | None = None, *, call: str = "checkpoint") -> None:
     """Wait for the background checkpoints of this process; raise a failure as a CheckpointError.
 
     ``runtime``'s own first, then any other still being written (a state from
@@ -197,7 +198,11 @@ def wait(runtime: Runtime, dist: DistState | None = None) -> None:
         if thread.name == _THREAD and thread is not threading.current_thread():
             thread.join()  # another handle's checkpoint: the ranks' files must be whole first
     store = _group_store(dist)
-    left = _unreported(store, _failed_key(dist)) if dist is not None else None
+    try:
+        left = _unreported(store, _failed_key(dist)) if dist is not None else None
+    except RuntimeError as error:  # torch's DistNetworkError: the store's host (rank 0) is gone
+        assert dist is not None
+        raise CheckpointError(store_lost_message(dist, call, error)) from error
     if pending is not None and pending.error is not None:
         if store is None or left is not None:  # not reported yet by a call of another handle
             msg = (

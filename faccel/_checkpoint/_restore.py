@@ -281,9 +281,8 @@ def restore(
         (7, 3, True)
     """
     breadcrumb(dist, "restore", step=train_state.step)
-    wait_for_background(
-        dist.runtime, dist
-    )  # a non-blocking checkpoint still being written is committed first
+    # A non-blocking checkpoint still being written is committed first.
+    wait_for_background(dist.runtime, dist, call="restore")
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     directory = together(
         dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError

@@ -30,7 +30,7 @@ from faccel._dist._state import DistState
 from faccel._torch_compat import default_store
 from faccel.errors import DistributedError, FaccelError
 
-__all__ = ["DEFAULT_ARRIVAL", "agree_max", "arrive", "together"]
+__all__ = ["DEFAULT_ARRIVAL", "agree_max", "arrive", "store_lost_message", "together"]
 
 T = TypeVar("T")
 # How long the ranks that called a collective wait for the others to call it too.
@@ -100,13 +100,18 @@ def arrive(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: t
     except FaccelError:
         raise
     except RuntimeError as error:  # torch's DistNetworkError: the store's host is gone
-        msg = (
-            f"{name}() on rank {dist.rank}: the rendezvous store at {dist.master_addr}:"
-            f"{dist.master_port} cannot be reached ({str(error).strip().splitlines()[0][:200]}); "
-            "the process that hosts it (rank 0, or torchrun's agent) has probably died: its log "
-            "says why. Restart the job from the latest checkpoint"
-        )
-        raise raises(msg) from error
+        raise raises(store_lost_message(dist, name, error)) from error
+
+
+def store_lost_message(dist: DistState, name: str, error: RuntimeError) -> str:
+    """What a rank says when the process group's store stopped answering during ``name()``."""
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    return (
+        f"{name}() on rank {dist.rank}: the rendezvous store at {dist.master_addr}:"
+        f"{dist.master_port} cannot be reached ({first}); the process that hosts it (rank 0, or "
+        "torchrun's agent) has probably died: its log says why. Restart the job from the latest "
+        "checkpoint"
+    )
 
 
 def _check_in(dist: DistState, name: str, *, timeout: datetime.timedelta, raises: type[Exception]) -> None:

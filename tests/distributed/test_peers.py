@@ -131,3 +131,31 @@ def test_a_peer_gone_at_the_agreement_step_is_the_callers_named_error() -> None:
     assert survivor["error"] == "CheckpointError", survivor
     assert survivor["message"].startswith("the checkpoint's agreement: rank 0 waited for the other ranks")
     assert "or lost one of them" in survivor["message"]
+
+
+def test_a_survivor_whose_store_host_died_gets_a_named_error(tmp_path: Path) -> None:
+    # Issue 26, item 10: without a torchrun agent rank 0 hosts the store; when it died, the
+    # survivor's next faccel call raised torch's raw DistNetworkError.
+    import socket
+
+    with socket.socket() as probe:  # a free port for rank 0's store (released before rank 0 binds it)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = ROOT / "tests" / "distributed" / "scripts" / "store_host_dies.py"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2"}
+    base |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "ckpt")],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [job.communicate(timeout=600)[0] for job in ranks]  # only a hang reaches the limit
+    line = next((text for text in outputs[1].splitlines() if text.startswith("rank 1: ")), outputs[1])
+    assert line.startswith("rank 1: CheckpointError: checkpoint() on rank 1: the rendezvous store at "), line
+    assert "has probably died" in line and "Restart the job from the latest checkpoint" in line
