@@ -7,6 +7,7 @@ deepspeed itself is imported inside faccel's engine module when the engine is bu
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -342,9 +343,11 @@ def save_model_and_the_rest(*, stage: int, directory: str) -> dict[str, Any]:
 
     model, optimizer, loader = build(0)
     seen, gathered, refusal = [], None, None
+    tracker = faccel.init_tracker(dist, os.path.join(directory, f"run{stage}"), config={"stage": stage})
     for number, (batch,) in enumerate(loader.at(epoch=0)):
         loss = model(batch, labels=batch).loss
         faccel.backward(dist, loss)
+        faccel.log(dist, tracker, number, {"loss": loss.detach()}, reduce="mean")  # a collective
         if number == 0:
             try:
                 faccel.clip_grad_norm(dist, model, 1.0)
@@ -362,6 +365,9 @@ def save_model_and_the_rest(*, stage: int, directory: str) -> dict[str, Any]:
         uneven = None
     except faccel.errors.UsageError as error:
         uneven = str(error)
+    faccel.end_training(dist, tracker)
+    records = Path(directory, f"run{stage}", "metrics.jsonl")
+    logged = len(records.read_text().splitlines()) if dist.is_main_process else None
     trained = _whole(model)
     folder = os.path.join(directory, f"zero{stage}")
     faccel.save_model(dist, model, folder, max_shard_size=40_000)
@@ -372,6 +378,7 @@ def save_model_and_the_rest(*, stage: int, directory: str) -> dict[str, Any]:
     masters = {n: safe_get_full_fp32_param(p) for n, p in fresh.module.named_parameters()}
     result = {
         "unwrapped": faccel.unwrap_model(model) is model.module,
+        "logged": logged,
         "refusal": refusal,
         "uneven": uneven,
         "seen": seen,
