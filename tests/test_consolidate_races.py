@@ -137,3 +137,26 @@ def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> N
     assert not (tmp_path / "out").exists()
     out = consolidate(folder, tmp_path / "out", allow_sparse=True)  # asked for: written
     assert (out / "model.safetensors").stat().st_size > 4 * claim
+
+
+def test_convert_on_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """Issue 26, item 6, for ``convert``: a 16 KiB tmpfs cannot hold the 33 KB of weights. Root only."""
+    import subprocess
+
+    from faccel._hf._save_model import convert_weights
+    from faccel.errors import StorageError
+
+    torch.manual_seed(0)
+    torch.save(nn.Linear(64, 128).state_dict(), tmp_path / "pytorch_model.bin")  # 33 KB of tensors
+    (disk := tmp_path / "disk").mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
+    try:
+        with pytest.raises(StorageError, match=r"No space left on device"):
+            convert_weights(tmp_path, disk / "out")
+        assert not [p for p in disk.rglob("*") if p.is_file()]  # no temporary or partial file left
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -709,7 +709,8 @@ def convert_weights(
     Raises:
         CheckpointError: As :func:`load_model`: no weights, a file that holds
             anything but tensors, an inconsistent index.
-        StorageError: ``target`` is a file.
+        StorageError: ``target`` is a file; the writing failed (a full disk,
+            a permission), with nothing of it kept.
 
     Example:
         >>> import pathlib, tempfile, torch
@@ -739,5 +740,12 @@ def convert_weights(
         for name in ("config.json", "generation_config.json")
         if os.path.lexists(folder / name)
     }
-    _write_model(out, stored, parse_size(max_shard_size), configs)
+    try:
+        _write_model(out, stored, parse_size(max_shard_size), configs)
+    except OSError as error:  # a full disk, a permission: _write_model removed what it wrote
+        msg = (
+            f"converting into {out} failed: {error.strerror or error} ({error.filename or out}); free "
+            "space or correct the path or permissions, then run it again (nothing of this run was kept)"
+        )
+        raise StorageError(msg) from error
     return out
