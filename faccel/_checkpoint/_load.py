@@ -23,8 +23,8 @@ from faccel._checkpoint._format import STATE
 from faccel._checkpoint._sharded._fsdp_state import load_full_state
 from faccel._checkpoint._verify import Loadable
 from faccel._loop._deepspeed import is_deepspeed_engine
-from faccel._loop._deepspeed import load_full_state as load_deepspeed_state
 from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._zero_state import load_full_state as load_deepspeed_state
 from faccel._torch_compat import is_dtensor
 from faccel._train_state import TrainState
 from faccel._tree import paired_leaves, rebuild

@@ -80,9 +80,9 @@ from faccel._checkpoint._sharded._shard_file import write_shard
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import full_state as deepspeed_full_state
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._zero_state import full_state as deepspeed_full_state
 from faccel._storage._durable import (
     FileRecord,
     check_written,

@@ -37,8 +37,9 @@ from faccel._checkpoint._format import (
 )
 from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import DeepSpeedOptimizer, is_deepspeed_engine, target_state
+from faccel._loop._deepspeed import DeepSpeedOptimizer, is_deepspeed_engine
 from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._zero_state import target_state
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs
 from faccel._storage._weights import alias_groups, compare_tensors

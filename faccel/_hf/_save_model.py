@@ -48,15 +48,15 @@ from faccel._dist._state import DistState
 from faccel._hf._assign import assign, rank_files
 from faccel._hf._shard_read import load_rows
 from faccel._hf._spread_write import OwnFile, write_own
-from faccel._loop._deepspeed import (
+from faccel._loop._deepspeed import is_deepspeed_engine
+from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._zero_state import (
     gather_named,
     has_partitioned_parameters,
-    is_deepspeed_engine,
     load_full_state,
     target_state,
     whole_specs,
 )
-from faccel._loop._model import is_sharded, unwrap_model
 from faccel._storage._durable import (
     MAX_JSON,
     atomic_write,
