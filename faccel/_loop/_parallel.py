@@ -20,10 +20,16 @@ from faccel._dist._mesh import device_mesh
 from faccel._dist._state import DistState
 from faccel.errors import PrepareError
 
-__all__ = ["apply_plan", "plan_problem"]
+__all__ = ["apply_plan", "plan_key_matches", "plan_problem"]
 
 
-def _matches(pattern: str, name: str) -> bool:
+def plan_key_matches(pattern: str, name: str) -> bool:
+    """Whether a ``tp_plan`` key (``fnmatch`` per dotted atom) names the submodule ``name``.
+
+    Example:
+        >>> plan_key_matches("layers.*.mlp", "layers.3.mlp"), plan_key_matches("layers.*", "layers.3.mlp")
+        (True, False)
+    """
     atoms, parts = pattern.split("."), name.split(".")
     return len(atoms) == len(parts) and all(fnmatch(p, a) for p, a in zip(parts, atoms, strict=True))
 
@@ -44,7 +50,7 @@ def plan_problem(model: nn.Module, plan: Mapping[str, Any]) -> str:
 
     names = [name for name, _ in model.named_modules() if name]
     for key, style in plan.items():
-        if not isinstance(key, str) or not any(_matches(key, name) for name in names):
+        if not isinstance(key, str) or not any(plan_key_matches(key, name) for name in names):
             known = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
             return (
                 f"tp_plan key {key!r} names no submodule of the {type(model).__name__} "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterable, Mapping
-from fnmatch import fnmatch
 from typing import Any
 
 import attrs
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from faccel._dist._layout import Layout, parse_layout, strategy_for
+from faccel._loop._parallel import plan_key_matches
 from faccel._torch_compat import fake_tensors, view_base
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError
@@ -238,17 +238,12 @@ _STYLE_DIMS: Mapping[str, tuple[int | None, int | None, int | None]] = {
 }
 
 
-def _matches(pattern: str, name: str) -> bool:
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(fnmatch(p, a) for p, a in zip(parts, atoms, strict=True))
-
-
 def _tensor_dims(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, int]:
     """Parameter name -> the dim ``tp_plan`` splits (Colwise/Rowwise on ``nn.Linear``, ``nn.Embedding``)."""
     dims: dict[str, int] = {}
     for path, module in model.named_modules():
         style = next(
-            (s for key, s in (tp_plan or {}).items() if path and _matches(key, path)),
+            (s for key, s in (tp_plan or {}).items() if path and plan_key_matches(key, path)),
             None,
         )
         rule = _STYLE_DIMS.get(type(style).__name__) if style is not None else None
