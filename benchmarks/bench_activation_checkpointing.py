@@ -49,7 +49,7 @@ if str(HERE.parent) not in sys.path:  # `python benchmarks/bench_...py` puts onl
 import torch  # noqa: E402 (after the path fix above)
 from torch import nn  # noqa: E402
 
-from benchmarks.common import FACCEL, PLAIN, interleave, per_call  # noqa: E402
+from benchmarks.common import FACCEL, PLAIN, interleave, per_call, rss_bytes  # noqa: E402
 
 BY_HAND = "by hand"
 SUBJECTS = (PLAIN, BY_HAND, FACCEL)
@@ -143,11 +143,6 @@ def activations_kept(subject: str) -> int:
     return sum(kept.values())
 
 
-def _statm_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _peak_rss() -> int:
     """The process's peak resident set since the last :func:`_reset_peak` (VmHWM)."""
     with open("/proc/self/status") as f:
@@ -171,7 +166,7 @@ def peak_rss_of_a_step(subject: str) -> int:
     optimizer.zero_grad(set_to_none=False)
     # The peak of this step only: the import and the model's build may peak higher, earlier.
     _reset_peak()
-    before = _statm_rss()
+    before = rss_bytes()
     _loss(model, tokens, targets).backward()
     return _peak_rss() - before
 

@@ -45,8 +45,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sharded_checkpoint import Peak
-from benchmarks.common import rank_env, run_ranks
+from benchmarks.common import Peak, rank_env, rss_bytes, run_ranks
 
 BATCH, TOKENS = 4, 128
 
@@ -86,11 +85,6 @@ def _batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
 
 
-def _rss() -> int:
-    with open("/proc/self/statm", "rb") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _rank(rank: int, port: int, payload: dict[str, Any], out: str) -> None:
     os.environ.update(rank_env(rank, port))
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -105,7 +99,7 @@ def _rank(rank: int, port: int, payload: dict[str, Any], out: str) -> None:
         _build(payload)
     torch.distributed.barrier()
     gc.collect()
-    before = _rss()
+    before = rss_bytes()
     with Peak() as peak:
         torch.manual_seed(0)
         with torch.device("meta"):
@@ -119,7 +113,7 @@ def _rank(rank: int, port: int, payload: dict[str, Any], out: str) -> None:
             del loss
             optimizer.step()
         gc.collect()
-        after = _rss()
+        after = rss_bytes()
     figures = torch.tensor([peak.peak - before, after - before], dtype=torch.float64)
     gathered = [torch.zeros_like(figures) for _ in range(dist.world_size)]
     torch.distributed.all_gather(gathered, figures)

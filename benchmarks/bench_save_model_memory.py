@@ -46,8 +46,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sharded_checkpoint import Peak
-from benchmarks.common import rank_env, run_ranks
+from benchmarks.common import Peak, rank_env, rss_bytes, run_ranks
 
 FACCEL, WHOLE = "faccel", "whole gather"
 
@@ -99,8 +98,7 @@ def _rank(rank: int, port: int, payload: dict[str, Any], out: str) -> None:
         call = lambda: _whole_gather_save(dist, model, folder)  # noqa: E731
     torch.distributed.barrier()
     gc.collect()
-    with open("/proc/self/statm", "rb") as handle:
-        before = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = rss_bytes()
     with Peak() as peak:
         start = time.perf_counter()
         call()

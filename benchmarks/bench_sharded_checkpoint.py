@@ -41,7 +41,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import rank_env, run_ranks
+from benchmarks.common import Peak, rank_env, run_ranks
 
 WIDTH = 2048
 FACCEL, DCP = "faccel", "DCP"
@@ -73,35 +72,6 @@ class Stack(nn.Module):
 
 def blocks_for(millions: int) -> int:
     return max(1, round(millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
-
-
-class Peak:
-    """The peak resident set size while the ``with`` block runs, sampled by a thread."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm", "rb") as handle:
-            return int(handle.read().split()[1]) * self._page
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.002)
-
-    def __enter__(self) -> Peak:
-        self.peak = self._rss()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
 
 
 def _build(dist: Any, blocks: int, *, train: bool) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -264,3 +265,33 @@ def run_ranks(target: Callable[..., None], payload: object, *, what: str, world_
         result = json.loads(Path(out).read_text())
     del store
     return result
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (``/proc/self/statm``), in bytes."""
+    with open("/proc/self/statm", "rb") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Peak:
+    """The peak resident set size while the ``with`` block runs, sampled by a thread every 2 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.002)
+
+    def __enter__(self) -> Peak:
+        self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
