@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,26 +86,32 @@ def test_a_folder_in_the_temporary_s_place_is_a_storage_error(tmp_path: Path) ->
     assert (tmp_path / "hf" / ".tmp-model.safetensors").is_dir()  # not ours: left alone
 
 
-def test_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> None:
-    """A 16 KiB tmpfs cannot hold the 33 KB model. Root only (the mount)."""
-    import subprocess
-
-    from faccel._hf._consolidate import consolidate
-    from faccel.errors import StorageError
-
-    folder = _big_checkpoint(tmp_path / "ckpt")
-    (disk := tmp_path / "disk").mkdir()
+@contextlib.contextmanager
+def _tiny_disk(disk: Path) -> Iterator[Path]:
+    """A real 16 KiB tmpfs at ``disk`` for the ``with`` block (root only: skipped elsewhere)."""
+    disk.mkdir()
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True, check=False
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
     try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """A 16 KiB tmpfs cannot hold the 33 KB model. Root only (the mount)."""
+
+    from faccel._hf._consolidate import consolidate
+    from faccel.errors import StorageError
+
+    folder = _big_checkpoint(tmp_path / "ckpt")
+    with _tiny_disk(tmp_path / "disk") as disk:
         with pytest.raises(StorageError, match=r"No space left on device.*free space"):
             consolidate(folder, disk, max_shard_size=20_000)
         assert os.listdir(disk) == []  # the shard written before the failure and the temporary: gone
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> None:
@@ -141,22 +150,13 @@ def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> N
 
 def test_convert_on_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> None:
     """Issue 26, item 6, for ``convert``: a 16 KiB tmpfs cannot hold the 33 KB of weights. Root only."""
-    import subprocess
 
     from faccel._hf._save_model import convert_weights
     from faccel.errors import StorageError
 
     torch.manual_seed(0)
     torch.save(nn.Linear(64, 128).state_dict(), tmp_path / "pytorch_model.bin")  # 33 KB of tensors
-    (disk := tmp_path / "disk").mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True, check=False
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
-    try:
+    with _tiny_disk(tmp_path / "disk") as disk:
         with pytest.raises(StorageError, match=r"No space left on device"):
             convert_weights(tmp_path, disk / "out")
         assert not [p for p in disk.rglob("*") if p.is_file()]  # no temporary or partial file left
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
