@@ -72,8 +72,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sharded_checkpoint import Peak
-from benchmarks.common import rank_env, run_ranks
+from benchmarks.common import Peak, rank_env, rss_bytes, run_ranks
 
 FACCEL, WHOLE, PRETRAINED = "faccel", "whole per rank", "from_pretrained"
 SUBJECTS = (FACCEL, WHOLE, PRETRAINED)
@@ -110,23 +109,18 @@ def _build(payload: dict[str, Any]) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(_config(payload))
 
 
-def _rss() -> int:
-    with open("/proc/self/statm", "rb") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _phase(call: Callable[[], Any]) -> tuple[Any, list[float]]:
     """Run ``call`` between barriers; its result and [peak rise, held rise, seconds]."""
     torch.distributed.barrier()
     gc.collect()
-    before = _rss()
+    before = rss_bytes()
     with Peak() as peak:
         start = time.perf_counter()
         result = call()
         torch.distributed.barrier()
         seconds = time.perf_counter() - start
     gc.collect()
-    return result, [float(peak.peak - before), float(_rss() - before), seconds]
+    return result, [float(peak.peak - before), float(rss_bytes() - before), seconds]
 
 
 def _rank(rank: int, port: int, payload: dict[str, Any], out: str) -> None:
