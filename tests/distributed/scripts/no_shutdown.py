@@ -9,6 +9,8 @@ handlers last-in, first-out) and prints whether the group still runs then.
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -16,8 +18,13 @@ import torch.distributed as tdist
 import faccel
 
 
+def _say(line: str) -> None:
+    # One write() a line: both workers share torchrun's pipe, and print() writes the newline apart.
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def _report(rank: list[int]) -> None:
-    print(f"rank {rank[0]}: process group running at exit: {tdist.is_initialized()}", flush=True)
+    _say(f"rank {rank[0]}: process group running at exit: {tdist.is_initialized()}")
 
 
 def main() -> None:
@@ -27,7 +34,7 @@ def main() -> None:
     rank.append(dist.rank)
     model = faccel.prepare(dist, torch.nn.Linear(2, 1))
     faccel.backward(dist, model(torch.ones(4, 2)).mean())
-    print(f"rank {dist.rank}: summed {faccel.reduce(dist, torch.ones(1), op='sum').item()}", flush=True)
+    _say(f"rank {dist.rank}: summed {faccel.reduce(dist, torch.ones(1), op='sum').item()}")
 
 
 if __name__ == "__main__":

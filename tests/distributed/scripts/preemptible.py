@@ -44,9 +44,9 @@ def main(root: Path, out: Path, mode: str) -> None:
     state = faccel.TrainState.create(model=model, optimizer=optimizer)
     if faccel.latest_checkpoint(root) is not None:
         state = faccel.restore(dist, state, root)
-        print(f"rank {dist.rank} restored step {state.step}", flush=True)
+        _say(f"rank {dist.rank} restored step {state.step}")
     stop = faccel.stop_signal(dist) if mode == "signal" else None
-    print(f"rank {dist.rank} pid {os.getpid()}", flush=True)
+    _say(f"rank {dist.rank} pid {os.getpid()}")
     blocking = mode != "kill-background"
     while state.step < STEPS:
         step = state.step
@@ -58,7 +58,7 @@ def main(root: Path, out: Path, mode: str) -> None:
         faccel.backward(dist, loss)
         optimizer.step()
         state = attrs.evolve(state, step=step + 1)
-        print(f"rank {dist.rank} step {state.step}", flush=True)
+        _say(f"rank {dist.rank} step {state.step}")
         if mode.startswith("kill") and dist.attempt == 0 and dist.rank == 1 and state.step == 13:
             os.kill(os.getpid(), signal.SIGKILL)
         if stop is not None and faccel.any_rank(dist, stop.received):
@@ -72,7 +72,7 @@ def main(root: Path, out: Path, mode: str) -> None:
                 # Joined before shutdown puts the previous handlers back: a SIGTERM the thread
                 # was about to send would otherwise meet the default action and kill this rank.
                 sender.join()
-            print(f"rank {dist.rank} stopped at step {state.step}", flush=True)
+            _say(f"rank {dist.rank} stopped at step {state.step}")
             faccel.shutdown(dist)
             return
         if state.step % EVERY == 0:
@@ -86,6 +86,13 @@ def main(root: Path, out: Path, mode: str) -> None:
             )
         )
     faccel.shutdown(dist)
+
+
+def _say(line: str) -> None:
+    """One line in one write(): the two workers share torchrun's pipe, and print() writes the text and
+    its newline apart, so two ranks' lines could merge ("rank 0 step 7rank 1 step 7") and the test
+    miss the line it waits for. A write of under PIPE_BUF bytes to a pipe is atomic."""
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
 def _signals_until(done: threading.Event) -> None:
