@@ -19,7 +19,8 @@ import faccel
 
 
 def _say(line: str) -> None:
-    # One write() a line: both workers share torchrun's pipe, and print() writes the newline apart.
+    # One write() a line: both workers share torchrun's pipe, and under torchrun's `python -u`
+    # print() writes the newline apart, so two ranks' lines could merge.
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 

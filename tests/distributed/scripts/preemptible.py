@@ -89,9 +89,10 @@ def main(root: Path, out: Path, mode: str) -> None:
 
 
 def _say(line: str) -> None:
-    """One line in one write(): the two workers share torchrun's pipe, and print() writes the text and
-    its newline apart, so two ranks' lines could merge ("rank 0 step 7rank 1 step 7") and the test
-    miss the line it waits for. A write of under PIPE_BUF bytes to a pipe is atomic."""
+    """One line in one write(): the two workers share torchrun's pipe, and torchrun runs them with
+    ``python -u``, under which print() writes the text and its newline apart, so two ranks' lines
+    could merge ("rank 0 step 7rank 1 step 7") and the test miss the line it waits for. A write of
+    under PIPE_BUF bytes to a pipe is atomic."""
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
