@@ -88,3 +88,30 @@ def test_the_record_names_the_callers_line(caplog: pytest.LogCaptureFixture) -> 
     assert record.funcName == "test_the_record_names_the_callers_line"
     assert (record.rank, record.world_size, record.user) == (0, 1, "kept")  # type: ignore[attr-defined]
     assert record.getMessage() == "[rank 0/1] here"
+
+
+def test_print_writes_each_line_in_one_write_so_ranks_lines_never_merge() -> None:
+    # Under torchrun the workers run unbuffered (python -u) into one pipe, and the builtin print
+    # writes the text and its newline apart: two ranks' lines merged ("step 7step 7\n\n").
+    import faccel
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+            self.flushed = 0
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            self.flushed += 1
+
+    out = Recording()
+    dist = faccel.DistState.simulated(rank=1, world_size=2)
+    faccel.print(dist, "rank", 1, "step", 7, main_process_only=False, file=out, flush=True)
+    faccel.print(dist, "a", "b", sep="-", end="!\n", main_process_only=False, file=out)
+    faccel.print(dist, "not on rank 1", file=out)
+    assert out.writes == ["rank 1 step 7\n", "a-b!\n"] and out.flushed == 1
+    with pytest.raises(TypeError):
+        faccel.print(dist, "x", main_process_only=False, colour="red")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -133,7 +134,9 @@ def print(dist: DistState, *values: Any, main_process_only: bool = True, **kwarg
     """``print`` on the main process only (Accelerate's ``accelerator.print``).
 
     Unlike :func:`get_logger`, it needs no logging configuration: the values go
-    to standard output as the builtin ``print`` writes them.
+    to standard output as the builtin ``print`` formats them, in one ``write``
+    (the builtin writes the text and its ``end`` apart, so under torchrun,
+    whose workers run unbuffered into one pipe, two ranks' lines could merge).
 
     Args:
         dist: The run's :class:`DistState`.
@@ -149,4 +152,13 @@ def print(dist: DistState, *values: Any, main_process_only: bool = True, **kwarg
     """
     if main_process_only and not dist.is_main_process:
         return
-    builtins.print(*values, **kwargs)
+    unknown = set(kwargs) - {"sep", "end", "file", "flush"}
+    if unknown:
+        builtins.print(*values, **kwargs)  # the builtin's own TypeError names the keyword
+        return
+    sep, end = kwargs.get("sep"), kwargs.get("end")
+    text = (" " if sep is None else sep).join(str(value) for value in values) + ("\n" if end is None else end)
+    out = kwargs.get("file") or sys.stdout
+    out.write(text)
+    if kwargs.get("flush"):
+        out.flush()
