@@ -72,7 +72,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Peak, rank_env, rss_bytes, run_ranks
+from benchmarks.common import Peak, gpt2_config, rank_env, rss_bytes, run_ranks
 
 FACCEL, WHOLE, PRETRAINED = "faccel", "whole per rank", "from_pretrained"
 SUBJECTS = (FACCEL, WHOLE, PRETRAINED)
@@ -87,19 +87,12 @@ BATCH, TOKENS = 2, 64
 
 
 def _config(payload: dict[str, Any]) -> Any:
-    import transformers
-
-    return transformers.GPT2Config(
-        n_embd=payload["width"],
-        n_layer=payload["blocks"],
-        n_head=payload["heads"],
-        vocab_size=payload["vocab"],
-        n_positions=payload["positions"],
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+    return gpt2_config(
+        payload["width"],
+        payload["blocks"],
+        payload["vocab"],
+        heads=payload["heads"],
+        positions=payload["positions"],
     )
 
 

@@ -45,26 +45,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Peak, rank_env, rss_bytes, run_ranks
+from benchmarks.common import Peak, gpt2_config, rank_env, rss_bytes, run_ranks
 
 BATCH, TOKENS = 4, 128
 
 
 def _config(width: int, blocks: int, vocab: int) -> Any:
-    import transformers
-
-    return transformers.GPT2Config(
-        n_embd=width,
-        n_layer=blocks,
-        n_head=8,
-        vocab_size=vocab,
-        n_positions=256,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    return gpt2_config(width, blocks, vocab)
 
 
 def _build(payload: dict[str, Any]) -> torch.nn.Module:

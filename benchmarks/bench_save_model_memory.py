@@ -46,7 +46,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Peak, rank_env, rss_bytes, run_ranks
+from benchmarks.common import Peak, gpt2_config, rank_env, rss_bytes, run_ranks
 
 FACCEL, WHOLE = "faccel", "whole gather"
 
@@ -54,17 +54,8 @@ FACCEL, WHOLE = "faccel", "whole gather"
 def _model(width: int, blocks: int, vocab: int) -> torch.nn.Module:
     import transformers
 
-    config = transformers.GPT2Config(
-        n_embd=width,
-        n_layer=blocks,
-        n_head=8,
-        vocab_size=vocab,
-        n_positions=256,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(gpt2_config(width, blocks, vocab, dropout=None))
 
 
 def _whole_gather_save(dist: Any, model: torch.nn.Module, folder: Path) -> None:

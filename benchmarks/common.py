@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -295,3 +296,22 @@ class Peak:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_bytes())
+
+
+def gpt2_config(
+    width: int, blocks: int, vocab: int, *, heads: int = 8, positions: int = 256, dropout: float | None = 0.0
+) -> Any:
+    """A GPT-2 config built locally (no hub) for the model-size benchmarks; ``dropout=None``: GPT-2's own."""
+    import transformers
+
+    drops = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+    return transformers.GPT2Config(
+        n_embd=width,
+        n_layer=blocks,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=positions,
+        bos_token_id=0,
+        eos_token_id=0,
+        **drops,
+    )
