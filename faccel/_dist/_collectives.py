@@ -32,6 +32,7 @@ from faccel._tree import flatten_with_paths, rebuild
 from faccel.errors import ArgumentError, ArgumentValueError, DistributedError
 
 __all__ = [
+    "all_gather_bytes",
     "any_rank",
     "broadcast",
     "gather",
@@ -65,7 +66,7 @@ def _describe(call: str, tree: Any) -> tuple[dict[str, Any], list[Any], list[str
     return {"call": call, "spec": spec, "shapes": shapes, "dtypes": dtypes}, leaves, paths
 
 
-def _all_gather_bytes(payload: bytes, size: int, device: torch.device, world: int) -> list[bytes]:
+def all_gather_bytes(payload: bytes, size: int, device: torch.device, world: int) -> list[bytes]:
     """Every rank's buffer: a 4-byte length, then its payload if it fits in ``size - 4`` bytes.
 
     A payload that does not fit is sent as its length only, so that every rank
@@ -91,10 +92,10 @@ def _exchange(dist: DistState, description: dict[str, Any]) -> list[dict[str, An
     device = comm_device(dist)
     name = description["call"].split("(")[0]
     with peers_answer(dist, name):
-        raw = _all_gather_bytes(payload, _META_BYTES, device, dist.world_size)
+        raw = all_gather_bytes(payload, _META_BYTES, device, dist.world_size)
         lengths = [int.from_bytes(r[:4], "little") for r in raw]
         if max(lengths) > _META_BYTES - 4:
-            raw = _all_gather_bytes(payload, max(lengths) + 4, device, dist.world_size)
+            raw = all_gather_bytes(payload, max(lengths) + 4, device, dist.world_size)
     return [json.loads(r[4 : 4 + n]) for r, n in zip(raw, lengths, strict=True)]
 
 

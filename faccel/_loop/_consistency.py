@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from faccel._data._loader import PreparedLoader
+from faccel._dist._collectives import all_gather_bytes
 from faccel._dist._process_group import comm_device, peers_answer, require_group
 from faccel._dist._state import DistState
 from faccel._loop._options import PrepareOptions
@@ -280,13 +280,9 @@ def mismatch_problem(descriptions: Sequence[Sequence[Entry]]) -> str | None:
 
 
 def _all_gather(dist: DistState, payload: bytes, size: int) -> list[bytes]:
-    device = comm_device(dist)
-    buffer = torch.zeros(size, dtype=torch.uint8)
-    if payload:
-        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    out = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(dist.world_size)]
-    tdist.all_gather(out, buffer.to(device))
-    return [bytes(t.cpu().numpy().tobytes()) for t in out]
+    """Every rank's ``payload`` (each at most ``size`` bytes), through the collectives' byte exchange."""
+    raw = all_gather_bytes(payload, size + 4, comm_device(dist), dist.world_size)
+    return [r[4 : 4 + int.from_bytes(r[:4], "little")] for r in raw]
 
 
 def check_setup(dist: DistState, objs: Sequence[Any], options: PrepareOptions) -> None:
