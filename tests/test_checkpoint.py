@@ -280,7 +280,8 @@ def test_every_file_is_json_or_safetensors_and_the_weights_load_anywhere(tmp_pat
     state, loader = cw.fresh(dist, spec, seed=0)
     folder = faccel.checkpoint(dist, cw.train(dist, state, loader, until=2), tmp_path)
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["format"] == "faccel.checkpoint" and manifest["version"] == 1
+    assert manifest["format"] == "faccel.checkpoint" and manifest["version"] == 3
+    assert all(set(entry) == {"size", "blake3"} for entry in manifest["files"].values())
     assert set(manifest["files"]) | {"manifest.json"} == set(os.listdir(folder))
     for name in os.listdir(folder):
         path = folder / name
@@ -294,6 +295,40 @@ def test_every_file_is_json_or_safetensors_and_the_weights_load_anywhere(tmp_pat
     target, _, _, _ = cw.build(spec, seed=1)
     faccel.load_model(dist, target, folder)
     cw.assert_same(dict(target.state_dict()), dict(faccel.unwrap_model(state.model).state_dict()))
+
+
+def test_a_version_1_checkpoint_with_sha256_records_still_restores_and_consolidates(tmp_path: Path) -> None:
+    """Version 1 is version 3's files under SHA-256 records: what an earlier faccel wrote."""
+    import faccel
+    from faccel._hf._consolidate import consolidate
+    from faccel.errors import CheckpointError
+    from tests import manifests
+
+    dist = faccel.detect({})
+    spec = cw.example_spec()
+    state, loader = cw.fresh(dist, spec, seed=0)
+    trained = cw.train(dist, state, loader, until=2)
+    folder = faccel.checkpoint(dist, trained, tmp_path / "root")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["version"] = 1
+    for name in manifest["files"]:
+        manifest["files"][name] = manifests.entry_of(manifest, (folder / name).read_bytes())
+    assert all(set(entry) == {"size", "sha256"} for entry in manifest["files"].values())
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    fresh, _ = cw.fresh(dist, spec, seed=5)
+    restored = faccel.restore(dist, fresh, folder)
+    cw.assert_same(dict(restored.model.state_dict()), dict(trained.model.state_dict()))
+    cw.assert_same(restored.optimizer.state_dict(), trained.optimizer.state_dict())
+    consolidate(folder, tmp_path / "export")
+    target, _, _, _ = cw.build(spec, seed=1)
+    faccel.load_model(dist, target, tmp_path / "export")
+    cw.assert_same(dict(target.state_dict()), dict(faccel.unwrap_model(trained.model).state_dict()))
+    # Its records are checked as SHA-256: a flipped byte is named so.
+    data = bytearray((folder / "optimizer.safetensors").read_bytes())
+    data[-1] ^= 1
+    (folder / "optimizer.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors: the sha256 checksum differs"):
+        faccel.restore(dist, cw.fresh(dist, spec, seed=5)[0], folder)
 
 
 def test_values_without_a_pickle_free_form_are_refused_before_any_file(tmp_path: Path) -> None:

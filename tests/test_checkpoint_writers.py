@@ -18,7 +18,6 @@ The tests run bounded counts; for long runs, run this file as a script::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -37,6 +36,7 @@ import torch
 
 import faccel
 from faccel.errors import CheckpointError, CheckpointWarning
+from tests.manifests import matches
 
 CONCURRENT_RUNS = 1
 CHECKPOINTS_PER_WRITER = 10
@@ -61,7 +61,7 @@ def _complete(folder: Path) -> bool:
         manifest = json.loads((folder / "manifest.json").read_bytes())
         for name, record in manifest["files"].items():
             data = (folder / name).read_bytes()
-            if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+            if not matches(manifest, record, data):
                 return False
     except (OSError, ValueError, KeyError, TypeError):
         return False

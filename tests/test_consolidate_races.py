@@ -15,6 +15,7 @@ from torch import nn
 import faccel
 from faccel._hf._consolidate import _specs_and_reader
 from faccel.errors import CheckpointError
+from tests.manifests import rehash
 
 
 def _state(fill: float) -> faccel.TrainState:
@@ -117,7 +118,6 @@ def test_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> No
 def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> None:
     # Issue 26, item 6: a forged checkpoint of 144 KB on disk consolidated into a 2 GiB file. Here a
     # consistent one (manifest rehashed) claims a 128 MiB tensor that a sparse file's holes "hold".
-    import hashlib
     import json
     import struct
 
@@ -133,13 +133,7 @@ def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> N
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
     os.truncate(path, path.stat().st_size + 4 * claim)
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(16 << 20):
-            digest.update(block)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"]["model.safetensors"] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    rehash(folder, "model.safetensors")
     assert sum(p.stat().st_blocks * 512 for p in folder.iterdir()) < 1 << 20  # under 1 MiB on disk
     with pytest.raises(CheckpointError, match=r"weights claim \d+ bytes, but its files occupy \d+ bytes"):
         consolidate(folder, tmp_path / "out")

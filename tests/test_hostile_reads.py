@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.manifests import rehash
+
 _CHILD = r"""
 import json, os, resource, signal, sys
 from pathlib import Path
@@ -71,13 +73,6 @@ print(json.dumps(out))
 def _linear() -> torch.nn.Linear:
     torch.manual_seed(0)
     return torch.nn.Linear(3, 2)
-
-
-def _rehash(folder: Path, name: str) -> None:
-    manifest = json.loads((folder / "manifest.json").read_text())
-    data = (folder / name).read_bytes()
-    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _safetensors(header: dict[str, Any], data: bytes = b"") -> bytes:
@@ -161,8 +156,8 @@ def _forge_huge_optimizer_state(root: Path, rows: int) -> Path:
     page = json.loads((folder / "ranks-00000.json").read_text())
     page["ranks"][0]["shard"] = {"size": len(head) + offset, "sha256": hashlib.sha256(head).hexdigest()}
     (folder / "ranks-00000.json").write_text(json.dumps(page))
-    _rehash(folder, "ranks-00000.json")
-    _rehash(folder, "state.json")
+    rehash(folder, "ranks-00000.json")
+    rehash(folder, "state.json")
     return folder
 
 
@@ -212,17 +207,17 @@ def _attacks(tmp: Path) -> list[tuple[str, str, str, bool]]:
     attacks.append(("symlink to an outside step-* folder", "restore", str(tmp / "linked-root"), True))
     folder = restore_case("100,000-deep state.json")
     (folder / "state.json").write_text("[" * 100_000 + "]" * 100_000)
-    _rehash(folder, "state.json")
+    rehash(folder, "state.json")
     folder = restore_case("5,000-digit number in state.json")
     state = json.loads((folder / "state.json").read_text())
     (folder / "state.json").write_text(json.dumps(state).replace('"step": 9', '"step": ' + "9" * 5000))
-    _rehash(folder, "state.json")
+    rehash(folder, "state.json")
     folder = restore_case("100,000-deep safetensors header in a checkpoint")
     (folder / "model.safetensors").write_bytes(_deep_header())
-    _rehash(folder, "model.safetensors")
+    rehash(folder, "model.safetensors")
     folder = restore_case("zero-size tensor with a 2^64 dimension in a checkpoint")
     _with_evil_tensor(folder / "model.safetensors")
-    _rehash(folder, "model.safetensors")
+    rehash(folder, "model.safetensors")
 
     folder = _forge_huge_optimizer_state(tmp / "v2 forged 6 GiB optimizer state", 1 << 29)
     attacks.append(("v2: a consistent forged 6 GiB optimizer state", "restore", str(folder), True))

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.distributed.checkpoint_workers import assert_same
+from tests.manifests import digest
 from tests.strategies import plain_trees
 
 DTYPES = [
@@ -191,17 +193,24 @@ def test_malformed_safetensors_headers_are_refused(tmp_path: Path, edit: Any, ma
 
 
 def test_read_verified_checks_size_and_hash(tmp_path: Path) -> None:
-    from faccel._storage._durable import FileRecord, read_verified, write_durably
+    from faccel._storage._durable import read_verified, write_durably
     from faccel.errors import CheckpointError
 
     path = tmp_path / "data.bin"
-    record = write_durably(path, [os.urandom(3 << 20)])  # threaded hashing above 1 MiB
-    buffer, again = read_verified(path, record, where="data.bin")
-    assert again == record and buffer.numpy().tobytes() == path.read_bytes()
-    with pytest.raises(CheckpointError, match="manifest says"):
-        read_verified(path, FileRecord(size=record.size + 1, sha256=record.sha256), where="data.bin")
-    with pytest.raises(CheckpointError, match="checksum"):
-        read_verified(path, FileRecord(size=record.size, sha256="0" * 64), where="data.bin")
+    data = os.urandom(3 << 20)
+    for algorithm in ("blake3", "sha256"):  # threaded hashing above 1 MiB
+        record = write_durably(path, [data], algorithm=algorithm)
+        assert record.digest == digest(algorithm, data) and record.algorithm == algorithm
+        buffer, again = read_verified(path, record, where="data.bin")
+        assert again == record and buffer.numpy().tobytes() == data
+        with pytest.raises(CheckpointError, match="manifest says"):
+            read_verified(path, attrs.evolve(record, size=record.size + 1), where="data.bin")
+        with pytest.raises(CheckpointError, match=f"the {algorithm} checksum differs"):
+            read_verified(path, attrs.evolve(record, digest="0" * 64), where="data.bin")
+        with pytest.raises(CheckpointError, match="checksum differs"):  # a digest under the other hash
+            other = "sha256" if algorithm == "blake3" else "blake3"
+            read_verified(path, attrs.evolve(record, algorithm=other), where="data.bin")
+        path.unlink()
     with pytest.raises(CheckpointError, match="missing"):
         read_verified(tmp_path / "nope", None, where="nope")
 

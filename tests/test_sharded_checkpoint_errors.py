@@ -11,6 +11,7 @@ import attrs
 import pytest
 
 from tests.distributed import checkpoint_workers as cw
+from tests.manifests import entry_of
 from tests.test_checkpoint_errors import _state
 
 pytestmark = pytest.mark.usefixtures("keep_global_generators")  # restore sets the global generators
@@ -108,7 +109,6 @@ def test_load_model_on_a_sharded_checkpoint_points_to_consolidate(saved: tuple[P
 def _claim_huge(folder: Path) -> None:
     """state.json (rehashed in the manifest: consistent, not corrupted) claims an optimizer tensor of
     2^40 rows: what a reader would allocate if it trusted the index before the files."""
-    import hashlib
     import json
 
     content = json.loads((folder / "state.json").read_text())
@@ -118,7 +118,7 @@ def _claim_huge(folder: Path) -> None:
     data = json.dumps(content).encode()
     (folder / "state.json").write_bytes(data)
     manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"]["state.json"] = entry_of(manifest, data)
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -16,7 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from faccel._checkpoint._folders import latest_checkpoint
-from faccel._checkpoint._format import MAX_SHARDED_WORLD, PAGE_RANKS, checkpoint_name, expected_files
+from faccel._checkpoint._format import (
+    MAX_SHARDED_WORLD,
+    PAGE_RANKS,
+    checkpoint_name,
+    expected_files,
+    file_records,
+)
 from faccel._checkpoint._save import manifest_content, write_pages
 from faccel._checkpoint._sharded._chunks import Placed, assign, chunks, hash_rows, overlaps, rows_of
 from faccel._checkpoint._sharded._flow import Pages
@@ -118,10 +124,13 @@ def test_a_100000_rank_manifest_stays_small_and_is_found(tmp_path: Path) -> None
     folder = tmp_path / checkpoint_name(5)
     folder.mkdir()
     ranks = [
-        (FileRecord(size=10**9 + r, sha256=f"{r:064x}"), FileRecord(size=5000, sha256=f"{r + 1:064x}"))
+        (
+            FileRecord(size=10**9 + r, digest=f"{r:064x}", algorithm="sha256"),
+            FileRecord(size=5000, digest=f"{r + 1:064x}", algorithm="sha256"),
+        )
         for r in range(world)
     ]
-    record = write_durably(folder / "state.json", [b"{}"])
+    record = write_durably(folder / "state.json", [b"{}"], algorithm="sha256")
     listed = {"state.json": record, "extras.safetensors": record} | write_pages(folder, ranks)
     manifest = manifest_content({"step": 5, "epoch": 1, "position": 0}, world, listed, 2)
     (folder / "manifest.json").write_text(json.dumps(manifest))
@@ -130,7 +139,7 @@ def test_a_100000_rank_manifest_stays_small_and_is_found(tmp_path: Path) -> None
     assert len(manifest["files"]) == 2 + math.ceil(world / PAGE_RANKS)
     assert latest_checkpoint(tmp_path) == folder
     # A rank's own records: one page of 1,024 ranks read, checked against the manifest.
-    pages = Pages(folder, {k: FileRecord(**v) for k, v in manifest["files"].items()}, world)
+    pages = Pages(folder, file_records(manifest["files"], 2, where="manifest"), world)
     assert pages.of(99_999) == ranks[99_999] and list(pages.pages) == [99_999 // PAGE_RANKS]
     assert max(p.stat().st_size for p in folder.glob("ranks-*.json")) < 256 * 1024
 
@@ -200,7 +209,7 @@ def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tm
     from faccel._checkpoint._verify import check_manifest
     from faccel.errors import ArgumentValueError
 
-    record = FileRecord(size=10**12, sha256="f" * 64)
+    record = FileRecord(size=10**12, digest="f" * 64, algorithm="sha256")
     listed = {name: record for name in expected_files(MAX_SHARDED_WORLD, 2)}
     manifest = manifest_content({"step": 5, "epoch": 1, "position": 0}, MAX_SHARDED_WORLD, listed, 2)
     assert len(manifest["files"]) == 2 + PAGE_RANKS

@@ -91,8 +91,8 @@ def test_a_large_file_leaves_the_page_cache_once_durable_and_a_small_one_stays(t
     if _resident_fraction(control) < 0.9:
         pytest.skip("this file system does not keep written pages cached, so dropping them shows nothing")
     big = tmp_path / "big"
-    record = write_durably(big, [payload])
-    assert record.sha256 == hashlib.sha256(payload).hexdigest()
+    record = write_durably(big, [payload], algorithm="sha256")
+    assert record.digest == hashlib.sha256(payload).hexdigest()
     assert _resident_fraction(big) < 0.1
     small = tmp_path / "small"
     write_durably(small, [payload[: 1 << 20]])

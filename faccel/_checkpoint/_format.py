@@ -3,7 +3,7 @@
 Layout (the format is specified in docs/checkpoints.md)::
 
     ROOT/step-000000001200/      one complete checkpoint, named by its step
-        manifest.json            format, version, step, and every file's size and sha256
+        manifest.json            format, version, step, and every file's size and hash
         state.json               step, epoch, position, optimizer param groups, scheduler,
                                  scaler and extras (tagged JSON, see _tagged_json.py)
         model.safetensors        the unwrapped model's weights (tied weights once)
@@ -23,9 +23,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
+
+from faccel._storage._durable import FileRecord
+from faccel.errors import CheckpointError
 
 __all__ = [
     "EXTRAS",
+    "FILE_HASH",
     "FORMAT",
     "LEFTOVER",
     "MANIFEST",
@@ -42,8 +47,10 @@ __all__ = [
     "STEP_FOLDER",
     "VERSION",
     "VERSION_SHARDED",
+    "WHOLE_VERSIONS",
     "checkpoint_name",
     "expected_files",
+    "file_records",
     "page_name",
     "replaced_name",
     "rng_name",
@@ -54,9 +61,14 @@ __all__ = [
 
 # The manifest's "format" and "version": what restore accepts.
 FORMAT = "faccel.checkpoint"
-VERSION = 1
+# The whole-tensor format, written now: its files' records are BLAKE3 digests.
+VERSION = 3
 # The sharded format: every rank writes its own shard file; rank pages list them (docs/checkpoints.md).
 VERSION_SHARDED = 2
+# The whole-tensor format: version 1 (SHA-256 records, read only) and the current one.
+WHOLE_VERSIONS = (1, VERSION)
+# The hash each version's file records hold, named as in the manifest's entries.
+FILE_HASH: Mapping[int, str] = {1: "sha256", VERSION_SHARDED: "sha256", VERSION: "blake3"}
 # The "format" of state.json and of each rank's generator file.
 STATE_FORMAT = "faccel.checkpoint.state"
 RNG_FORMAT = "faccel.checkpoint.rng"
@@ -156,8 +168,9 @@ def page_name(page: int) -> str:
 def expected_files(world_size: int, version: int = VERSION) -> list[str]:
     """The files a checkpoint of ``world_size`` ranks lists in its manifest.
 
-    Version 2 lists one rank page per ``PAGE_RANKS`` ranks, which list the
-    ranks' own files (``shard-RANK.safetensors``, ``rng-RANK.json``).
+    Version 2 (sharded) lists one rank page per ``PAGE_RANKS`` ranks, which
+    list the ranks' own files (``shard-RANK.safetensors``, ``rng-RANK.json``);
+    the whole-tensor versions (1 and 3) list every file.
 
     Example:
         >>> expected_files(2)  # doctest: +NORMALIZE_WHITESPACE
@@ -169,3 +182,28 @@ def expected_files(world_size: int, version: int = VERSION) -> list[str]:
     if version == VERSION_SHARDED:
         return [STATE, EXTRAS, *(page_name(page) for page in range(-(-world_size // PAGE_RANKS)))]
     return [STATE, MODEL, OPTIMIZER, EXTRAS, *(rng_name(rank) for rank in range(world_size))]
+
+
+def file_records(files: Any, version: int, *, where: str) -> dict[str, FileRecord]:
+    """The records of a manifest's ``files`` entries: each a size and the digest ``version`` names.
+
+    Raises :class:`CheckpointError` naming ``where`` if an entry lacks either.
+
+    Example:
+        >>> file_records({"state.json": {"size": 3, "blake3": "ab"}}, 3, where="m")["state.json"]
+        FileRecord(size=3, digest='ab', algorithm='blake3')
+    """
+    algorithm = FILE_HASH[version]
+    records = {}
+    for name, entry in (files if isinstance(files, dict) else {}).items():
+        if (
+            not isinstance(entry, dict)
+            or type(entry.get("size")) is not int
+            or not isinstance(entry.get(algorithm), str)
+        ):
+            msg = (
+                f"{where}: the entry of {name} needs an int size and a {algorithm} string (version {version})"
+            )
+            raise CheckpointError(msg)
+        records[name] = FileRecord(size=entry["size"], digest=entry[algorithm], algorithm=algorithm)
+    return records

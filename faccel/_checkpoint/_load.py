@@ -96,7 +96,7 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
         # Whole tensors into ZeRO's partitions. A collective under ZeRO-3: every rank takes part.
         load_deepspeed_state(state.model, state.optimizer, loadable.model, loadable.optimizer)
     elif is_sharded(model) and not any(is_dtensor(t) for t in loadable.model.values()):
-        # Whole tensors (version 1). A collective: every rank scatters them into its own shards.
+        # Whole tensors (versions 1 and 3). A collective: every rank scatters them into its own shards.
         load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
     else:  # plain tensors, or (version 2 into FSDP2) DTensors holding this rank's rows
         if state.optimizer is not None:

@@ -35,8 +35,8 @@ from faccel._checkpoint._format import (
     MODEL,
     OPTIMIZER,
     STATE,
-    VERSION,
     VERSION_SHARDED,
+    WHOLE_VERSIONS,
     rng_name,
 )
 from faccel._checkpoint._load import load
@@ -90,15 +90,15 @@ def _read_checkpoint(
     # A rank beyond the writers' (resharding to more ranks) has no generators saved.
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
-    caps = _whole_file_caps(state) if version == VERSION else {}
+    caps = _whole_file_caps(state) if version in WHOLE_VERSIONS else {}
 
     def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
         limit = MAX_JSON if name.endswith(".json") else caps.get(name)
         where = f"{directory}/{name}"
         return lambda: read_verified(directory / name, record or records[name], where=where, limit=limit)[0]
 
-    # Files are read and hashed side by side: hashing, not the disk, bounds a restore.
-    whole = [MODEL, OPTIMIZER] if version == VERSION else []
+    # Files are read and hashed side by side, each hashed on a thread of its own as it is read.
+    whole = [MODEL, OPTIMIZER] if version in WHOLE_VERSIONS else []
     names = [*whole, EXTRAS, STATE]
     try:
         buffers = dict(zip(names, in_parallel([read(name) for name in names]), strict=True))
@@ -146,7 +146,7 @@ _OPTIMIZER_PER_PARAMETER_BYTE = 8
 
 
 def _whole_file_caps(state: TrainState) -> dict[str, int]:
-    """The most bytes a version 1 ``model.safetensors`` and ``optimizer.safetensors`` may have to fit
+    """The most bytes a whole-tensor ``model.safetensors`` and ``optimizer.safetensors`` may have to fit
     ``state``'s objects: a larger file is refused by name before a buffer for it is allocated, whatever
     size the manifest claims (issue 26, item 3)."""
     model_bytes = sum(t.numel() * t.element_size() for t in model_target(state).values())

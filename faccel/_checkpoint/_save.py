@@ -50,6 +50,7 @@ from faccel._checkpoint._folders import (
 )
 from faccel._checkpoint._format import (
     EXTRAS,
+    FILE_HASH,
     FORMAT,
     MANIFEST,
     MAX_SHARDED_WORLD,
@@ -98,6 +99,9 @@ from faccel.errors import ArgumentValueError, CheckpointError
 
 __all__ = ["checkpoint"]
 
+# The hash of each format's file records (docs/checkpoints.md).
+_WHOLE_HASH, _SHARDED_HASH = FILE_HASH[VERSION], FILE_HASH[VERSION_SHARDED]
+
 
 def _json_bytes(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode() + b"\n"
@@ -108,21 +112,24 @@ def _write_rank0(
 ) -> dict[str, FileRecord]:
     def write(name: str) -> Callable[[], FileRecord]:
         metadata = MODEL_METADATA if name == MODEL else None
-        return lambda: write_durably(temporary / name, plan(files[name], metadata=metadata))
+        return lambda: write_durably(
+            temporary / name, plan(files[name], metadata=metadata), algorithm=_WHOLE_HASH
+        )
 
     # Side by side: one file's fsync overlaps the next one's writing and hashing.
     names = [MODEL, OPTIMIZER, EXTRAS]
     records = dict(zip(names, in_parallel([write(name) for name in names]), strict=True))
-    records[STATE] = write_durably(temporary / STATE, [_json_bytes(content)])
+    records[STATE] = write_durably(temporary / STATE, [_json_bytes(content)], algorithm=_WHOLE_HASH)
     return records
 
 
 def _rng_records(dist: DistState, temporary: Path, records: dict[str, FileRecord]) -> None:
-    """Version 1: the other ranks' generator files, written on the shared file system, hashed here."""
+    """Whole tensors: the other ranks' generator files, written on the shared file system, hashed here."""
     for rank in range(dist.world_size):
         name = rng_name(rank)
         if name not in records:
-            records[name] = read_verified(temporary / name, None, where=str(temporary / name))[1]
+            where = str(temporary / name)
+            records[name] = read_verified(temporary / name, None, where=where, algorithm=_WHOLE_HASH)[1]
 
 
 def _commit(
@@ -182,15 +189,17 @@ def manifest_content(
     """``manifest.json``'s content: ``listed`` holds the records of ``expected_files(world, version)``.
 
     Version 2 lists one rank page per ``PAGE_RANKS`` ranks: about 100 bytes per 1,024 ranks, at
-    most 1,024 pages (``MAX_SHARDED_WORLD`` ranks).
+    most 1,024 pages (``MAX_SHARDED_WORLD`` ranks). Each entry names its hash as the version does.
 
     Example:
         >>> from faccel._storage._durable import FileRecord
-        >>> record = FileRecord(size=1, sha256="00")
+        >>> record = FileRecord(size=1, digest="00", algorithm="sha256")
         >>> listed = {name: record for name in ("state.json", "extras.safetensors", "ranks-00000.json")}
-        >>> sorted(manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"])
-        ['extras.safetensors', 'ranks-00000.json', 'state.json']
+        >>> manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"]["state.json"]
+        {'size': 1, 'sha256': '00'}
     """
+    algorithm = FILE_HASH[version]
+    assert all(listed[name].algorithm == algorithm for name in expected_files(world, version))
     return {
         "format": FORMAT,
         "version": version,
@@ -202,7 +211,7 @@ def manifest_content(
         **({"data_world_size": data_world} if data_world not in (None, world) else {}),
         "torch_version": torch.__version__,
         "files": {
-            name: {"size": listed[name].size, "sha256": listed[name].sha256}
+            name: {"size": listed[name].size, algorithm: listed[name].digest}
             for name in expected_files(world, version)
         },
     }
@@ -214,7 +223,9 @@ def write_pages(temporary: Path, ranks: list[tuple[FileRecord, FileRecord]]) -> 
     for page in range(-(-len(ranks) // PAGE_RANKS)):
         first = page * PAGE_RANKS
         content = page_content(first, ranks[first : first + PAGE_RANKS])
-        pages[page_name(page)] = write_durably(temporary / page_name(page), [_json_bytes(content)])
+        pages[page_name(page)] = write_durably(
+            temporary / page_name(page), [_json_bytes(content)], algorithm=_SHARDED_HASH
+        )
     return pages
 
 
@@ -271,7 +282,7 @@ def checkpoint(
             rank gathers the whole state, and ``restore`` at any world size
             reads only the rows each rank needs. None (the default): sharded
             for an FSDP2 model split by rows over all ranks, whole tensors
-            (version 1, a Hugging Face ``model.safetensors`` inside) otherwise.
+            (version 3, a Hugging Face ``model.safetensors`` inside) otherwise.
         blocking: False: copy the state to host memory, return, and write and
             commit on a background thread (the same files, checks and atomic
             commit; the ranks meet through the process group's store, never
@@ -424,7 +435,11 @@ def _run_in_background(dist: DistState, job: _Job) -> None:
         except Exception as failure:  # published, so that every rank raises
             payload, error = None, f"{what} failed on rank {dist.rank}: {failure}"
         gathered = meeting.gather(payload, error, what=what)
-        ranks = [(_record_of(raw[:40]), _record_of(raw[40:80])) for raw in gathered] if job.sharded else []
+        ranks = (
+            [(_record_of(raw[:40], _SHARDED_HASH), _record_of(raw[40:80], _SHARDED_HASH)) for raw in gathered]
+            if job.sharded
+            else []
+        )
         failure_text = None
         if dist.is_main_process:
             try:
@@ -435,11 +450,11 @@ def _run_in_background(dist: DistState, job: _Job) -> None:
 
 
 def _record_bytes(record: FileRecord) -> bytes:
-    return record.size.to_bytes(8, "little") + bytes.fromhex(record.sha256)
+    return record.size.to_bytes(8, "little") + bytes.fromhex(record.digest)
 
 
-def _record_of(raw: bytes) -> FileRecord:
-    return FileRecord(size=int.from_bytes(raw[:8], "little"), sha256=raw[8:40].hex())
+def _record_of(raw: bytes, algorithm: str) -> FileRecord:
+    return FileRecord(size=int.from_bytes(raw[:8], "little"), digest=raw[8:40].hex(), algorithm=algorithm)
 
 
 def _whole_job(
@@ -454,7 +469,7 @@ def _whole_job(
     keep: int | None,
     copy: bool,
 ) -> _Job:
-    """The whole-tensor format (version 1): rank 0 writes the tensors; every rank its generators."""
+    """The whole-tensor format (version 3): rank 0 writes the tensors; every rank its generators."""
     step = train_state.step
     root = final.parent
     model = unwrap_model(train_state.model)
@@ -477,7 +492,8 @@ def _whole_job(
     )
 
     def write() -> dict[str, FileRecord]:
-        records = {rng_name(dist.rank): write_durably(temporary / rng_name(dist.rank), [_json_bytes(rng)])}
+        rng_file = temporary / rng_name(dist.rank)
+        records = {rng_name(dist.rank): write_durably(rng_file, [_json_bytes(rng)], algorithm=_WHOLE_HASH)}
         if prepared is not None:
             records |= _write_rank0(temporary, prepared[0], prepared[1])
         return records
@@ -569,12 +585,16 @@ def _sharded_job(
     def write() -> dict[str, FileRecord]:
         rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
         tasks: list[Callable[[], FileRecord]] = [
-            lambda: write_durably(rng_file, [_json_bytes(rng)]),
+            lambda: write_durably(rng_file, [_json_bytes(rng)], algorithm=_SHARDED_HASH),
             lambda: write_shard(shard_file, pieces, placed, rank=dist.rank, world=dist.world_size, step=step),
         ]
         if lock is not None:
-            tasks.append(lambda: write_durably(temporary / STATE, [_json_bytes(content)]))
-            tasks.append(lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS])))
+            tasks.append(
+                lambda: write_durably(temporary / STATE, [_json_bytes(content)], algorithm=_SHARDED_HASH)
+            )
+            tasks.append(
+                lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS]), algorithm=_SHARDED_HASH)
+            )
         done = in_parallel(tasks)
         names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
         return dict(zip(names, done, strict=True))

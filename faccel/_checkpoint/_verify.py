@@ -23,6 +23,7 @@ from torch import nn
 from faccel._checkpoint._capture import class_name, is_stateful
 from faccel._checkpoint._format import (
     EXTRAS,
+    FILE_HASH,
     FORMAT,
     MAX_SHARDED_WORLD,
     MODEL,
@@ -31,9 +32,10 @@ from faccel._checkpoint._format import (
     RNG_FORMAT,
     STATE,
     STATE_FORMAT,
-    VERSION,
     VERSION_SHARDED,
+    WHOLE_VERSIONS,
     expected_files,
+    file_records,
 )
 from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._dist._state import DistState
@@ -76,18 +78,18 @@ def check_manifest(
 ) -> tuple[dict[str, FileRecord], int, int]:
     """Check a parsed manifest against this faccel and run: format, version, world size, files.
 
-    Returns each listed file's record (size and SHA-256, checked as the file
+    Returns each listed file's record (size and digest, checked as the file
     is read), the world size that wrote the checkpoint, and its format version
-    (1: whole tensors; 2: sharded).
+    (1 and 3: whole tensors, with SHA-256 and BLAKE3 records; 2: sharded).
     """
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
         raise CheckpointError(msg)
     version = manifest.get("version")
-    if version not in (VERSION, VERSION_SHARDED) or type(version) is not int:
+    if version not in FILE_HASH or type(version) is not int:
         msg = (
-            f"{where}: format version {manifest.get('version')!r}, but this faccel reads versions {VERSION} "
-            f"and {VERSION_SHARDED}; restore it with the faccel that wrote it"
+            f"{where}: format version {manifest.get('version')!r}, but this faccel reads versions "
+            f"{', '.join(map(str, sorted(FILE_HASH)))}; restore it with the faccel that wrote it"
         )
         raise CheckpointError(msg)
     world = manifest.get("world_size")
@@ -103,26 +105,17 @@ def check_manifest(
         files = {}
     listed = set(files)
     # Bounds world_size by what the manifest lists, before naming the files.
-    room = len(listed) if version == VERSION else (len(listed) - 2) * PAGE_RANKS
+    whole = version in WHOLE_VERSIONS
+    room = len(listed) if whole else (len(listed) - 2) * PAGE_RANKS
     if world > room:
-        per = "one generator file per rank" if version == VERSION else f"one rank page per {PAGE_RANKS} ranks"
+        per = "one generator file per rank" if whole else f"one rank page per {PAGE_RANKS} ranks"
         msg = f"{where}: world_size {world}, but it lists {len(listed)} files ({per})"
         raise CheckpointError(msg)
     expected = set(expected_files(world, version))
     if listed != expected:
         msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
         raise CheckpointError(msg)
-    records = {}
-    for name, entry in files.items():
-        if (
-            not isinstance(entry, dict)
-            or type(entry.get("size")) is not int
-            or not isinstance(entry.get("sha256"), str)
-        ):
-            msg = f"{where}: the entry of {name} needs an int size and a sha256 string"
-            raise CheckpointError(msg)
-        records[name] = FileRecord(size=entry["size"], sha256=entry["sha256"])
-    return records, world, version
+    return file_records(files, version, where=where), world, version
 
 
 def elementwise_optimizer(optimizer: Any) -> bool:

@@ -8,14 +8,13 @@ Each file's header is computed from the checkpoint's index before any tensor
 is read, then each tensor is read whole (from every shard file that holds a
 chunk of it, each hash block checked), written, and dropped: peak memory is
 about the largest tensor. The sharded format (version 2) is read in chunks;
-a version 1 checkpoint's ``model.safetensors`` is opened once, hashed in a
+a whole-tensor checkpoint's ``model.safetensors`` is opened once, hashed in a
 streaming pass, then read a tensor at a time from that same open file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -26,12 +25,14 @@ import torch
 
 from faccel._checkpoint._folders import latest_checkpoint
 from faccel._checkpoint._format import (
+    FILE_HASH,
     FORMAT,
     MANIFEST,
     MODEL,
     MODEL_METADATA,
     STATE,
     VERSION_SHARDED,
+    file_records,
     shard_name,
 )
 from faccel._checkpoint._sharded._chunks import Placed, chunks, parse_index, rows_of
@@ -44,6 +45,7 @@ from faccel._storage._durable import (
     FileRecord,
     SyncedWriter,
     fsync_dir,
+    new_hash,
     open_regular,
     parse_json,
     read_json,
@@ -70,12 +72,12 @@ def _specs_and_reader(
     ):
         msg = f"{where}: not a faccel checkpoint manifest"
         raise CheckpointError(msg)
-    try:
-        records = {k: FileRecord(size=v["size"], sha256=v["sha256"]) for k, v in manifest["files"].items()}
-    except (KeyError, TypeError):
-        msg = f"{where}: every file entry needs a size and a sha256"
-        raise CheckpointError(msg) from None
-    if manifest.get("version") != VERSION_SHARDED:
+    version = manifest.get("version")
+    if version not in FILE_HASH or type(version) is not int:
+        msg = f"{where}: format version {version!r}, not one this faccel reads ({sorted(FILE_HASH)})"
+        raise CheckpointError(msg)
+    records = file_records(manifest["files"], version, where=where)
+    if version != VERSION_SHARDED:
         path = folder / MODEL
         # One open file from the hash on: a replace=True save renamed in meanwhile cannot mix in.
         fd = _open_checked(path, records.get(MODEL))
@@ -128,7 +130,7 @@ def _specs_and_reader(
 
 
 def _open_checked(path: Path, record: FileRecord | None) -> int:
-    """A version 1 model file, open, its size and SHA-256 checked against the manifest in bounded
+    """A whole-tensor model file, open, its size and hash checked against the manifest in bounded
     pieces; the caller reads the tensors from this descriptor and closes it."""
     where = str(path)
     if record is None:
@@ -139,11 +141,11 @@ def _open_checked(path: Path, record: FileRecord | None) -> int:
         if os.fstat(fd).st_size != record.size:
             msg = f"{where}: the file's size differs from the manifest's (truncated or altered)"
             raise CheckpointError(msg)
-        digest = hashlib.sha256()
+        digest = new_hash(record.algorithm)
         while chunk := os.read(fd, _READ_CHUNK):
             digest.update(chunk)
-        if digest.hexdigest() != record.sha256:
-            msg = f"{where}: the sha256 checksum differs from the manifest's (the file is corrupted)"
+        if digest.hexdigest() != record.digest:
+            msg = f"{where}: the {record.algorithm} checksum differs from the manifest's (corrupted)"
             raise CheckpointError(msg)
     except BaseException:
         os.close(fd)

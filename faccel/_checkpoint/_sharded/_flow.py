@@ -132,11 +132,13 @@ def plan_pieces(
 
 
 def _encode(record: FileRecord) -> list[int]:
-    return [*record.size.to_bytes(8, "little"), *bytes.fromhex(record.sha256)]
+    return [*record.size.to_bytes(8, "little"), *bytes.fromhex(record.digest)]
 
 
 def _decode(raw: list[int]) -> FileRecord:
-    return FileRecord(size=int.from_bytes(bytes(raw[:8]), "little"), sha256=bytes(raw[8:40]).hex())
+    return FileRecord(
+        size=int.from_bytes(bytes(raw[:8]), "little"), digest=bytes(raw[8:40]).hex(), algorithm="sha256"
+    )
 
 
 def exchange_records(
@@ -162,14 +164,14 @@ def page_content(first: int, records: list[tuple[FileRecord, FileRecord]]) -> di
 
     Example:
         >>> from faccel._storage._durable import FileRecord
-        >>> page_content(0, [(FileRecord(size=8, sha256="ab"), FileRecord(size=3, sha256="cd"))])["ranks"]
-        [{'shard': {'size': 8, 'sha256': 'ab'}, 'rng': {'size': 3, 'sha256': 'cd'}}]
+        >>> page_content(0, [(FileRecord(size=8, digest="ab", algorithm="sha256"),) * 2])["ranks"]
+        [{'shard': {'size': 8, 'sha256': 'ab'}, 'rng': {'size': 8, 'sha256': 'ab'}}]
     """
     return {
         "format": RANKS_FORMAT,
         "first": first,
         "ranks": [
-            {"shard": {"size": s.size, "sha256": s.sha256}, "rng": {"size": r.size, "sha256": r.sha256}}
+            {"shard": {"size": s.size, "sha256": s.digest}, "rng": {"size": r.size, "sha256": r.digest}}
             for s, r in records
         ],
     }
@@ -205,13 +207,14 @@ class Pages:
             try:
                 out.append(
                     tuple(
-                        FileRecord(size=entry[k]["size"], sha256=entry[k]["sha256"]) for k in ("shard", "rng")
+                        FileRecord(size=entry[k]["size"], digest=entry[k]["sha256"], algorithm="sha256")
+                        for k in ("shard", "rng")
                     )
                 )
             except (KeyError, TypeError):
                 msg = f"{where}: every rank needs shard and rng records of a size and a sha256"
                 raise CheckpointError(msg) from None
-            if not all(type(r.size) is int and isinstance(r.sha256, str) for r in out[-1]):
+            if not all(type(r.size) is int and isinstance(r.digest, str) for r in out[-1]):
                 msg = f"{where}: every rank needs shard and rng records of a size and a sha256"
                 raise CheckpointError(msg)
         return out  # type: ignore[return-value]

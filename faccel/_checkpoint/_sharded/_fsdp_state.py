@@ -3,7 +3,7 @@
 The sharded format (version 2) takes each rank's own shards
 (:func:`sharded_state`: DTensors, the optimizer state keyed by parameter index
 as ``torch.optim.Optimizer.state_dict`` keys it); nothing crosses ranks. The
-whole-tensor format (version 1, and older checkpoints) is written from
+whole-tensor format (version 3, and older checkpoints) is written from
 :func:`full_state`, which gathers the whole model and optimizer state on
 rank 0 (``cpu_offload``), and read back through :func:`load_full_state`.
 

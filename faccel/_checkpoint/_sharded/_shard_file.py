@@ -153,7 +153,7 @@ def write_shard(
             raise CheckpointError(msg)
         os.pwrite(out.fd, final, 0)
         size = out.close()
-    return FileRecord(size=size, sha256=hashlib.sha256(final).hexdigest())
+    return FileRecord(size=size, digest=hashlib.sha256(final).hexdigest(), algorithm="sha256")
 
 
 def _own_rows(placed: Placed, world: int, rank: int) -> list[int]:
@@ -184,7 +184,7 @@ class ShardFile:
                 msg = f"{where}: not a valid safetensors file: a header of {length} bytes in {size}"
                 raise CheckpointError(msg)
             head += os.pread(self.fd, length, 8)
-            if hashlib.sha256(head).hexdigest() != record.sha256:
+            if hashlib.sha256(head).hexdigest() != record.digest:
                 msg = f"{where}: the header's sha256 checksum differs from its rank page's (corrupted)"
                 raise CheckpointError(msg)
             self.header: Header = parse_header(head, size, where=where)
