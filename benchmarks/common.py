@@ -228,8 +228,12 @@ def rank_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
     }
 
 
-def run_ranks(target: Callable[..., None], payload: object, *, what: str, world_size: int = 2) -> object:
+def run_ranks(
+    target: Callable[..., None], payload: object, *, what: str, world_size: int = 2, timeout: float = 600
+) -> object:
     """Run ``target(rank, port, payload, out)`` on ``world_size`` spawned processes; return ``out``'s JSON.
+
+    A rank still running ``timeout`` seconds after the start is killed (and the call fails).
 
     The parent hosts the rendezvous store on a port the OS picks, as torchrun's agent
     does; the ranks connect to it, and one of them writes its figures as JSON to ``out``.
@@ -253,15 +257,17 @@ def run_ranks(target: Callable[..., None], payload: object, *, what: str, world_
         ]
         for proc in procs:
             proc.start()
+        deadline = time.monotonic() + timeout
         for proc in procs:
-            proc.join(600)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.join(max(0.0, deadline - time.monotonic()))
+        killed = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for rank in killed:
+            procs[rank].kill()
+            procs[rank].join()
         failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
         if failed:
-            msg = f"{what}: ranks {failed} failed (exit codes {[p.exitcode for p in procs]})"
+            late = f"; ranks {killed} killed, still running after {timeout:g} s" if killed else ""
+            msg = f"{what}: ranks {failed} failed (exit codes {[p.exitcode for p in procs]}){late}"
             raise RuntimeError(msg)
         result = json.loads(Path(out).read_text())
     del store
