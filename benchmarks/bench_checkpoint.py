@@ -6,7 +6,7 @@ optimizer state. Subjects, in interleaved rounds:
 
 * ``plain PyTorch``: ``torch.save`` of the model's and the optimizer's state
   dicts to two files, each fsynced (durable, but neither atomic nor pickle-free);
-* ``faccel``: ``faccel.checkpoint`` (safetensors + JSON, SHA-256 of every
+* ``faccel``: ``faccel.checkpoint`` (safetensors + JSON, BLAKE3 of every
   file, every file and folder fsynced, one rename to commit);
 * ``disk``: plain writes of the same number of bytes to one file, fsynced:
   what the disk itself costs.
@@ -157,7 +157,7 @@ def run(quick: bool) -> list[Row]:
             goals="checkpoint",
             notes={
                 PLAIN: "torch.save(model/optimizer state_dict) + fsync each file",
-                FACCEL: "faccel.checkpoint: safetensors + JSON, sha256, fsync files+dirs, atomic rename",
+                FACCEL: "faccel.checkpoint: safetensors + JSON, BLAKE3, fsync files+dirs, atomic rename",
                 DISK: f"write+fsync of the same {nbytes / 1e6:.0f} MB",
             },
         )
@@ -187,9 +187,10 @@ def run(quick: bool) -> list[Row]:
             loads,
             baseline=PLAIN,
             unit="s",
+            goals="restore",
             notes={
                 PLAIN: "torch.load(weights_only=True) x2 + load_state_dict",
-                FACCEL: "faccel.restore: read + sha256 + all checks, then load in place",
+                FACCEL: "faccel.restore: read + BLAKE3 of every byte + all checks, then load in place",
                 DISK: f"plain read of the same {nbytes / 1e6:.0f} MB (page cache, as the others)",
             },
         )

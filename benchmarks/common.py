@@ -37,6 +37,7 @@ GOALS: Mapping[str, Mapping[str, float]] = {
     "batch_iteration": {FACCEL: 1.02, ACCELERATE: 1.07, FABRIC: 1.09},
     "import": {FACCEL: 0.03, ACCELERATE: 0.10, FABRIC: 2.1},
     "checkpoint": {FACCEL: 1.0, ACCELERATE: 1.01, FABRIC: 2.42},
+    "restore": {FACCEL: 1.0},
     "ddp_step": {FACCEL: 1.02},
     "deepspeed_step": {FACCEL: 1.02},
     "parallel_step": {FACCEL: 1.03},

@@ -57,6 +57,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "batch_iteration": "data: time per batch from the prepared loader / the plain DataLoader's",
     "import": "import: seconds the import adds to `import torch`",
     "checkpoint": "checkpoint: durable save time, 50M-parameter MLP + AdamW / `torch.save` + fsync",
+    "restore": "checkpoint: verified restore time, the same / `torch.load(weights_only=True)` + load",
     "ddp_step": "ddp: time per step, 2 gloo processes / plain DDP's",
     "deepspeed_step": "deepspeed: time per ZeRO-2 step, 2 gloo processes / DeepSpeed's own loop's",
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
