@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from faccel._storage._durable import FileRecord
+from faccel._storage._durable import BLAKE3, SHA256, FileRecord
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "checkpoint_name",
     "expected_files",
     "file_records",
+    "manifest_version",
     "page_name",
     "replaced_name",
     "rng_name",
@@ -68,7 +69,7 @@ VERSION_SHARDED = 2
 # The whole-tensor format: version 1 (SHA-256 records, read only) and the current one.
 WHOLE_VERSIONS = (1, VERSION)
 # The hash each version's file records hold, named as in the manifest's entries.
-FILE_HASH: Mapping[int, str] = {1: "sha256", VERSION_SHARDED: "sha256", VERSION: "blake3"}
+FILE_HASH: Mapping[int, str] = {1: SHA256, VERSION_SHARDED: SHA256, VERSION: BLAKE3}
 # The "format" of state.json and of each rank's generator file.
 STATE_FORMAT = "faccel.checkpoint.state"
 RNG_FORMAT = "faccel.checkpoint.rng"
@@ -182,6 +183,25 @@ def expected_files(world_size: int, version: int = VERSION) -> list[str]:
     if version == VERSION_SHARDED:
         return [STATE, EXTRAS, *(page_name(page) for page in range(-(-world_size // PAGE_RANKS)))]
     return [STATE, MODEL, OPTIMIZER, EXTRAS, *(rng_name(rank) for rank in range(world_size))]
+
+
+def manifest_version(manifest: Mapping[str, Any], *, where: str) -> int:
+    """The format version a parsed manifest states, if this faccel reads it (a key of :data:`FILE_HASH`).
+
+    Raises :class:`CheckpointError` naming ``where`` otherwise.
+
+    Example:
+        >>> manifest_version({"version": 3}, where="m")
+        3
+    """
+    version = manifest.get("version")
+    if version not in FILE_HASH or type(version) is not int:
+        msg = (
+            f"{where}: format version {version!r}, but this faccel reads versions "
+            f"{', '.join(map(str, sorted(FILE_HASH)))}; restore it with the faccel that wrote it"
+        )
+        raise CheckpointError(msg)
+    return version
 
 
 def file_records(files: Any, version: int, *, where: str) -> dict[str, FileRecord]:

@@ -23,7 +23,6 @@ from torch import nn
 from faccel._checkpoint._capture import class_name, is_stateful
 from faccel._checkpoint._format import (
     EXTRAS,
-    FILE_HASH,
     FORMAT,
     MAX_SHARDED_WORLD,
     MODEL,
@@ -36,6 +35,7 @@ from faccel._checkpoint._format import (
     WHOLE_VERSIONS,
     expected_files,
     file_records,
+    manifest_version,
 )
 from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._dist._state import DistState
@@ -85,13 +85,7 @@ def check_manifest(
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
         raise CheckpointError(msg)
-    version = manifest.get("version")
-    if version not in FILE_HASH or type(version) is not int:
-        msg = (
-            f"{where}: format version {manifest.get('version')!r}, but this faccel reads versions "
-            f"{', '.join(map(str, sorted(FILE_HASH)))}; restore it with the faccel that wrote it"
-        )
-        raise CheckpointError(msg)
+    version = manifest_version(manifest, where=where)
     world = manifest.get("world_size")
     if type(world) is not int or world < 1:
         msg = f"{where}: world_size should be a positive int, got {world!r}"

@@ -25,7 +25,6 @@ import torch
 
 from faccel._checkpoint._folders import latest_checkpoint
 from faccel._checkpoint._format import (
-    FILE_HASH,
     FORMAT,
     MANIFEST,
     MODEL,
@@ -33,6 +32,7 @@ from faccel._checkpoint._format import (
     STATE,
     VERSION_SHARDED,
     file_records,
+    manifest_version,
     shard_name,
 )
 from faccel._checkpoint._sharded._chunks import Placed, chunks, parse_index, rows_of
@@ -72,10 +72,7 @@ def _specs_and_reader(
     ):
         msg = f"{where}: not a faccel checkpoint manifest"
         raise CheckpointError(msg)
-    version = manifest.get("version")
-    if version not in FILE_HASH or type(version) is not int:
-        msg = f"{where}: format version {version!r}, not one this faccel reads ({sorted(FILE_HASH)})"
-        raise CheckpointError(msg)
+    version = manifest_version(manifest, where=where)
     records = file_records(manifest["files"], version, where=where)
     if version != VERSION_SHARDED:
         path = folder / MODEL

@@ -54,6 +54,7 @@ __all__ = [
     "HASHES",
     "MAX_JSON",
     "MAX_MANIFEST",
+    "SHA256",
     "FileRecord",
     "SyncedWriter",
     "atomic_write",

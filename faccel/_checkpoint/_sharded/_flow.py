@@ -35,7 +35,7 @@ from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
-from faccel._storage._durable import MAX_JSON, FileRecord, in_parallel, parse_json, read_verified
+from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, in_parallel, parse_json, read_verified
 from faccel._storage._tagged_json import decode
 from faccel._torch_compat import is_dtensor, local_rows
 from faccel._train_state import TrainState
@@ -137,7 +137,7 @@ def _encode(record: FileRecord) -> list[int]:
 
 def _decode(raw: list[int]) -> FileRecord:
     return FileRecord(
-        size=int.from_bytes(bytes(raw[:8]), "little"), digest=bytes(raw[8:40]).hex(), algorithm="sha256"
+        size=int.from_bytes(bytes(raw[:8]), "little"), digest=bytes(raw[8:40]).hex(), algorithm=SHA256
     )
 
 
@@ -207,7 +207,7 @@ class Pages:
             try:
                 out.append(
                     tuple(
-                        FileRecord(size=entry[k]["size"], digest=entry[k]["sha256"], algorithm="sha256")
+                        FileRecord(size=entry[k]["size"], digest=entry[k][SHA256], algorithm=SHA256)
                         for k in ("shard", "rng")
                     )
                 )

@@ -55,7 +55,7 @@ from faccel._checkpoint._sharded._chunks import (
     row_bytes,
     rows_of,
 )
-from faccel._storage._durable import FileRecord, SyncedWriter, open_regular, parse_json
+from faccel._storage._durable import SHA256, FileRecord, SyncedWriter, open_regular, parse_json
 from faccel._storage._safetensors import (
     DTYPE_CODES,
     Header,
@@ -153,7 +153,7 @@ def write_shard(
             raise CheckpointError(msg)
         os.pwrite(out.fd, final, 0)
         size = out.close()
-    return FileRecord(size=size, digest=hashlib.sha256(final).hexdigest(), algorithm="sha256")
+    return FileRecord(size=size, digest=hashlib.sha256(final).hexdigest(), algorithm=SHA256)
 
 
 def _own_rows(placed: Placed, world: int, rank: int) -> list[int]:
