@@ -17,6 +17,7 @@ __all__ = [
     "FaccelError",
     "FunctionalError",
     "LaunchError",
+    "MissingExtraError",
     "PrecisionError",
     "PrepareError",
     "SetupMismatchError",
@@ -175,6 +176,16 @@ class StorageError(FaccelError, OSError):
     the rank that wrote (the message names it and keeps the ``OSError`` as its
     cause), or such a failure on another rank. Raised by :func:`faccel.save_model`.
     Fix: free space or correct the path or permissions, then save again.
+    """
+
+
+class MissingExtraError(FaccelError, ImportError):
+    """A root given as a URL whose storage needs an optional extra that is not installed.
+
+    Cause: ``s3://`` needs ``s3fs`` and ``gs://`` needs ``gcsfs`` (through
+    ``fsspec``), which faccel does not install by default. Fix: install the
+    extra the message names, e.g. ``pip install 'faccel[s3]'``
+    (docs/object-storage.md).
     """
 
 

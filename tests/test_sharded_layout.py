@@ -149,7 +149,7 @@ def _refusing_direct_reads(shard: ShardFile) -> Any:
     real = os.preadv
 
     def preadv(fd: int, buffers: Any, offset: int) -> int:
-        if fd == shard.direct:
+        if fd == shard.file.direct_fd:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, buffers, offset)
 
@@ -185,7 +185,7 @@ def test_any_rows_read_back_exactly_around_the_page_cache_or_through_it(
     try:
         with pytest.MonkeyPatch.context() as patch:
             if mode == "through the cache":
-                patch.setattr(shard, "direct", -1)
+                patch.setattr(shard.file, "direct_fd", -1)
             elif mode == "around refused":
                 patch.setattr(os, "preadv", _refusing_direct_reads(shard))
             (chunk,) = overlaps(placed, 1, start, stop)
@@ -194,9 +194,11 @@ def test_any_rows_read_back_exactly_around_the_page_cache_or_through_it(
             shard.read("model/w", placed, chunk, byte_view(out), scratch)
             assert torch.equal(out, tensor[start:stop])
             if mode == "around refused":
-                assert not shard.direct_works
-            elif mode == "around the cache" and shard.direct >= 0:  # -1: no O_DIRECT on this file system
-                assert shard.direct_works and "direct" in scratch and "buffered" not in scratch
+                assert not shard.file.direct_works
+            elif (
+                mode == "around the cache" and shard.file.direct_fd >= 0
+            ):  # -1: no O_DIRECT on this file system
+                assert shard.file.direct_works and "direct" in scratch and "buffered" not in scratch
     finally:
         shard.close()
 

@@ -24,10 +24,11 @@ from torch import nn
 
 from faccel._checkpoint._background import wait as wait_for_background
 from faccel._checkpoint._folders import (
-    complete_checkpoints,
-    damaged_checkpoints,
+    Manifest,
+    counted,
     latest_checkpoint,
-    manifest_step,
+    read_manifest,
+    scan,
 )
 from faccel._checkpoint._format import (
     EXTRAS,
@@ -40,7 +41,6 @@ from faccel._checkpoint._format import (
     rng_name,
 )
 from faccel._checkpoint._load import load
-from faccel._checkpoint._save import _resolve
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
 )
@@ -48,15 +48,10 @@ from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rn
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
-from faccel._storage._durable import (
-    MAX_JSON,
-    MAX_MANIFEST,
-    FileRecord,
-    in_parallel,
-    parse_json,
-    read_verified,
-)
+from faccel._storage._durable import MAX_JSON, FileRecord, in_parallel, parse_json
+from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import parse_header, tensor_views
+from faccel._storage._store import Spot
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError, CheckpointWarning
@@ -72,21 +67,22 @@ class _BrokenError(CheckpointError):
 
 
 def _read_manifest(
-    directory: Path, dist: DistState, model: nn.Module
+    directory: Spot | Path, dist: DistState, model: nn.Module, manifest: Manifest | None = None
 ) -> tuple[dict[str, FileRecord], int, int]:
-    where = f"{directory}/{MANIFEST}"
-    try:
-        buffer, _ = read_verified(directory / MANIFEST, None, where=where, limit=MAX_MANIFEST)
-        manifest = parse_json(buffer.numpy().tobytes(), where)
-    except CheckpointError as error:
-        raise _BrokenError(str(error)) from None
-    return check_manifest(manifest, dist, model, where=where)
+    """The checked records of ``directory``'s manifest (``manifest``: already read, not read again)."""
+    folder = spot_of(directory)
+    found = manifest if manifest is not None else read_manifest(folder)
+    where = str(folder / MANIFEST)
+    if found.step is None:
+        raise _BrokenError(found.why or f"{where}: the file is missing")
+    return check_manifest(found.content, dist, model, where=where)
 
 
 def _read_checkpoint(
-    dist: DistState, state: TrainState, directory: Path
+    dist: DistState, state: TrainState, manifest: Manifest
 ) -> tuple[Loadable, dict[str, Any] | None]:
-    records, world, version = _read_manifest(directory, dist, state.model)
+    directory = manifest.folder
+    records, world, version = _read_manifest(directory, dist, state.model, manifest)
     # A rank beyond the writers' (resharding to more ranks) has no generators saved.
     rng_file = rng_name(dist.rank) if dist.rank < world else None
 
@@ -95,7 +91,7 @@ def _read_checkpoint(
     def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
         limit = MAX_JSON if name.endswith(".json") else caps.get(name)
         where = f"{directory}/{name}"
-        return lambda: read_verified(directory / name, record or records[name], where=where, limit=limit)[0]
+        return lambda: (directory / name).read(record or records[name], where=where, limit=limit)[0]
 
     # Files are read and hashed side by side, each hashed on a thread of its own as it is read.
     whole = [MODEL, OPTIMIZER] if version in WHOLE_VERSIONS else []
@@ -158,7 +154,7 @@ def _whole_file_caps(state: TrainState) -> dict[str, int]:
 
 
 def _check_world_change(
-    directory: Path, world: int, now: int, loadable: Loadable, state: TrainState
+    directory: Spot, world: int, now: int, loadable: Loadable, state: TrainState
 ) -> Loadable:
     """A position inside an epoch becomes global; what cannot be carried over exactly is refused.
 
@@ -284,48 +280,49 @@ def restore(
     # A non-blocking checkpoint still being written is committed first.
     wait_for_background(dist.runtime, dist, call="restore")
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
-    directory = together(
-        dist, lambda: _resolve(Path(path)), what="finding the checkpoint", raises=CheckpointError
+    # One listing of the root and one read of the chosen manifest per rank, inside the agreement.
+    found = together(
+        dist, lambda: _find(spot_of(path)), what="finding the checkpoint", raises=CheckpointError
     )
-    step = manifest_step(directory) or 0
-    # Restoring one folder of a root that holds later checkpoints: the run would collide with them
-    # at its first later checkpoint, hours in, or leave them as a "latest" that is not this run's.
-    together(
-        dist, lambda: _refuse_an_abandoned_future(Path(path), step), what="restore", raises=CheckpointError
-    )
-    _agree_on_step(dist, path, step, "latest checkpoints")
-    # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
-    single = manifest_step(Path(path)) is not None
-    older = [] if single else [d for s, d in reversed(complete_checkpoints(Path(path))) if s < step]
-    # Later step folders whose manifest is missing or damaged are passed over, with a warning too.
-    passed: list[tuple[Path, str]] = [] if single else damaged_checkpoints(Path(path), after=step)
-    for candidate in [directory, *older]:
-        if candidate is not directory:
-            step = manifest_step(candidate) or 0
-            _agree_on_step(dist, path, step, "checkpoints to fall back to")
-        found = together(
+    passed: list[tuple[Spot, str]] = list(found.passed)
+    candidates: list[Manifest | Spot] = [found.chosen, *found.older]
+    for candidate in candidates:
+        got = together(
             dist,
-            functools.partial(_read_unless_broken, dist, train_state, candidate, single=single),
+            functools.partial(_read_unless_broken, dist, train_state, candidate, single=found.single),
             what="checking the checkpoint",
             raises=CheckpointError,
         )
-        (broken_anywhere,) = agree_max(
+        uncommitted = isinstance(got, _Uncommitted)
+        step, result = (0, None) if isinstance(got, _Uncommitted) else got
+        broken = isinstance(result, _Broken)
+        # One collective: whether any rank found it broken (or not committed), and the steps found.
+        flags = agree_max(
             dist,
-            [int(isinstance(found, _Broken))],
+            [int(broken or uncommitted), -step, step],
             what="restore's check of the files",
             raises=CheckpointError,
         )
-        if not broken_anywhere and not isinstance(found, _Broken):
+        if not flags[0] and result is not None and not isinstance(result, _Broken):
+            if -flags[1] != flags[2]:
+                msg = (
+                    f"{path}: the ranks found different checkpoints (steps {-flags[1]} to {flags[2]}); "
+                    "all ranks must see one shared storage"
+                )
+                raise CheckpointError(msg)
             if passed:
                 skipped = "; ".join(f"{folder.name} ({why})" for folder, why in passed)
                 warnings.warn(
-                    f"{path}: restored {candidate.name}, the newest complete checkpoint, and passed over "
-                    f"the later broken one(s): {skipped}",
+                    f"{path}: restored {_name(candidate)}, the newest complete checkpoint, and passed "
+                    f"over the later broken one(s): {skipped}",
                     CheckpointWarning,
                     stacklevel=3,
                 )
-            return load(train_state, *found)
-        passed.append((candidate, found.why if isinstance(found, _Broken) else "broken on another rank"))
+            return load(train_state, *result)
+        if uncommitted:
+            continue
+        why = result.why if isinstance(result, _Broken) else "broken on another rank"
+        passed.append((_folder(candidate), why))
     # The latest one's own error first (alone when it is the only one), then the older ones'.
     msg = passed[0][1]
     if len(passed) > 1:
@@ -334,7 +331,50 @@ def restore(
     raise CheckpointError(msg)
 
 
-def _refuse_an_abandoned_future(path: Path, step: int) -> None:
+def _folder(candidate: Manifest | Spot) -> Spot:
+    return candidate.folder if isinstance(candidate, Manifest) else candidate
+
+
+def _name(candidate: Manifest | Spot) -> str:
+    return _folder(candidate).name
+
+
+@attrs.frozen(kw_only=True)
+class _Found:
+    """What one listing of a root gave: the chosen checkpoint's manifest (read once), the damaged
+    later folders passed over, the older step folders to fall back to (their manifests unread)."""
+
+    chosen: Manifest
+    single: bool
+    passed: tuple[tuple[Spot, str], ...] = ()
+    older: tuple[Spot, ...] = ()
+
+
+def _find(path: Spot) -> _Found:
+    """``path`` as one checkpoint, or a root's newest complete one: one listing, manifests read newest
+    first until one counts (a damaged one is passed over, an uncommitted one on an object store is
+    not a checkpoint at all)."""
+    own = read_manifest(path)
+    if own.step is not None:
+        _refuse_an_abandoned_future(path, own.step)
+        return _Found(chosen=own, single=True)
+    listing = scan(path)
+    passed: list[tuple[Spot, str]] = []
+    for index, (_, folder) in enumerate(listing.folders):
+        manifest = read_manifest(folder)
+        if manifest.step is not None:
+            older = tuple(f for _, f in listing.folders[index + 1 :])
+            return _Found(chosen=manifest, single=False, passed=tuple(passed), older=older)
+        if counted(manifest):
+            passed.append((folder, manifest.why or ""))
+    msg = (
+        f"{path}: no checkpoint there: neither a checkpoint folder (it has no valid {MANIFEST}) "
+        f"nor a folder of complete checkpoints (step-NNNNNNNNNNNN/{MANIFEST})"
+    )
+    raise CheckpointError(msg)
+
+
+def _refuse_an_abandoned_future(path: Spot, step: int) -> None:
     """Raise when ``path`` is one checkpoint folder of a root that also holds later step folders.
 
     A run resumed from step ``step`` would reach those steps and find them taken
@@ -342,11 +382,13 @@ def _refuse_an_abandoned_future(path: Path, step: int) -> None:
     later ones as the root's "latest" for the next restore. Refused here, at the
     start, with the choices, not at the first colliding checkpoint.
     """
-    if manifest_step(path) is None:
-        return  # a root: restore takes its latest, so nothing later is there
     root = path.parent
-    later = [folder.name for s, folder in complete_checkpoints(root) if s > step]
-    later += [folder.name for folder, _ in damaged_checkpoints(root, after=step)]
+    later = []
+    for later_step, folder in scan(root).folders:
+        if later_step <= step:
+            break
+        if counted(read_manifest(folder)):
+            later.append(folder.name)
     if later:
         msg = (
             f"{path}: restoring step {step}, but its root {root} also holds later checkpoints "
@@ -359,17 +401,6 @@ def _refuse_an_abandoned_future(path: Path, step: int) -> None:
         raise CheckpointError(msg)
 
 
-def _agree_on_step(dist: DistState, path: str | os.PathLike[str], step: int, what: str) -> None:
-    """Raise on every rank unless every rank found the same ``step`` (one collective)."""
-    low, high = agree_max(dist, [-step, step], what="restore's agreement on the step", raises=CheckpointError)
-    if -low != high:
-        msg = (
-            f"{path}: the ranks found different {what} (steps {-low} to {high}); "
-            "all ranks must see one shared file system"
-        )
-        raise CheckpointError(msg)
-
-
 @attrs.frozen
 class _Broken:
     """A checkpoint of a root whose files fail their check: passed over for an older one, with why."""
@@ -377,13 +408,22 @@ class _Broken:
     why: str
 
 
+@attrs.frozen
+class _Uncommitted:
+    """A step folder without a manifest on an object store: a write not committed, not a checkpoint."""
+
+
 def _read_unless_broken(
-    dist: DistState, state: TrainState, directory: Path, *, single: bool
-) -> tuple[Loadable, dict[str, Any] | None] | _Broken:
-    """The checkpoint read and checked, or (from a root) why its files are broken."""
+    dist: DistState, state: TrainState, candidate: Manifest | Spot, *, single: bool
+) -> tuple[int, tuple[Loadable, dict[str, Any] | None] | _Broken] | _Uncommitted:
+    """The checkpoint's step and its content read and checked, or (from a root) why its files are
+    broken; its manifest is read here only when it was not read yet (an older one to fall back to)."""
+    manifest = candidate if isinstance(candidate, Manifest) else read_manifest(candidate)
+    if manifest.step is None and not counted(manifest):
+        return _Uncommitted()
     try:
-        return _read_checkpoint(dist, state, directory)
+        return manifest.step or 0, _read_checkpoint(dist, state, manifest)
     except _BrokenError as error:
         if single:
             raise CheckpointError(str(error)) from None
-        return _Broken(why=str(error))
+        return manifest.step or 0, _Broken(why=str(error))

@@ -23,7 +23,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,11 @@ from faccel._checkpoint._background import start as start_in_background
 from faccel._checkpoint._background import wait as wait_for_background
 from faccel._checkpoint._capture import capture, capture_rng, extras_digests
 from faccel._checkpoint._folders import (
-    RootLock,
     blocking_file,
     check_lock,
     complete_checkpoints,
+    find_latest,
     hold_lock,
-    latest_checkpoint,
     manifest_step,
     remove_leftovers,
     rotate,
@@ -67,8 +65,6 @@ from faccel._checkpoint._format import (
     replaced_name,
     rng_name,
     shard_name,
-    temporary_name,
-    trash_name,
 )
 from faccel._checkpoint._sharded._flow import (
     exchange_records,
@@ -84,15 +80,10 @@ from faccel._dist._state import DistState
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._loop._zero_state import full_state as deepspeed_full_state
-from faccel._storage._durable import (
-    FileRecord,
-    check_written,
-    fsync_dir,
-    in_parallel,
-    read_verified,
-    write_durably,
-)
+from faccel._storage._durable import FileRecord, in_parallel
+from faccel._storage._roots import shown, spot_of
 from faccel._storage._safetensors import plan
+from faccel._storage._store import Lease, Spot
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError
@@ -108,73 +99,85 @@ def _json_bytes(value: Any) -> bytes:
 
 
 def _write_rank0(
-    temporary: Path, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
+    temporary: Spot, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
 ) -> dict[str, FileRecord]:
     def write(name: str) -> Callable[[], FileRecord]:
         metadata = MODEL_METADATA if name == MODEL else None
-        return lambda: write_durably(
-            temporary / name, plan(files[name], metadata=metadata), algorithm=_WHOLE_HASH
-        )
+        return lambda: (temporary / name).write(plan(files[name], metadata=metadata), algorithm=_WHOLE_HASH)
 
     # Side by side: one file's fsync overlaps the next one's writing and hashing.
     names = [MODEL, OPTIMIZER, EXTRAS]
     records = dict(zip(names, in_parallel([write(name) for name in names]), strict=True))
-    records[STATE] = write_durably(temporary / STATE, [_json_bytes(content)], algorithm=_WHOLE_HASH)
+    records[STATE] = (temporary / STATE).write([_json_bytes(content)], algorithm=_WHOLE_HASH)
     return records
 
 
-def _rng_records(dist: DistState, temporary: Path, records: dict[str, FileRecord]) -> None:
-    """Whole tensors: the other ranks' generator files, written on the shared file system, hashed here."""
+def _rng_records(dist: DistState, temporary: Spot, records: dict[str, FileRecord]) -> None:
+    """Whole tensors: the other ranks' generator files, written on the shared storage, hashed here."""
     for rank in range(dist.world_size):
         name = rng_name(rank)
         if name not in records:
             where = str(temporary / name)
-            records[name] = read_verified(temporary / name, None, where=where, algorithm=_WHOLE_HASH)[1]
+            records[name] = (temporary / name).read(None, where=where, algorithm=_WHOLE_HASH)[1]
+
+
+def check_written(folder: Spot, records: Mapping[str, FileRecord], *, what: str) -> None:
+    """Check that every file of ``records`` is still in ``folder``, of its size (one listing).
+
+    Called on a written folder just before and just after its commit, so a
+    folder emptied or changed under the writer (the root deleted, another
+    process in the root) is reported, not committed. Sizes only: the hashes
+    were computed from the bytes as they were written, and re-reading every
+    file would double a checkpoint's I/O.
+
+    Raises:
+        CheckpointError: naming ``what``, the file and what differs.
+    """
+    sizes = folder.sizes()
+    for name, record in records.items():
+        size = sizes.get(name)
+        if size is None:
+            msg = (
+                f"{what}: {folder / name} is gone after it was written: something else "
+                "deletes or writes in this folder (the root removed during the write?); nothing was "
+                "committed as complete"
+            )
+            raise CheckpointError(msg)
+        if size != record.size:
+            msg = (
+                f"{what}: {folder / name} changed after it was written ({size} bytes, not "
+                f"{record.size}): something else writes in this folder; nothing was committed as complete"
+            )
+            raise CheckpointError(msg)
 
 
 def _commit(
     dist: DistState,
-    root: Path,
-    temporary: Path,
-    final: Path,
+    root: Spot,
+    temporary: Spot,
+    final: Spot,
     listed: dict[str, FileRecord],
     content: dict[str, Any],
     keep: int | None,
-    lock: RootLock,
+    lock: Lease,
     *,
     version: int = VERSION,
     present: Mapping[str, FileRecord] | None = None,
 ) -> None:
-    """Write the manifest of ``listed`` files, check every file (``present`` too), rename: the commit."""
+    """Check every file (``present`` too), then write the manifest of ``listed`` files last: the commit
+    (``Store.commit``: on a disk, then one rename; on an object store, the manifest's write itself)."""
     manifest = manifest_content(content, dist.world_size, listed, version, dist.data_world_size)
     written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
-    written[MANIFEST] = write_durably(temporary / MANIFEST, [_json_bytes(manifest)])
-    fsync_dir(temporary)
     what = f"the checkpoint of step {content['step']}"
-    check_written(temporary, written, what=what)  # a folder emptied under us is never committed
-    lost = check_lock(lock)
-    if lost is not None:
-        msg = f"{what}: not committed: {lost} while it was written; one writer per checkpoint root"
-        raise CheckpointError(msg)
-    aside = None
-    if final.exists():
-        # replace=True: move the old one aside, then the new one in. Between the two renames
-        # the folder aside counts as this step (_folders), so a crash leaves one of the two.
-        aside = root / replaced_name(final.name)
-        os.rename(final, aside)
-    os.rename(temporary, final)
-    fsync_dir(root)
-    try:
-        check_written(final, written, what=what)
-    except CheckpointError:
-        with contextlib.suppress(OSError):  # ours and broken: out of sight (restore would pass it over)
-            os.rename(final, root / trash_name(final.name))
-        raise
-    if aside is not None:
-        trash = root / trash_name(final.name)
-        os.rename(aside, trash)  # invisible at once; then deleted at leisure
-        fsync_dir(root)
-        shutil.rmtree(trash, ignore_errors=True)
+
+    def check(folder: str) -> None:
+        check_written(Spot(root.store, folder), written, what=what)
+        lost = check_lock(root, lock)
+        if lost is not None:
+            msg = f"{what}: not committed: {lost} while it was written; one writer per checkpoint root"
+            raise CheckpointError(msg)
+
+    root.store.commit(temporary.key, final.key, MANIFEST, [_json_bytes(manifest)], check=check)
     if keep is not None:
         rotate(root, keep, content["step"])
 
@@ -217,14 +220,15 @@ def manifest_content(
     }
 
 
-def write_pages(temporary: Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
+def write_pages(temporary: Spot | Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
     """Version 2: the rank pages, each listing the shard and generator records of ``PAGE_RANKS`` ranks."""
+    folder = spot_of(temporary)
     pages = {}
     for page in range(-(-len(ranks) // PAGE_RANKS)):
         first = page * PAGE_RANKS
         content = page_content(first, ranks[first : first + PAGE_RANKS])
-        pages[page_name(page)] = write_durably(
-            temporary / page_name(page), [_json_bytes(content)], algorithm=_SHARDED_HASH
+        pages[page_name(page)] = (folder / page_name(page)).write(
+            [_json_bytes(content)], algorithm=_SHARDED_HASH
         )
     return pages
 
@@ -240,7 +244,7 @@ def checkpoint(
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
     sharded: bool | None = None,
     blocking: bool = True,
-) -> Path:
+) -> Path | str:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
     Tensors go to safetensors, everything else (optimizer param groups,
@@ -340,10 +344,10 @@ def checkpoint(
     breadcrumb(dist, "checkpoint", step=train_state.step)
     wait_for_background(dist.runtime, dist)  # the previous non-blocking checkpoint is committed first
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
-    root = Path(path)
+    root = together(dist, lambda: spot_of(path), what="opening the checkpoint root", raises=CheckpointError)
     step = train_state.step
     final = root / checkpoint_name(step)
-    temporary = root / temporary_name(step)
+    temporary = Spot(root.store, root.store.staging(final.key))
     # A value one rank cannot store fails every rank alike, before they agree (issue 26, item 7).
     rng = together(
         dist,
@@ -352,7 +356,7 @@ def checkpoint(
         raises=CheckpointError,
     )
     _agree(dist, root, train_state, replace=replace)
-    dist.runtime.roots.add(os.fspath(root.absolute()))
+    dist.runtime.roots.add(_root_name(root))
 
     model = unwrap_model(train_state.model)
     fsdp = is_sharded(model)
@@ -380,7 +384,12 @@ def checkpoint(
             _run(dist, job)
     else:
         start_in_background(dist.runtime, step, functools.partial(_run_in_background, dist, job), dist)
-    return final
+    return shown(final)
+
+
+def _root_name(root: Spot) -> str:
+    """The root as one string per place: a local one made absolute (the roots this process wrote)."""
+    return os.path.abspath(root.key) if root.store.local else str(root)
 
 
 @attrs.frozen(kw_only=True)
@@ -460,8 +469,8 @@ def _record_of(raw: bytes, algorithm: str) -> FileRecord:
 def _whole_job(
     dist: DistState,
     train_state: TrainState,
-    final: Path,
-    temporary: Path,
+    final: Spot,
+    temporary: Spot,
     rng: dict[str, Any],
     held: contextlib.ExitStack,
     *,
@@ -479,7 +488,7 @@ def _whole_job(
     if is_deepspeed_engine(train_state.model):  # ZeRO's partitions gathered whole, one tensor at a time
         whole = deepspeed_full_state(dist, train_state.model, train_state.optimizer)
 
-    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], RootLock] | None:
+    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], Lease] | None:
         if not dist.is_main_process:
             return None
         content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
@@ -493,7 +502,7 @@ def _whole_job(
 
     def write() -> dict[str, FileRecord]:
         rng_file = temporary / rng_name(dist.rank)
-        records = {rng_name(dist.rank): write_durably(rng_file, [_json_bytes(rng)], algorithm=_WHOLE_HASH)}
+        records = {rng_name(dist.rank): rng_file.write([_json_bytes(rng)], algorithm=_WHOLE_HASH)}
         if prepared is not None:
             records |= _write_rank0(temporary, prepared[0], prepared[1])
         return records
@@ -528,23 +537,31 @@ def _use_shards(model: nn.Module, dist: DistState, *, fsdp: bool, sharded: bool 
 
 
 def _open_temporary(
-    held: contextlib.ExitStack, root: Path, final: Path, temporary: Path, step: int, *, replace: bool
-) -> RootLock:
+    held: contextlib.ExitStack, root: Spot, final: Spot, temporary: Spot, step: int, *, replace: bool
+) -> Lease:
     """On the writing rank: the root's lock taken, leftovers removed, the temporary folder made."""
-    root.mkdir(parents=True, exist_ok=True)
+    root.store.make_folder(root.key)
     lock = held.enter_context(hold_lock(root))
-    remove_leftovers(root)  # under the lock: every temporary folder is a dead writer's
-    if not replace and manifest_step(final) is not None:  # written since _agree, by another run
-        raise CheckpointError(_exists_message(final, step))
-    temporary.mkdir()
+    remove_leftovers(root)  # under the lock: every uncommitted folder is a dead writer's
+    if manifest_step(final) is not None:  # written since _agree, by another run
+        if not replace:
+            raise CheckpointError(_exists_message(final, step))
+        if not root.store.renames:
+            msg = (
+                f"{final}: checkpoint(..., replace=True) of a committed step on object storage: the "
+                "store has no rename, so the old checkpoint would be gone before the new one is "
+                "whole. Delete the old one first, or checkpoint the next step"
+            )
+            raise CheckpointError(msg)
+    root.store.make_folder(temporary.key)
     return lock
 
 
 def _sharded_job(
     dist: DistState,
     train_state: TrainState,
-    final: Path,
-    temporary: Path,
+    final: Spot,
+    temporary: Spot,
     rng: dict[str, Any],
     held: contextlib.ExitStack,
     *,
@@ -575,7 +592,7 @@ def _sharded_job(
         dist, planned, what=f"planning the checkpoint of step {step}", raises=CheckpointError
     )
 
-    def prepare() -> RootLock | None:
+    def prepare() -> Lease | None:
         if not dist.is_main_process:
             return None
         return _open_temporary(held, root, final, temporary, step, replace=replace)
@@ -585,16 +602,12 @@ def _sharded_job(
     def write() -> dict[str, FileRecord]:
         rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
         tasks: list[Callable[[], FileRecord]] = [
-            lambda: write_durably(rng_file, [_json_bytes(rng)], algorithm=_SHARDED_HASH),
+            lambda: rng_file.write([_json_bytes(rng)], algorithm=_SHARDED_HASH),
             lambda: write_shard(shard_file, pieces, placed, rank=dist.rank, world=dist.world_size, step=step),
         ]
         if lock is not None:
-            tasks.append(
-                lambda: write_durably(temporary / STATE, [_json_bytes(content)], algorithm=_SHARDED_HASH)
-            )
-            tasks.append(
-                lambda: write_durably(temporary / EXTRAS, plan(files[EXTRAS]), algorithm=_SHARDED_HASH)
-            )
+            tasks.append(lambda: (temporary / STATE).write([_json_bytes(content)], algorithm=_SHARDED_HASH))
+            tasks.append(lambda: (temporary / EXTRAS).write(plan(files[EXTRAS]), algorithm=_SHARDED_HASH))
         done = in_parallel(tasks)
         names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
         return dict(zip(names, done, strict=True))
@@ -625,18 +638,15 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(value).encode()).digest()[:8], "little") >> 2
 
 
-def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> None:
+def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool) -> None:
     """Every rank learns, in one collective, whether any rank objects to writing this checkpoint."""
     step = state.step
     blocked = blocking_file(root)
     final = root / checkpoint_name(step)
-    exists = not replace and (
-        os.path.exists(final) or manifest_step(root / replaced_name(final.name)) is not None
-    )
     # The first checkpoint of this process into a root that already holds later steps: the run
     # would meet them at its first colliding step, hours in (issue 25), so it stops here.
-    first = os.fspath(root.absolute()) not in dist.runtime.roots
-    ahead = _later_checkpoints(root, step) if first and not replace else []
+    first = _root_name(root) not in dist.runtime.roots
+    exists, ahead = _taken(root, step, first=first, replace=replace)
     digests = extras_digests(state.extras)
     values = [step, _digest(sorted(digests)), _digest(digests)]
     flags = [int(exists), int(blocked is not None), int(bool(ahead))]
@@ -683,14 +693,26 @@ def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> 
         raise CheckpointError(msg)
 
 
-def _later_checkpoints(root: Path, step: int) -> list[str]:
+def _taken(root: Spot, step: int, *, first: bool, replace: bool) -> tuple[bool, list[str]]:
+    """Whether ``step`` is taken (a folder of its name: on a disk any, on an object store a committed
+    one), and the later complete checkpoints when they matter: one listing of the root."""
+    if replace:
+        return False, []
     try:
-        return [folder.name for s, folder in complete_checkpoints(root) if s > step]
+        listing = complete_checkpoints(root) if first else []
     except OSError:  # an unreadable root: the write that follows names what is wrong with it
-        return []
+        listing = []
+    final = root / checkpoint_name(step)
+    if root.store.renames:
+        exists = (
+            root.store.is_folder(final.key) or manifest_step(root / replaced_name(final.name)) is not None
+        )
+    else:
+        exists = manifest_step(final) is not None
+    return exists, [folder.name for s, folder in listing if s > step]
 
 
-def _ahead_message(root: Path, step: int, ahead: list[str]) -> str:
+def _ahead_message(root: Spot, step: int, ahead: list[str]) -> str:
     shown = ", ".join(sorted(ahead)[:5]) + (" ..." if len(ahead) > 5 else "")
     return (
         f"{root}: this run's first checkpoint is step {step}, but the root already holds later "
@@ -702,7 +724,7 @@ def _ahead_message(root: Path, step: int, ahead: list[str]) -> str:
     )
 
 
-def _exists_message(final: Path, step: int) -> str:
+def _exists_message(final: Spot, step: int) -> str:
     return (
         f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
         "overwrites another unasked. The step names the checkpoint, and faccel does not count "
@@ -713,12 +735,12 @@ def _exists_message(final: Path, step: int) -> str:
     )
 
 
-def _resolve(path: Path) -> Path:
-    directory = latest_checkpoint(path)
-    if directory is None:
+def _resolve(path: Spot) -> Spot:
+    found = find_latest(path)
+    if found is None:
         msg = (
             f"{path}: no checkpoint there: neither a checkpoint folder (it has no valid {MANIFEST}) "
             f"nor a folder of complete checkpoints (step-NNNNNNNNNNNN/{MANIFEST})"
         )
         raise CheckpointError(msg)
-    return directory
+    return found.folder

@@ -216,6 +216,12 @@ def consolidate(
     if folder is None:
         msg = f"{checkpoint}: no checkpoint there (no step-NNNNNNNNNNNN folder with a {MANIFEST})"
         raise CheckpointError(msg)
+    if not isinstance(folder, Path):
+        msg = (
+            f"{folder}: consolidate reads a checkpoint on a local disk; copy it from object storage "
+            "first (the same bytes restore there, docs/object-storage.md)"
+        )
+        raise CheckpointError(msg)
     target = Path(out)
     if target.exists() and not target.is_dir():
         msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"

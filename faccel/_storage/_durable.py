@@ -57,6 +57,7 @@ __all__ = [
     "SHA256",
     "FileRecord",
     "SyncedWriter",
+    "allocatable_bytes",
     "atomic_write",
     "check_written",
     "fsync_dir",
@@ -481,3 +482,23 @@ def check_written(directory: Path, records: Mapping[str, FileRecord], *, what: s
                 f"{record.size}): something else writes in this folder; nothing was committed as complete"
             )
             raise CheckpointError(msg)
+
+
+def allocatable_bytes() -> int | None:
+    """What this process can still allocate: ``MemAvailable``, capped by ``RLIMIT_AS``; None if unknown."""
+    import resource
+
+    room = None
+    try:
+        with open("/proc/meminfo", "rb") as info:
+            for line in info:
+                if line.startswith(b"MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm", "rb") as statm:
+                mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            room = min(room if room is not None else soft, max(0, soft - mapped))
+    except (OSError, ValueError, IndexError):
+        return room
+    return room

@@ -19,7 +19,6 @@ manifest), and reads only those rows, every hash block checked before use.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -35,7 +34,9 @@ from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
-from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, in_parallel, parse_json, read_verified
+from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
+from faccel._storage._roots import spot_of
+from faccel._storage._store import Spot
 from faccel._storage._tagged_json import decode
 from faccel._torch_compat import is_dtensor, local_rows
 from faccel._train_state import TrainState
@@ -43,6 +44,7 @@ from faccel.errors import CheckpointError
 
 __all__ = [
     "GROUPS",
+    "allocatable_bytes",
     "exchange_records",
     "page_content",
     "plan_pieces",
@@ -180,15 +182,15 @@ def page_content(first: int, records: list[tuple[FileRecord, FileRecord]]) -> di
 class Pages:
     """The rank pages of a checkpoint, read (and checked against the manifest) when first needed."""
 
-    def __init__(self, directory: Path, records: Mapping[str, FileRecord], world: int) -> None:
-        self.directory, self.records, self.world = directory, records, world
+    def __init__(self, directory: Spot | Path, records: Mapping[str, FileRecord], world: int) -> None:
+        self.directory, self.records, self.world = spot_of(directory), records, world
         self.pages: dict[int, list[tuple[FileRecord, FileRecord]]] = {}
         self.lock = threading.Lock()
 
     def _read(self, page: int) -> list[tuple[FileRecord, FileRecord]]:
         name = page_name(page)
         where = f"{self.directory}/{name}"
-        buffer, _ = read_verified(self.directory / name, self.records[name], where=where, limit=MAX_JSON)
+        buffer, _ = (self.directory / name).read(self.records[name], where=where, limit=MAX_JSON)
         raw = parse_json(buffer.numpy().data, where)
         first = page * PAGE_RANKS
         count = min(PAGE_RANKS, self.world - first)
@@ -282,7 +284,7 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
 
 
 def read_tensors(
-    directory: Path,
+    directory: Spot | Path,
     records: Mapping[str, FileRecord],
     world: int,
     state: TrainState,
@@ -299,6 +301,7 @@ def read_tensors(
     shape or dtype) is a ``meta`` tensor of the saved shape: it is never read,
     and the checks report it.
     """
+    directory = spot_of(directory)
     index = parse_index(content.get("tensors"), world, where=f"{where}/state.json")
     targets = _targets(state, content, where)
     pages = Pages(directory, records, world)
@@ -384,27 +387,7 @@ def check_allocatable(jobs: list[tuple[str, str, Placed, Any, int, int]], where:
         raise CheckpointError(msg)
 
 
-def allocatable_bytes() -> int | None:
-    """What this process can still allocate: ``MemAvailable``, capped by ``RLIMIT_AS``; None if unknown."""
-    import resource
-
-    room = None
-    try:
-        with open("/proc/meminfo", "rb") as info:
-            for line in info:
-                if line.startswith(b"MemAvailable:"):
-                    room = int(line.split()[1]) * 1024
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY:
-            with open("/proc/self/statm", "rb") as statm:
-                mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            room = min(room if room is not None else soft, max(0, soft - mapped))
-    except (OSError, ValueError, IndexError):
-        return room
-    return room
-
-
-def _opener(directory: Path, pages: Pages, rank: int, step: Any) -> Callable[[], ShardFile]:
+def _opener(directory: Spot, pages: Pages, rank: int, step: Any) -> Callable[[], ShardFile]:
     def open_one() -> ShardFile:
         name = shard_name(rank)
         return ShardFile(directory / name, pages.of(rank)[0], where=f"{directory}/{name}", step=step)

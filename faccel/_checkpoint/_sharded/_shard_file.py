@@ -30,12 +30,9 @@ an aligned read, blocks go through the cache, straight into place.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
-import mmap
-import os
 import struct
 import sys
 from collections.abc import Mapping
@@ -43,11 +40,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from faccel._checkpoint._sharded._chunks import (
-    HASH_BYTES,
     Chunk,
     Placed,
     chunks,
@@ -55,7 +50,9 @@ from faccel._checkpoint._sharded._chunks import (
     row_bytes,
     rows_of,
 )
-from faccel._storage._durable import SHA256, FileRecord, SyncedWriter, open_regular, parse_json
+from faccel._storage._durable import SHA256, FileRecord, parse_json
+from faccel._storage._local import scratch_buffer
+from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import (
     DTYPE_CODES,
     Header,
@@ -64,19 +61,14 @@ from faccel._storage._safetensors import (
     parse_header,
     raw_bytes,
 )
+from faccel._storage._store import Reader, Spot
 from faccel.errors import CheckpointError
 
 __all__ = ["ShardFile", "write_shard"]
 
 _META = "faccel"
 _PLACEHOLDER = "0" * 64
-# One read() moves at most this much on Linux.
-_READ_CHUNK = 1 << 30
 _MAX_HEADER = 100_000_000
-# O_DIRECT reads: offsets, lengths and buffers aligned to this (a page; any block size up to it).
-_ALIGN = 4096
-# A thread's scratch: one hash block (the layout's size) and its alignment.
-_SCRATCH = HASH_BYTES + 2 * _ALIGN
 
 
 def _header(
@@ -98,7 +90,7 @@ def _sha(view: Any) -> str:
 
 
 def write_shard(
-    path: Path,
+    path: Spot | Path,
     pieces: Mapping[str, torch.Tensor],
     placed: Mapping[str, Placed],
     *,
@@ -131,8 +123,9 @@ def write_shard(
     }
     draft = _header(pieces, order, {name: [_PLACEHOLDER] * counts[name] for name in order}, per, rows, step)
     futures: dict[str, list[Future[str]]] = {name: [] for name in order}
+    spot = spot_of(path)
     with (
-        SyncedWriter(path) as out,
+        spot.store.writer(spot.key) as out,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="faccel-hash") as hasher,
     ):
         out.write(draft)
@@ -151,7 +144,7 @@ def write_shard(
         if len(final) != len(draft):  # pragma: no cover - fixed-width hex cannot change the length
             msg = f"{path}: the shard header changed length"
             raise CheckpointError(msg)
-        os.pwrite(out.fd, final, 0)
+        out.patch_head(final)
         size = out.close()
     return FileRecord(size=size, digest=hashlib.sha256(final).hexdigest(), algorithm=SHA256)
 
@@ -169,30 +162,35 @@ class ShardFile:
     tensor into a caller's buffer, checking every hash block it touches.
     """
 
-    def __init__(self, path: Path, record: FileRecord, *, where: str, step: Any = None) -> None:
+    def __init__(self, path: Spot | Path, record: FileRecord, *, where: str, step: Any = None) -> None:
         self.where = where
         self.step = step  # the checkpoint's step, which the header must name (None: not checked)
-        self.fd = open_regular(path, where=where)
+        spot = spot_of(path)
+        self.file: Reader = spot.store.open(spot.key, where=where)
         try:
-            size = os.fstat(self.fd).st_size
+            size = self.file.size  # the store's own account, not the page's
             if size != record.size:
                 msg = f"{where}: the file has {size} bytes but its rank page says {record.size} (truncated?)"
                 raise CheckpointError(msg)
-            head = os.pread(self.fd, 8, 0)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            if len(head) != 8 or length > _MAX_HEADER or 8 + length > size:
+            if size < 8:
+                msg = f"{where}: not a valid safetensors file: {size} bytes"
+                raise CheckpointError(msg)
+            first = bytearray(8)
+            self.file.read_into(first, 0)
+            length = struct.unpack("<Q", first)[0]
+            if length > _MAX_HEADER or 8 + length > size:
                 msg = f"{where}: not a valid safetensors file: a header of {length} bytes in {size}"
                 raise CheckpointError(msg)
-            head += os.pread(self.fd, length, 8)
+            rest = bytearray(length)
+            self.file.read_into(rest, 8)
+            head = bytes(first + rest)
             if hashlib.sha256(head).hexdigest() != record.digest:
                 msg = f"{where}: the header's sha256 checksum differs from its rank page's (corrupted)"
                 raise CheckpointError(msg)
             self.header: Header = parse_header(head, size, where=where)
             self.per, self.hashes, self.rows = self._hashes(self.header)
-            self.direct = _reopen_direct(self.fd)
-            self.direct_works = True
         except BaseException:
-            os.close(self.fd)
+            self.file.close()
             raise
 
     def _hashes(self, header: Header) -> tuple[dict[str, int], dict[str, list[str]], dict[str, Any] | None]:
@@ -225,9 +223,7 @@ class ShardFile:
 
     def close(self) -> None:
         """Close the file."""
-        os.close(self.fd)
-        if self.direct >= 0:
-            os.close(self.direct)
+        self.file.close()
 
     def info(self, name: str, placed: Placed, chunk: Chunk) -> TensorInfo:
         """The entry of ``name``'s chunk, checked to be that chunk of ``placed``."""
@@ -268,15 +264,15 @@ class ShardFile:
             first, last = block * per, min(rows, (block + 1) * per)
             inside = low <= first and last <= high
             offset, need = base + first * width, (last - first) * width
-            target = self._direct(offset, need, scratch)
+            target = self.file.direct(offset, need, scratch)
             in_place = False
             if target is None:  # through the page cache: straight into out when the block is whole
                 in_place = inside
                 if inside:
                     target = out[(first - low) * width : (last - low) * width]
                 else:
-                    target = _scratch(scratch, "buffered", need)[:need]
-                self._pread(self.fd, target, offset)
+                    target = scratch_buffer(scratch, "buffered", need)[:need]
+                self.file.read_into(target, offset)
             if _sha(target) != self.hashes[name][block]:
                 msg = (
                     f"{self.where}: tensor {name!r}, rows {chunk.start + first}:{chunk.start + last}: the "
@@ -288,55 +284,6 @@ class ShardFile:
                 out[(start - low) * width : (stop - low) * width] = target[
                     (start - first) * width : (stop - first) * width
                 ]
-
-    def _direct(self, offset: int, need: int, scratch: dict[str, Any]) -> Any:
-        """``need`` bytes at ``offset`` read around the page cache into aligned scratch, or None.
-
-        None when this file has no such descriptor, or its file system refuses
-        the read (then the rest of the file is read through the cache).
-        """
-        if self.direct < 0 or not self.direct_works:
-            return None
-        low = offset - offset % _ALIGN
-        high = -(-(offset + need) // _ALIGN) * _ALIGN
-        buffer = _scratch(scratch, "direct", high - low)[: high - low]
-        try:
-            self._pread(self.direct, buffer, low, at_least=offset + need - low)
-        except OSError as error:
-            if error.errno != errno.EINVAL:
-                raise
-            self.direct_works = False  # an alignment this file system does not take
-            return None
-        return buffer[offset - low : offset - low + need]
-
-    def _pread(self, fd: int, target: Any, offset: int, at_least: int | None = None) -> None:
-        """Fill ``target`` from ``offset`` (its first ``at_least`` bytes: the file may end sooner)."""
-        view = memoryview(target).cast("B")
-        want = len(view) if at_least is None else at_least
-        done = 0
-        while done < want:
-            got = os.preadv(fd, [view[done : done + _READ_CHUNK]], offset + done)
-            if not got:
-                msg = f"{self.where}: the file shrank while it was read"
-                raise CheckpointError(msg)
-            done += got
-
-
-def _scratch(scratch: dict[str, Any], kind: str, size: int) -> Any:
-    """This thread's scratch buffer of ``kind``, grown to at least ``size`` bytes (page-aligned)."""
-    if kind not in scratch or len(scratch[kind]) < size:
-        scratch[kind] = np.frombuffer(mmap.mmap(-1, max(size, _SCRATCH)), dtype=np.uint8)
-    return scratch[kind]
-
-
-def _reopen_direct(fd: int) -> int:
-    """A second descriptor on the same file that reads around the page cache, or -1."""
-    if not hasattr(os, "O_DIRECT"):
-        return -1
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
-        return -1
 
 
 def empty_rows(placed: Placed, start: int, stop: int) -> torch.Tensor:
