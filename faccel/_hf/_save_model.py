@@ -41,22 +41,14 @@ from torch import nn
 
 from faccel._checkpoint._folders import blocking_file
 from faccel._checkpoint._format import MODEL, MODEL_METADATA, shard_name
-from faccel._checkpoint._sharded._fsdp_state import sharded_state
+from faccel._checkpoint._strategies import StrategyState, strategy_of
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
 from faccel._hf._assign import assign, rank_files
 from faccel._hf._shard_read import load_rows
 from faccel._hf._spread_write import OwnFile, write_own
-from faccel._loop._deepspeed import is_deepspeed_engine
-from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._zero_state import (
-    gather_named,
-    has_partitioned_parameters,
-    load_full_state,
-    target_state,
-    whole_specs,
-)
+from faccel._loop._model import unwrap_model
 from faccel._storage._durable import (
     MAX_JSON,
     atomic_write,
@@ -335,31 +327,44 @@ def save_model(
     target = Path(directory)
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
-    inner = unwrap_model(model)
-    configs = {name: content.encode() for name, content in _configs(inner).items()}
-    if is_sharded(inner):  # FSDP2, HSDP, tensor parallelism: every rank writes its share
-        _save_spread(dist, inner, target, limit, configs)
-        return target
-    if has_partitioned_parameters(model):  # DeepSpeed ZeRO-3: gathered tensor by tensor
-        _save_gathered(dist, model, target, limit, configs)
-        return target
-
-    def write() -> None:
-        if dist.is_main_process:
-            stored, _ = model_tensors(inner)
-            _write_model(target, stored, limit, configs)
-
-    together(dist, write, what="save_model", raises=StorageError)
+    configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
+    strategy = strategy_of(model)
+    # Who writes: the main process; every rank its share (FSDP2, HSDP, tensor parallelism); or
+    # the main process as all ranks gather tensor by tensor (DeepSpeed ZeRO-3).
+    _EXPORTS[strategy.export_kind(model)](dist, strategy, model, target, limit, configs)
     return target
 
 
+def _save_main(
+    dist: DistState,
+    strategy: StrategyState,
+    model: Any,
+    target: Path,
+    limit: int,
+    configs: Mapping[str, bytes],
+) -> None:
+    """A model every rank holds whole: the main process writes it."""
+
+    def write() -> None:
+        if dist.is_main_process:
+            stored, _ = model_tensors(unwrap_model(model))
+            _write_model(target, stored, limit, configs)
+
+    together(dist, write, what="save_model", raises=StorageError)
+
+
 def _save_gathered(
-    dist: DistState, engine: Any, target: Path, limit: int, configs: Mapping[str, bytes]
+    dist: DistState,
+    strategy: StrategyState,
+    engine: Any,
+    target: Path,
+    limit: int,
+    configs: Mapping[str, bytes],
 ) -> None:
     """DeepSpeed ZeRO-3: every rank gathers one shard's parameters at a time, one parameter at a time
     (each copied to the CPU of the main process, which writes the shard, then freed): at most one shard
     (``max_shard_size``) whole in memory."""
-    specs, aliases = whole_specs(engine)
+    specs, aliases = strategy.whole_specs(engine)
     sizes = {
         name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for name, (dtype, shape) in specs.items()
@@ -370,7 +375,7 @@ def _save_gathered(
 
     def get(group: list[str]) -> Mapping[str, torch.Tensor]:
         done.append(group)
-        return gather_named(engine, group, keep=dist.is_main_process)
+        return strategy.gather_named(engine, group, keep=dist.is_main_process)
 
     def write() -> None:
         if not dist.is_main_process:
@@ -400,7 +405,12 @@ def _prepare_folder(directory: Path) -> None:
 
 
 def _save_spread(
-    dist: DistState, module: nn.Module, target: Path, limit: int, configs: Mapping[str, bytes]
+    dist: DistState,
+    strategy: StrategyState,
+    model: Any,
+    target: Path,
+    limit: int,
+    configs: Mapping[str, bytes],
 ) -> None:
     """A sharded model's save: each rank gathers and writes only its share; rank 0 commits.
 
@@ -413,7 +423,8 @@ def _save_spread(
     holds yet, and rank 0's index rename commits them all, after it has seen
     every rank's files (the folder must be shared by the ranks).
     """
-    state = sharded_state(module, None)[0]
+    pieces = strategy.shard_state(model, None)
+    state = dict(pieces[0]) if pieces is not None else strategy.target(model)
     names = list(state)
     aliases = alias_groups(state)
     # Ties are agreed on: a rank whose piece of a tied tensor is empty cannot see the tie.
@@ -498,6 +509,13 @@ def _save_spread(
                 _remove_leftovers(target)
         raise
 
+
+# Who writes each kind of export (the strategy says which kind, StrategyState.export_kind).
+_EXPORTS: Mapping[str, Callable[[DistState, StrategyState, Any, Path, int, Mapping[str, bytes]], None]] = {
+    "main": _save_main,
+    "spread": _save_spread,
+    "gathered": _save_gathered,
+}
 
 _Reader = Callable[[Path, Sequence[Path]], Mapping[str, Any]]
 
@@ -650,14 +668,13 @@ def load_model(
     """
     folder = Path(directory)
     layout, within = _layout(folder)
-    inner = unwrap_model(model)
-    deepspeed = is_deepspeed_engine(model)
-    target = target_state(model) if deepspeed else inner.state_dict()
+    strategy = strategy_of(model)
+    target = strategy.target(model)
     specs = {name: _spec(entry) for name, (_, entry) in layout.items()}
-    if deepspeed:  # ZeRO-3's stand-ins have no memory to tell ties by: the engine names them
-        for later, first in whole_specs(model)[1].items():
-            if later not in specs and first in specs:
-                specs[later] = specs[first]
+    # The strategy names the ties (ZeRO-3's stand-ins have no memory to tell them by).
+    for later, first in strategy.whole_specs(model)[1].items():
+        if later not in specs and first in specs:
+            specs[later] = specs[first]
     missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
     if problems:
         msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
@@ -683,10 +700,8 @@ def load_model(
                 tensors = {name: layout[name][1] for name in names}
             else:  # safetensors: the entries say where to read
                 tensors = _read_tensors(folder / file, {name: layout[name][1] for name in names}, within)
-            if deepspeed:  # into ZeRO's partitions and fp32 masters too (a collective under ZeRO-3)
-                load_full_state(model, None, tensors, None)
-            else:
-                inner.load_state_dict(tensors, strict=False)
+            # ZeRO: into its partitions and fp32 masters too (a collective under ZeRO-3).
+            strategy.load_weights(model, tensors)
     return tuple(missing), tuple(unexpected)
 
 
