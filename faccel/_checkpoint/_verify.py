@@ -396,6 +396,23 @@ def _check_optimizer(
     if len(groups) != len(live_groups):
         problems.add(STATE, f"{len(groups)} optimizer param groups saved, the target has {len(live_groups)}")
         return saved
+    params = _check_param_groups(groups, live_groups, problems)
+    elementwise = class_name(inner) in _ELEMENTWISE
+    for pid, entry in entries.items():
+        param = params.get(pid)
+        if param is None or not isinstance(entry, dict):
+            problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
+            continue
+        for key, value in entry.items():
+            _check_state_entry(target, pid, param, key, value, elementwise=elementwise, problems=problems)
+    return saved
+
+
+def _check_param_groups(
+    groups: list[Any], live_groups: list[dict[str, Any]], problems: _Problems
+) -> dict[int, torch.Tensor]:
+    """Each saved param group against the live one: its parameter ids, their count, and its
+    hyperparameters' names and kinds. Returns the live parameter of each saved id."""
     params: dict[int, torch.Tensor] = {}
     for number, (group, live) in enumerate(zip(groups, live_groups, strict=True)):
         ids = group.get("params") if isinstance(group, dict) else None
@@ -420,43 +437,49 @@ def _check_optimizer(
             for key in sorted(saved_keys, key=str):
                 _check_kind(group[key], live[key], f"param group {number}'s {key!r}", problems)
         params.update(zip(ids, live["params"], strict=True))
-    elementwise = class_name(inner) in _ELEMENTWISE
-    for pid, entry in entries.items():
-        param = params.get(pid)
-        if param is None or not isinstance(entry, dict):
-            problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
-            continue
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.is_meta:  # not read: it fits nothing of the target
-                live = target.state.get(param, {}).get(key)
-                found = (
-                    f"the target's is {live.dtype} {list(live.shape)}"
-                    if isinstance(live, torch.Tensor)
-                    else f"the parameter is {param.dtype} {list(param.shape)}"
-                )
-                problems.add(
-                    OPTIMIZER,
-                    f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, {found}",
-                )
-            elif elementwise and not _state_value(key, value):
-                problems.add(
-                    STATE,
-                    f"optimizer state {key!r} of parameter {pid} is a {type(value).__name__} "
-                    f"({_short(value)}),"
-                    f" not a {'number or one-element tensor' if key == 'step' else 'tensor'}",
-                )
-            elif (
-                elementwise
-                and isinstance(value, torch.Tensor)
-                and value.dim() > 0
-                and (value.shape != param.shape or value.dtype != param.dtype)
-            ):
-                problems.add(
-                    OPTIMIZER,
-                    f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, "
-                    f"the parameter is {param.dtype} {list(param.shape)}",
-                )
-    return saved
+    return params
+
+
+def _check_state_entry(
+    target: Any,
+    pid: Any,
+    param: torch.Tensor,
+    key: str,
+    value: Any,
+    *,
+    elementwise: bool,
+    problems: _Problems,
+) -> None:
+    """One saved per-parameter state value (``exp_avg``, ``step``): a tensor not read because it fits
+    nothing of the target, or, for a built-in optimizer, a value of the wrong kind or shape."""
+    if isinstance(value, torch.Tensor) and value.is_meta:  # not read: it fits nothing of the target
+        live = target.state.get(param, {}).get(key)
+        found = (
+            f"the target's is {live.dtype} {list(live.shape)}"
+            if isinstance(live, torch.Tensor)
+            else f"the parameter is {param.dtype} {list(param.shape)}"
+        )
+        problems.add(
+            OPTIMIZER, f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, {found}"
+        )
+    elif elementwise and not _state_value(key, value):
+        problems.add(
+            STATE,
+            f"optimizer state {key!r} of parameter {pid} is a {type(value).__name__} "
+            f"({_short(value)}),"
+            f" not a {'number or one-element tensor' if key == 'step' else 'tensor'}",
+        )
+    elif (
+        elementwise
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and (value.shape != param.shape or value.dtype != param.dtype)
+    ):
+        problems.add(
+            OPTIMIZER,
+            f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, "
+            f"the parameter is {param.dtype} {list(param.shape)}",
+        )
 
 
 def _number(value: Any) -> bool:
