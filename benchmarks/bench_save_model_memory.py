@@ -60,8 +60,9 @@ def _model(width: int, blocks: int, vocab: int) -> torch.nn.Module:
 
 def _whole_gather_save(dist: Any, model: torch.nn.Module, folder: Path) -> None:
     """save_model before each rank wrote its share: everything gathered onto rank 0, which writes."""
-    from faccel._checkpoint._sharded._fsdp_state import full_state
-    from faccel._hf._save_model import _configs, _write_model, parse_size
+    from faccel._checkpoint._strategies._fsdp import full_state
+    from faccel._hf._naming import parse_size
+    from faccel._hf._save_model import _configs, _write_model
     from faccel._storage._weights import model_tensors
 
     whole = full_state(model, None)[0]

@@ -51,7 +51,7 @@ if (
     from faccel._dist._signals import stop_signal as stop_signal
     from faccel._dist._state import DistState as DistState
     from faccel._dist._state import state_from_env as state_from_env
-    from faccel._hf._save_model import load_model as load_model
+    from faccel._hf._load_model import load_model as load_model
     from faccel._hf._save_model import save_model as save_model
     from faccel._loop._accumulate import accumulate as accumulate
     from faccel._loop._accumulate import micro_batches as micro_batches

@@ -20,12 +20,9 @@ import torch
 
 from faccel._checkpoint._capture import is_stateful
 from faccel._checkpoint._format import STATE
-from faccel._checkpoint._sharded._fsdp_state import load_full_state
+from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import Loadable
-from faccel._loop._deepspeed import is_deepspeed_engine
-from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._zero_state import load_full_state as load_deepspeed_state
-from faccel._torch_compat import is_dtensor
+from faccel._loop._model import unwrap_model
 from faccel._train_state import TrainState
 from faccel._tree import paired_leaves, rebuild
 from faccel.errors import CheckpointError
@@ -91,17 +88,13 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
         _into(where, "scaler", state.scaler, dict(loadable.scaler))
     if state.scheduler is not None and loadable.scheduler is not None:
         _into(where, "scheduler", state.scheduler, dict(loadable.scheduler))
-    model = unwrap_model(state.model)
-    if is_deepspeed_engine(state.model):
-        # Whole tensors into ZeRO's partitions. A collective under ZeRO-3: every rank takes part.
-        load_deepspeed_state(state.model, state.optimizer, loadable.model, loadable.optimizer)
-    elif is_sharded(model) and not any(is_dtensor(t) for t in loadable.model.values()):
-        # Whole tensors (versions 1 and 3). A collective: every rank scatters them into its own shards.
-        load_full_state(model, state.optimizer, loadable.model, loadable.optimizer)
-    else:  # plain tensors, or (version 2 into FSDP2) DTensors holding this rank's rows
+    # The strategy loads its own way where it must (FSDP2 scatters whole tensors into each rank's
+    # shards, ZeRO into its partitions: collectives, every rank takes part); else load_state_dict.
+    strategy = strategy_of(state.model)
+    if not strategy.load(state.model, state.optimizer, loadable.model, loadable.optimizer):
         if state.optimizer is not None:
             _into(where, "optimizer", state.optimizer, dict(loadable.optimizer))
-        _into(where, "model", model, dict(loadable.model))  # strict: every key, checked
+        _into(where, "model", unwrap_model(state.model), dict(loadable.model))  # strict: every key, checked
     if rng is not None and new_rank:
         seed = new_rank_seed(rng["seed"], loadable.step, rng["rank"])
         random.seed(seed)

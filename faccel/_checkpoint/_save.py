@@ -29,7 +29,6 @@ from typing import Any
 
 import attrs
 import torch
-from torch import nn
 
 from faccel._checkpoint._background import Meeting
 from faccel._checkpoint._background import staged as host_copies
@@ -66,20 +65,12 @@ from faccel._checkpoint._format import (
     rng_name,
     shard_name,
 )
-from faccel._checkpoint._sharded._flow import (
-    exchange_records,
-    page_content,
-    plan_pieces,
-    row_split,
-)
-from faccel._checkpoint._sharded._fsdp_state import full_state, sharded_state
+from faccel._checkpoint._sharded._flow import exchange_records, page_content, plan_pieces
 from faccel._checkpoint._sharded._shard_file import write_shard
+from faccel._checkpoint._strategies import StrategyState, strategy_of
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import is_deepspeed_engine
-from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._zero_state import full_state as deepspeed_full_state
 from faccel._storage._durable import FileRecord, in_parallel
 from faccel._storage._roots import shown, spot_of
 from faccel._storage._safetensors import plan
@@ -358,23 +349,24 @@ def checkpoint(
     _agree(dist, root, train_state, replace=replace)
     dist.runtime.roots.add(_root_name(root))
 
-    model = unwrap_model(train_state.model)
-    fsdp = is_sharded(model)
-    if sharded and is_deepspeed_engine(train_state.model):
-        msg = (
-            "checkpoint(..., sharded=True) of a DeepSpeed run: faccel writes ZeRO's partitions as whole "
-            "tensors (gathered one at a time), which restore at any world size and ZeRO stage; pass "
-            "sharded=False or leave it out"
-        )
-        raise ArgumentValueError(msg)
-    shards = _use_shards(model, dist, fsdp=fsdp, sharded=sharded)
+    strategy = strategy_of(train_state.model)
+    shards = _use_shards(strategy, train_state.model, dist, sharded=sharded)
     # The writing rank holds the root's lock from before its leftovers are removed until the commit
     # (or failure) is over; the OS releases it if the process dies.
     held = contextlib.ExitStack()
     try:
         plan_job = _sharded_job if shards else _whole_job
         job = plan_job(
-            dist, train_state, final, temporary, rng, held, replace=replace, keep=keep, copy=not blocking
+            dist,
+            strategy,
+            train_state,
+            final,
+            temporary,
+            rng,
+            held,
+            replace=replace,
+            keep=keep,
+            copy=not blocking,
         )
     except BaseException:
         held.close()
@@ -468,6 +460,7 @@ def _record_of(raw: bytes, algorithm: str) -> FileRecord:
 
 def _whole_job(
     dist: DistState,
+    strategy: StrategyState,
     train_state: TrainState,
     final: Spot,
     temporary: Spot,
@@ -481,12 +474,16 @@ def _whole_job(
     """The whole-tensor format (version 3): rank 0 writes the tensors; every rank its generators."""
     step = train_state.step
     root = final.parent
-    model = unwrap_model(train_state.model)
-    # FSDP2 in the whole-tensor format: every rank takes part in gathering whole tensors onto
-    # rank 0, which then writes them exactly as an unsharded model's (any world size restores them).
-    whole = full_state(model, train_state.optimizer) if is_sharded(model) else None
-    if is_deepspeed_engine(train_state.model):  # ZeRO's partitions gathered whole, one tensor at a time
-        whole = deepspeed_full_state(dist, train_state.model, train_state.optimizer)
+    # A strategy that holds the state in pieces (FSDP2, ZeRO) gathers whole tensors onto rank 0,
+    # which writes them exactly as an unsharded model's (any world size restores them). Every rank
+    # takes part, inside the ranks' agreement: a peer lost in the gather is this step's named
+    # error on the survivors (issue 35, item 1), not the backend's.
+    whole = together(
+        dist,
+        lambda: strategy.whole_state(dist, train_state.model, train_state.optimizer),
+        what=f"gathering the state of the checkpoint of step {step}",
+        raises=CheckpointError,
+    )
 
     def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], Lease] | None:
         if not dist.is_main_process:
@@ -515,17 +512,12 @@ def _whole_job(
     return _Job(step=step, sharded=False, write=write, commit=commit, held=held)
 
 
-def _use_shards(model: nn.Module, dist: DistState, *, fsdp: bool, sharded: bool | None) -> bool:
-    """Whether to write the sharded format: asked for, or by default for an FSDP2 model split by rows."""
-    split = all(row_split(p, dist.world_size) for p in model.parameters()) if fsdp else True
-    if sharded and not split:
-        msg = (
-            "checkpoint(..., sharded=True): the model's parameters are not all split by rows over "
-            f"all {dist.world_size} ranks (HSDP or tensor parallelism?); the sharded format needs "
-            "that layout. Pass sharded=False (whole tensors, gathered on rank 0)"
-        )
-        raise ArgumentValueError(msg)
-    shards = split and fsdp if sharded is None else sharded
+def _use_shards(strategy: StrategyState, model: Any, dist: DistState, *, sharded: bool | None) -> bool:
+    """Whether to write the sharded format: asked for, or by the strategy's default (FSDP2 split by rows)."""
+    problem = strategy.sharded_problem(dist, model) if sharded else None
+    if problem is not None:
+        raise ArgumentValueError(problem)
+    shards = strategy.shards_by_default(dist, model) if sharded is None else sharded
     if shards and dist.world_size > MAX_SHARDED_WORLD:
         msg = (
             f"the sharded format holds up to {MAX_SHARDED_WORLD:,} ranks (1,024 rank pages of 1,024, so "
@@ -559,6 +551,7 @@ def _open_temporary(
 
 def _sharded_job(
     dist: DistState,
+    strategy: StrategyState,
     train_state: TrainState,
     final: Spot,
     temporary: Spot,
@@ -572,12 +565,11 @@ def _sharded_job(
     """The sharded format (version 2): every rank writes its own chunks; rank 0 the rest and the commit."""
     step = train_state.step
     root = final.parent
-    model = unwrap_model(train_state.model)
-    own = sharded_state(model, train_state.optimizer) if is_sharded(model) else None
 
     def planned() -> tuple[
         dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]
     ]:
+        own = strategy.shard_state(train_state.model, train_state.optimizer)
         content, files = capture(dist, train_state, own, shards=True)  # refuses unstorable values first
         index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size)
         content["tensors"] = {

@@ -38,10 +38,9 @@ from faccel._checkpoint._format import (
     manifest_version,
 )
 from faccel._checkpoint._stage import load_problem, stand_ins
+from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import DeepSpeedOptimizer, is_deepspeed_engine
-from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._zero_state import target_state
+from faccel._loop._model import unwrap_model
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs
 from faccel._storage._weights import alias_groups, compare_tensors
@@ -295,13 +294,13 @@ def _stage(
         if is_stateful(state.extras[name])
     ]
     trials += [("scaler", state.scaler, scaler), ("scheduler", state.scheduler, scheduler)]
-    target = unwrap_model(state.model)
-    # FSDP2 and DeepSpeed load through collectives: their shapes are checked (a DeepSpeed optimizer's
-    # whole-tensor state too, in _check_optimizer).
-    if not is_deepspeed_engine(state.model):
+    # What loads through collectives (FSDP2's model, DeepSpeed's model and optimizer) is not tried:
+    # its shapes are checked (a DeepSpeed optimizer's whole-tensor state too, in _check_optimizer).
+    staged = strategy_of(state.model).staged
+    if "optimizer" in staged:
         trials.append(("optimizer", state.optimizer, optimizer))
-        if not is_sharded(target):
-            trials.append(("model", target, model))
+    if "model" in staged:
+        trials.append(("model", unwrap_model(state.model), model))
     for field, obj, saved in trials:
         if obj is None or saved is None or (field == "scaler" and not saved):
             continue
@@ -322,10 +321,9 @@ def _refs_by_file(content: Mapping[str, Any]) -> dict[str, set[str]]:
 
 
 def model_target(state: TrainState) -> dict[str, torch.Tensor]:
-    """The state dict a checkpoint's model must fit: a DeepSpeed ZeRO-3 parameter's whole shape."""
-    if is_deepspeed_engine(state.model):
-        return target_state(state.model)
-    return dict(unwrap_model(state.model).state_dict())
+    """The state dict a checkpoint's model must fit (the strategy's: a DeepSpeed ZeRO-3 parameter's
+    whole shape)."""
+    return strategy_of(state.model).target(state.model)
 
 
 def _check_model(
@@ -394,12 +392,27 @@ def _check_optimizer(
         return {}
     # A DeepSpeed run's groups hold ZeRO's flat partitions: its checkpoint numbers the model's
     # parameters (whole shapes, float32 state) as the torch optimizer held them before ZeRO.
-    live_groups = target.param_groups
-    if isinstance(target, DeepSpeedOptimizer):
-        live_groups = target.checkpoint_groups()
+    live_groups, inner = strategy_of(state.model).optimizer_view(target)
     if len(groups) != len(live_groups):
         problems.add(STATE, f"{len(groups)} optimizer param groups saved, the target has {len(live_groups)}")
         return saved
+    params = _check_param_groups(groups, live_groups, problems)
+    elementwise = class_name(inner) in _ELEMENTWISE
+    for pid, entry in entries.items():
+        param = params.get(pid)
+        if param is None or not isinstance(entry, dict):
+            problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
+            continue
+        for key, value in entry.items():
+            _check_state_entry(target, pid, param, key, value, elementwise=elementwise, problems=problems)
+    return saved
+
+
+def _check_param_groups(
+    groups: list[Any], live_groups: list[dict[str, Any]], problems: _Problems
+) -> dict[int, torch.Tensor]:
+    """Each saved param group against the live one: its parameter ids, their count, and its
+    hyperparameters' names and kinds. Returns the live parameter of each saved id."""
     params: dict[int, torch.Tensor] = {}
     for number, (group, live) in enumerate(zip(groups, live_groups, strict=True)):
         ids = group.get("params") if isinstance(group, dict) else None
@@ -424,44 +437,49 @@ def _check_optimizer(
             for key in sorted(saved_keys, key=str):
                 _check_kind(group[key], live[key], f"param group {number}'s {key!r}", problems)
         params.update(zip(ids, live["params"], strict=True))
-    inner = target.optimizer if isinstance(target, DeepSpeedOptimizer) else target
-    elementwise = class_name(inner) in _ELEMENTWISE
-    for pid, entry in entries.items():
-        param = params.get(pid)
-        if param is None or not isinstance(entry, dict):
-            problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
-            continue
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.is_meta:  # not read: it fits nothing of the target
-                live = target.state.get(param, {}).get(key)
-                found = (
-                    f"the target's is {live.dtype} {list(live.shape)}"
-                    if isinstance(live, torch.Tensor)
-                    else f"the parameter is {param.dtype} {list(param.shape)}"
-                )
-                problems.add(
-                    OPTIMIZER,
-                    f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, {found}",
-                )
-            elif elementwise and not _state_value(key, value):
-                problems.add(
-                    STATE,
-                    f"optimizer state {key!r} of parameter {pid} is a {type(value).__name__} "
-                    f"({_short(value)}),"
-                    f" not a {'number or one-element tensor' if key == 'step' else 'tensor'}",
-                )
-            elif (
-                elementwise
-                and isinstance(value, torch.Tensor)
-                and value.dim() > 0
-                and (value.shape != param.shape or value.dtype != param.dtype)
-            ):
-                problems.add(
-                    OPTIMIZER,
-                    f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, "
-                    f"the parameter is {param.dtype} {list(param.shape)}",
-                )
-    return saved
+    return params
+
+
+def _check_state_entry(
+    target: Any,
+    pid: Any,
+    param: torch.Tensor,
+    key: str,
+    value: Any,
+    *,
+    elementwise: bool,
+    problems: _Problems,
+) -> None:
+    """One saved per-parameter state value (``exp_avg``, ``step``): a tensor not read because it fits
+    nothing of the target, or, for a built-in optimizer, a value of the wrong kind or shape."""
+    if isinstance(value, torch.Tensor) and value.is_meta:  # not read: it fits nothing of the target
+        live = target.state.get(param, {}).get(key)
+        found = (
+            f"the target's is {live.dtype} {list(live.shape)}"
+            if isinstance(live, torch.Tensor)
+            else f"the parameter is {param.dtype} {list(param.shape)}"
+        )
+        problems.add(
+            OPTIMIZER, f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, {found}"
+        )
+    elif elementwise and not _state_value(key, value):
+        problems.add(
+            STATE,
+            f"optimizer state {key!r} of parameter {pid} is a {type(value).__name__} "
+            f"({_short(value)}),"
+            f" not a {'number or one-element tensor' if key == 'step' else 'tensor'}",
+        )
+    elif (
+        elementwise
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and (value.shape != param.shape or value.dtype != param.dtype)
+    ):
+        problems.add(
+            OPTIMIZER,
+            f"state {key!r} of parameter {pid} is {value.dtype} {list(value.shape)}, "
+            f"the parameter is {param.dtype} {list(param.shape)}",
+        )
 
 
 def _number(value: Any) -> bool:

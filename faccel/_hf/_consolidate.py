@@ -38,7 +38,7 @@ from faccel._checkpoint._format import (
 from faccel._checkpoint._sharded._chunks import Placed, chunks, parse_index, rows_of
 from faccel._checkpoint._sharded._flow import Pages
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
-from faccel._hf._save_model import INDEX_NAME, parse_size, shard_names, split_shards
+from faccel._hf._naming import INDEX_NAME, parse_size, shard_names, split_shards
 from faccel._storage._durable import (
     MAX_JSON,
     MAX_MANIFEST,

@@ -1,11 +1,9 @@
-"""``save_model`` and ``load_model``: a model's weights in the Hugging Face safetensors layout.
+"""``save_model``: a model's weights in the Hugging Face safetensors layout, committed as a whole.
 
 One file, ``model.safetensors``, when the weights fit ``max_shard_size``;
-otherwise shards ``model-TAG-00001-of-0000N.safetensors`` and an index
-``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
-"weight_map": {name: shard}}``), every file with the metadata
-``{"format": "pt"}``. That is what ``transformers`` and ``huggingface_hub``
-write and read (they read the shards the index names, whatever their names).
+otherwise shards and an index ``model.safetensors.index.json``
+(``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``); the
+names are ``_naming``'s, loading is ``_load_model``.
 Tied weights (two names, one tensor) are stored once, under the first name,
 and a model with the same ties gets them back tied.
 
@@ -30,9 +28,8 @@ import datetime
 import json
 import math
 import os
-import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,124 +37,36 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._folders import blocking_file
-from faccel._checkpoint._format import MODEL, MODEL_METADATA, shard_name
-from faccel._checkpoint._sharded._fsdp_state import sharded_state
+from faccel._checkpoint._strategies import StrategyState, strategy_of
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
-from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
 from faccel._hf._assign import assign, rank_files
-from faccel._hf._shard_read import load_rows
-from faccel._hf._spread_write import OwnFile, write_own
-from faccel._loop._deepspeed import is_deepspeed_engine
-from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._zero_state import (
-    gather_named,
-    has_partitioned_parameters,
-    load_full_state,
-    target_state,
-    whole_specs,
+from faccel._hf._load_model import find_layout, read_weights
+from faccel._hf._naming import (
+    INDEX_NAME,
+    METADATA,
+    SHARD_FILE,
+    TEMPORARY_FILE,
+    WEIGHTS_NAME,
+    parse_size,
+    shard_names,
+    split_shards,
 )
+from faccel._hf._spread_write import OwnFile, write_own
+from faccel._loop._model import unwrap_model
 from faccel._storage._durable import (
     MAX_JSON,
     atomic_write,
     fsync_dir,
-    read_json,
     read_verified,
     write_durably,
 )
-from faccel._storage._safetensors import TensorInfo, header_bytes, plan, read_header, read_tensors
-from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
-from faccel._storage._weights import alias_groups, compare_tensors, model_tensors
-from faccel._torch_compat import is_dtensor
+from faccel._storage._safetensors import TensorInfo, header_bytes, plan
+from faccel._storage._weights import alias_groups, model_tensors
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, CheckpointError, StorageError
+from faccel.errors import CheckpointError, StorageError
 
-__all__ = [
-    "INDEX_NAME",
-    "WEIGHTS_NAME",
-    "load_model",
-    "parse_size",
-    "save_model",
-    "shard_names",
-    "split_shards",
-]
-
-# The single-file name and metadata are the checkpoint's model file's too (one definition, in _format).
-WEIGHTS_NAME = MODEL
-INDEX_NAME = "model.safetensors.index.json"
-_METADATA = MODEL_METADATA
-# The shards a save writes (tagged) or another tool wrote (untagged): those no committed index names go.
-_SHARD = re.compile(r"model(-[0-9a-f]{8})?-\d{5}-of-\d{5}\.safetensors")
-# Temporary files of save_model's writes (atomic_write's ".tmp-" siblings), left by a crash or a failure.
-_TEMPORARY = re.compile(r"\.tmp-(model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)")
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or text like ``"5GB"`` (10^9) or ``"500MiB"`` (2^20).
-
-    Example:
-        >>> parse_size("5GB"), parse_size("2KiB"), parse_size(100)
-        (5000000000, 2048, 100)
-    """
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", size, flags=re.IGNORECASE)
-        if match is None:
-            msg = f"max_shard_size must be bytes (int) or text like '5GB' or '500MiB', got {size!r}"
-            raise ArgumentValueError(msg)
-        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    if value < 1:
-        msg = f"max_shard_size must be at least 1 byte, got {size!r}"
-        raise ArgumentValueError(msg)
-    return value
-
-
-def split_shards(sizes: Mapping[str, int], max_shard_size: int) -> list[list[str]]:
-    """Group tensor names, in order, into shards of at most ``max_shard_size`` bytes.
-
-    Greedy, as ``huggingface_hub`` does it: a tensor that does not fit the
-    current shard starts the next; a tensor larger than the limit gets a shard
-    of its own.
-
-    Example:
-        >>> split_shards({"a": 6, "b": 6, "c": 2, "d": 1}, 8)
-        [['a'], ['b', 'c'], ['d']]
-    """
-    shards: list[list[str]] = []
-    current: list[str] = []
-    used = 0
-    for name, size in sizes.items():
-        if current and used + size > max_shard_size:
-            shards.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += size
-    if current or not shards:
-        shards.append(current)
-    return shards
-
-
-def shard_names(count: int, tag: str | None = None) -> list[str]:
-    """File names of ``count`` shards, as Hugging Face names them, with ``tag`` when given.
-
-    :func:`save_model` tags the shards of each sharded save (8 hex digits, new
-    for each save) so that they never replace the shards the committed index
-    names; any name listed in the index's ``weight_map`` is valid for
-    ``transformers`` and ``huggingface_hub``.
-
-    Example:
-        >>> shard_names(1), shard_names(2)
-        (['model.safetensors'], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
-        >>> shard_names(2, tag="0a1b2c3d")[0]
-        'model-0a1b2c3d-00001-of-00002.safetensors'
-    """
-    if count == 1:
-        return [WEIGHTS_NAME]
-    prefix = "model" if tag is None else f"model-{tag}"
-    return [f"{prefix}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+__all__ = ["convert_weights", "save_model"]
 
 
 def _committed(directory: Path) -> set[str] | None:
@@ -192,9 +101,11 @@ def _remove_leftovers(directory: Path) -> None:
     stale = [
         name
         for name in os.listdir(directory)
-        if _TEMPORARY.fullmatch(name)
+        if TEMPORARY_FILE.fullmatch(name)
         or (
-            committed is not None and (_SHARD.fullmatch(name) or name == INDEX_NAME) and name not in committed
+            committed is not None
+            and (SHARD_FILE.fullmatch(name) or name == INDEX_NAME)
+            and name not in committed
         )
     ]
     for name in stale:
@@ -254,12 +165,12 @@ def _write_model(
     try:
         if len(groups) == 1:
             # One rename commits: model.safetensors takes precedence over any index.
-            atomic_write(directory / WEIGHTS_NAME, plan(get(groups[0]), metadata=_METADATA))
+            atomic_write(directory / WEIGHTS_NAME, plan(get(groups[0]), metadata=METADATA))
         else:
             names = shard_names(len(groups), tag=_new_tag(directory))
             for name, group in zip(names, groups, strict=True):
                 temporary = directory / f".tmp-{name}"
-                write_durably(temporary, plan(get(group), metadata=_METADATA))
+                write_durably(temporary, plan(get(group), metadata=METADATA))
                 os.replace(temporary, directory / name)  # a new name: no loader reads it yet
             fsync_dir(directory)
             weight_map = {key: name for name, group in zip(names, groups, strict=True) for key in group}
@@ -335,31 +246,44 @@ def save_model(
     target = Path(directory)
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
-    inner = unwrap_model(model)
-    configs = {name: content.encode() for name, content in _configs(inner).items()}
-    if is_sharded(inner):  # FSDP2, HSDP, tensor parallelism: every rank writes its share
-        _save_spread(dist, inner, target, limit, configs)
-        return target
-    if has_partitioned_parameters(model):  # DeepSpeed ZeRO-3: gathered tensor by tensor
-        _save_gathered(dist, model, target, limit, configs)
-        return target
-
-    def write() -> None:
-        if dist.is_main_process:
-            stored, _ = model_tensors(inner)
-            _write_model(target, stored, limit, configs)
-
-    together(dist, write, what="save_model", raises=StorageError)
+    configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
+    strategy = strategy_of(model)
+    # Who writes: the main process; every rank its share (FSDP2, HSDP, tensor parallelism); or
+    # the main process as all ranks gather tensor by tensor (DeepSpeed ZeRO-3).
+    _EXPORTS[strategy.export_kind(model)](dist, strategy, model, target, limit, configs)
     return target
 
 
+def _save_main(
+    dist: DistState,
+    strategy: StrategyState,
+    model: Any,
+    target: Path,
+    limit: int,
+    configs: Mapping[str, bytes],
+) -> None:
+    """A model every rank holds whole: the main process writes it."""
+
+    def write() -> None:
+        if dist.is_main_process:
+            stored, _ = model_tensors(unwrap_model(model))
+            _write_model(target, stored, limit, configs)
+
+    together(dist, write, what="save_model", raises=StorageError)
+
+
 def _save_gathered(
-    dist: DistState, engine: Any, target: Path, limit: int, configs: Mapping[str, bytes]
+    dist: DistState,
+    strategy: StrategyState,
+    engine: Any,
+    target: Path,
+    limit: int,
+    configs: Mapping[str, bytes],
 ) -> None:
     """DeepSpeed ZeRO-3: every rank gathers one shard's parameters at a time, one parameter at a time
     (each copied to the CPU of the main process, which writes the shard, then freed): at most one shard
     (``max_shard_size``) whole in memory."""
-    specs, aliases = whole_specs(engine)
+    specs, aliases = strategy.whole_specs(engine)
     sizes = {
         name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for name, (dtype, shape) in specs.items()
@@ -370,7 +294,7 @@ def _save_gathered(
 
     def get(group: list[str]) -> Mapping[str, torch.Tensor]:
         done.append(group)
-        return gather_named(engine, group, keep=dist.is_main_process)
+        return strategy.gather_named(engine, group, keep=dist.is_main_process)
 
     def write() -> None:
         if not dist.is_main_process:
@@ -400,7 +324,12 @@ def _prepare_folder(directory: Path) -> None:
 
 
 def _save_spread(
-    dist: DistState, module: nn.Module, target: Path, limit: int, configs: Mapping[str, bytes]
+    dist: DistState,
+    strategy: StrategyState,
+    model: Any,
+    target: Path,
+    limit: int,
+    configs: Mapping[str, bytes],
 ) -> None:
     """A sharded model's save: each rank gathers and writes only its share; rank 0 commits.
 
@@ -413,7 +342,8 @@ def _save_spread(
     holds yet, and rank 0's index rename commits them all, after it has seen
     every rank's files (the folder must be shared by the ranks).
     """
-    state = sharded_state(module, None)[0]
+    pieces = strategy.shard_state(model, None)
+    state = dict(pieces[0]) if pieces is not None else strategy.target(model)
     names = list(state)
     aliases = alias_groups(state)
     # Ties are agreed on: a rank whose piece of a tied tensor is empty cannot see the tie.
@@ -432,7 +362,7 @@ def _save_spread(
     owner = assign(sizes, dist.world_size)
     planned = rank_files(walk, sizes, owner, dist.world_size, limit)
     # Every rank builds every header: a dtype safetensors cannot hold is refused alike on all ranks.
-    headers = [header_bytes(specs, list(file.names), _METADATA) for file in planned]
+    headers = [header_bytes(specs, list(file.names), METADATA) for file in planned]
 
     def prepare() -> int:
         if not dist.is_main_process:
@@ -499,52 +429,12 @@ def _save_spread(
         raise
 
 
-_Reader = Callable[[Path, Sequence[Path]], Mapping[str, Any]]
-
-
-def _from_index(index_path: Path, read: _Reader, within: Sequence[Path]) -> dict[str, tuple[str, Any]]:
-    """``name -> (shard, entry)`` for every tensor of a sharded layout, checked against its index.
-
-    ``read`` gives a shard's entries: safetensors headers, or the tensors of ``.bin`` shards.
-    Every shard is read and checked before this returns (nothing is loaded into a model yet).
-    """
-    index = read_json(index_path, where=str(index_path), within=within)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
-        for k, v in weight_map.items()
-    ):
-        msg = f"{index_path}: needs a weight_map of tensor names to shard file names in the folder"
-        raise CheckpointError(msg)
-    layout: dict[str, tuple[str, Any]] = {}
-    problems: list[str] = []
-    for shard in sorted(set(weight_map.values())):
-        for name, entry in read(index_path.parent / shard, within).items():
-            if weight_map.get(name) != shard:
-                problems.append(f"{shard} holds {name!r}, which the index maps to {weight_map.get(name)!r}")
-            else:
-                layout[name] = (shard, entry)
-    problems += [
-        f"{name!r} is in the index but not in {shard}"
-        for name, shard in weight_map.items()
-        if name not in layout
-    ]
-    if problems:
-        msg = f"{index_path}: the index and the shards disagree: " + "; ".join(problems)
-        raise CheckpointError(msg)
-    return layout
-
-
-def _header(path: Path, within: Sequence[Path]) -> dict[str, TensorInfo]:
-    return dict(read_header(path, where=str(path), within=within).tensors)
-
-
-# The layouts load_model reads, in order of preference: (single file, index, reader of a file).
-# safetensors is read by byte ranges; the legacy .bin through torch's restricted loader.
-_LAYOUTS: tuple[tuple[str, str, _Reader], ...] = (
-    (WEIGHTS_NAME, INDEX_NAME, _header),
-    (BIN_NAME, BIN_INDEX_NAME, load_bin),
-)
+# Who writes each kind of export (the strategy says which kind, StrategyState.export_kind).
+_EXPORTS: Mapping[str, Callable[[DistState, StrategyState, Any, Path, int, Mapping[str, bytes]], None]] = {
+    "main": _save_main,
+    "spread": _save_spread,
+    "gathered": _save_gathered,
+}
 
 
 def _configs(module: nn.Module) -> dict[str, str]:
@@ -564,136 +454,6 @@ def _configs(module: nn.Module) -> dict[str, str]:
         content["architectures"] = [type(module).__name__]
         files["config.json"] = json.dumps(content, indent=2, sort_keys=True) + "\n"
     return files
-
-
-def _roots(directory: Path) -> tuple[Path, ...]:
-    """The folders load_model follows symbolic links into: ``directory`` itself (its real path)
-    and, for a Hugging Face cache snapshot (``.../snapshots/<revision>``, whose files are links
-    to ``../../blobs/<hash>``), that cache's ``blobs`` folder."""
-    real = Path(os.path.realpath(directory))
-    blobs = real.parent.parent / "blobs"
-    return (real, blobs) if real.parent.name == "snapshots" and blobs.is_dir() else (real,)
-
-
-def _layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ...]]:
-    """Every stored tensor: ``name -> (file, TensorInfo or tensor)``, from a single file or an index;
-    and the folders its files may link into (see :func:`_roots`)."""
-    within = _roots(directory)
-    for single, index, read in _LAYOUTS:
-        # lexists: a FIFO, a folder or a link in a file's place is refused by the reader, not skipped.
-        if os.path.lexists(directory / single):
-            return {name: (single, entry) for name, entry in read(directory / single, within).items()}, within
-        if os.path.lexists(directory / index):
-            return _from_index(directory / index, read, within), within
-    msg = (
-        f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
-        f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
-    )
-    if os.path.lexists(directory / shard_name(0)):  # a sharded checkpoint (version 2)
-        msg = (
-            f"{directory}: a sharded checkpoint (each rank's shard-RANK.safetensors): its weights are "
-            "not one model.safetensors; write them in the Hugging Face layout with "
-            f"python -m faccel consolidate {directory} OUT, then load OUT"
-        )
-    raise CheckpointError(msg)
-
-
-def _spec(entry: Any) -> tuple[torch.dtype, tuple[int, ...]]:
-    return entry.dtype, tuple(entry.shape)
-
-
-@setup_checked
-def load_model(
-    dist: DistState,
-    model: nn.Module,
-    directory: str | os.PathLike[str],
-    *,
-    strict: bool = True,
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Load weights saved by :func:`save_model` (or Hugging Face) into ``model``, in place.
-
-    Reads either layout: ``model.safetensors``, or the index and its shards.
-    Everything is checked before any weight is copied: every file's header
-    (every shard's, when sharded), missing and unexpected names (when
-    ``strict``), shape and dtype mismatches (always) are all listed in one
-    :class:`CheckpointError`, and the model is left untouched. Only the
-    tensors the model takes are read. Files are read only when they are
-    regular files; a symbolic link is followed only into ``directory`` itself
-    (or, in a Hugging Face cache snapshot, into the cache's ``blobs``). A name
-    the file lacks is not missing when the model ties it to a name the file
-    has. Every rank reads the files (they must be visible to all ranks).
-
-    Args:
-        dist: The run's :class:`DistState`.
-        model: The model, wrapped by :func:`prepare` or not.
-        directory: The folder holding the weights.
-        strict: Refuse missing and unexpected names.
-
-    Returns:
-        ``(missing, unexpected)`` names (both empty when ``strict``).
-
-    Raises:
-        CheckpointError: No weights in ``directory``, an inconsistent index,
-            a malformed file (or one that is not a regular file, or a link
-            out of ``directory``), or a mismatch with the model.
-
-    Example:
-        >>> import tempfile, torch, faccel
-        >>> dist, folder = faccel.detect({}), tempfile.mkdtemp()
-        >>> _ = faccel.save_model(dist, torch.nn.Linear(3, 2), folder)
-        >>> faccel.load_model(dist, torch.nn.Linear(3, 2), folder)
-        ((), ())
-        >>> faccel.load_model(dist, torch.nn.Linear(4, 2), folder)
-        Traceback (most recent call last):
-        ...
-        faccel.errors.CheckpointError: ...'weight' has shape [2, 3] in the file, [2, 4] in the model
-    """
-    folder = Path(directory)
-    layout, within = _layout(folder)
-    inner = unwrap_model(model)
-    deepspeed = is_deepspeed_engine(model)
-    target = target_state(model) if deepspeed else inner.state_dict()
-    specs = {name: _spec(entry) for name, (_, entry) in layout.items()}
-    if deepspeed:  # ZeRO-3's stand-ins have no memory to tell ties by: the engine names them
-        for later, first in whole_specs(model)[1].items():
-            if later not in specs and first in specs:
-                specs[later] = specs[first]
-    missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
-    if problems:
-        msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
-        raise CheckpointError(msg)
-    wanted = set(target)
-    by_file: dict[str, list[str]] = {}
-    for name, (file, _) in layout.items():
-        if name in wanted:
-            by_file.setdefault(file, []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            # A sharded model's DTensors: each rank reads (or keeps) its own rows only (_shard_read).
-            shards = {name: (layout[name][1], target[name]) for name in names if is_dtensor(target[name])}
-            names = [name for name in names if name not in shards]
-            if isinstance(layout[next(iter(shards), names[0] if names else "")][1], torch.Tensor):
-                for entry, live in shards.values():  # .bin: read whole, then kept by rows
-                    copy_box(entry, live)
-            elif shards:
-                load_rows(folder / file, shards, within=within)
-            if not names:
-                continue
-            if isinstance(layout[names[0]][1], torch.Tensor):  # .bin: the entries are the tensors
-                tensors = {name: layout[name][1] for name in names}
-            else:  # safetensors: the entries say where to read
-                tensors = _read_tensors(folder / file, {name: layout[name][1] for name in names}, within)
-            if deepspeed:  # into ZeRO's partitions and fp32 masters too (a collective under ZeRO-3)
-                load_full_state(model, None, tensors, None)
-            else:
-                inner.load_state_dict(tensors, strict=False)
-    return tuple(missing), tuple(unexpected)
-
-
-def _read_tensors(
-    path: Path, infos: Mapping[str, TensorInfo], within: Sequence[Path]
-) -> dict[str, torch.Tensor]:
-    return read_tensors(path, infos, where=str(path), within=within)
 
 
 def convert_weights(
@@ -720,15 +480,15 @@ def convert_weights(
         ['model.safetensors']
     """
     folder, out = Path(source), Path(target)
-    layout, within = _layout(folder)
+    found, within = find_layout(folder)
     by_file: dict[str, dict[str, TensorInfo]] = {}
-    for name, (file, entry) in layout.items():
+    for name, (file, entry) in found.items():
         if not isinstance(entry, torch.Tensor):
             by_file.setdefault(file, {})[name] = entry
-    read = {file: _read_tensors(folder / file, infos, within) for file, infos in by_file.items()}
+    read = {file: read_weights(folder / file, infos, within) for file, infos in by_file.items()}
     tensors = {
         name: entry if isinstance(entry, torch.Tensor) else read[file][name]
-        for name, (file, entry) in layout.items()
+        for name, (file, entry) in found.items()
     }
     aliases = alias_groups(tensors)
     stored = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in aliases}

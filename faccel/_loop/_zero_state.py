@@ -241,9 +241,26 @@ def load_full_state(
 
     Without an optimizer state (``load_model``), the masters are set from the weights: else the
     next step would put ZeRO's old masters back into the model."""
+    _load_module(engine, model_state)
+    if _stage(engine) == 0:
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.optimizer.load_state_dict(dict(optimizer_state))
+        _load_masters(engine, {}, model_state)  # DeepSpeed's fp16/bf16 optimizer at stage 0
+        return
+    saved_state: Mapping[int, Mapping[str, Any]] = optimizer_state["state"] if optimizer_state else {}
+    groups = optimizer.groups if optimizer is not None else []
+    if optimizer is not None and optimizer_state is not None:
+        _load_partition_states(engine, optimizer, optimizer_state)
+        _load_counters(engine, optimizer_state)
+    index_of = {id(p): i for i, p in enumerate(p for params in groups for p in params)}
+    _load_masters(engine, {p: saved_state[i] for p, i in index_of.items() if i in saved_state}, model_state)
+
+
+def _load_module(engine: Any, model_state: Mapping[str, torch.Tensor]) -> None:
+    """The module's tensors, each ZeRO-3 partitioned one gathered, set on rank 0's copy and
+    partitioned again (a collective under ZeRO-3); a name ``model_state`` lacks is left as it is."""
     import deepspeed
 
-    stage = _stage(engine)
     with torch.no_grad():
         for name, target in engine.module.state_dict(keep_vars=True).items():
             value = model_state.get(name)
@@ -254,52 +271,53 @@ def load_full_state(
                     target.data.copy_(value)
             else:
                 target.data.copy_(value)
-    if stage == 0:
-        if optimizer is not None and optimizer_state is not None:
-            optimizer.optimizer.load_state_dict(dict(optimizer_state))
-        _load_masters(engine, {}, model_state)  # DeepSpeed's fp16/bf16 optimizer at stage 0
-        return
-    saved_state: Mapping[int, Mapping[str, Any]] = optimizer_state["state"] if optimizer_state else {}
-    groups = optimizer.groups if optimizer is not None else []
+
+
+def _load_partition_states(engine: Any, optimizer: Any, optimizer_state: Mapping[str, Any]) -> None:
+    """The torch groups' hyperparameters, and each flat partition's optimizer state entry made
+    anew from the saved one of its group's first parameter: scalars (the step) as saved, each
+    elementwise tensor a placeholder of the partition's shape that ``_load_masters`` fills."""
+    saved_state: Mapping[int, Mapping[str, Any]] = optimizer_state["state"]
     first_ids: dict[int, int] = {}
     index = 0
-    for number, params in enumerate(groups):
+    for number, params in enumerate(optimizer.groups):
         for _ in params:
             if index in saved_state:
                 first_ids.setdefault(number, index)
             index += 1
-    zero = engine.optimizer
-    if optimizer is not None and optimizer_state is not None:
-        for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        torch_state = optimizer.optimizer.state
-        for number, flat in _flat_partitions(engine):
-            live = torch_state.get(flat) or {}
-            if number not in first_ids:
-                torch_state.pop(flat, None)
+    for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    torch_state = optimizer.optimizer.state
+    for number, flat in _flat_partitions(engine):
+        live = torch_state.get(flat) or {}
+        if number not in first_ids:
+            torch_state.pop(flat, None)
+            continue
+        fresh: dict[str, Any] = {}
+        for key, value in saved_state[first_ids[number]].items():
+            if key == FP32_MASTER:
                 continue
-            fresh: dict[str, Any] = {}
-            for key, value in saved_state[first_ids[number]].items():
-                if key == FP32_MASTER:
-                    continue
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    kept = live.get(key)
-                    fit = isinstance(kept, torch.Tensor) and kept.shape == flat.shape
-                    fresh[key] = kept if fit else torch.zeros_like(flat)
-                else:
-                    fresh[key] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
-            torch_state[flat] = fresh
-        _relink(engine, torch_state)
-        counters = optimizer_state.get("deepspeed", {}).get("counters", {})
-        for name in _COUNTERS:
-            if name in counters:
-                setattr(engine, name, int(counters[name]))
-        scaler = getattr(zero, "loss_scaler", None)
-        for key, value in optimizer_state.get("deepspeed", {}).get("loss_scaler", {}).items():
-            if scaler is not None and hasattr(scaler, key):
-                setattr(scaler, key, value)
-    index_of = {id(p): i for i, p in enumerate(p for params in groups for p in params)}
-    _load_masters(engine, {p: saved_state[i] for p, i in index_of.items() if i in saved_state}, model_state)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                kept = live.get(key)
+                fit = isinstance(kept, torch.Tensor) and kept.shape == flat.shape
+                fresh[key] = kept if fit else torch.zeros_like(flat)
+            else:
+                fresh[key] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
+        torch_state[flat] = fresh
+    _relink(engine, torch_state)
+
+
+def _load_counters(engine: Any, optimizer_state: Mapping[str, Any]) -> None:
+    """The engine's step counters and the fp16 loss scaler's numbers, as saved."""
+    saved = optimizer_state.get("deepspeed", {})
+    counters = saved.get("counters", {})
+    for name in _COUNTERS:
+        if name in counters:
+            setattr(engine, name, int(counters[name]))
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for key, value in saved.get("loss_scaler", {}).items():
+        if scaler is not None and hasattr(scaler, key):
+            setattr(scaler, key, value)
 
 
 def _load_masters(

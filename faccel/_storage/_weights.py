@@ -64,7 +64,7 @@ def model_tensors(
     wrappers and never imports them).
 
     ``whole``: the gathered state dict of an FSDP2 model, or with ``shards``
-    its sharded one (DTensors, for the sharded format; see ``_checkpoint._sharded._fsdp_state``).
+    its sharded one (DTensors, for the sharded format; see ``_checkpoint._strategies._fsdp``).
     """
     state = dict(model.state_dict()) if whole is None else dict(whole)
     sharded = [name for name, tensor in state.items() if is_dtensor(tensor)]

@@ -57,9 +57,18 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: s
             tdist.destroy_process_group()
 
 
-def run(fn: Callable[..., Any], world_size: int = 2, *, timeout: float = 90, **kwargs: Any) -> list[Any]:
+def run(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    timeout: float = 90,
+    lost: tuple[int, ...] = (),
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``world_size`` processes; return each rank's result.
 
+    ``lost``: ranks that end their own process on purpose (``os._exit``, a peer dying in a test);
+    their result is None, and a report from one of them is an error.
     Raises AssertionError with every failing rank's traceback, or on a timeout.
     """
     import torch.distributed as tdist
@@ -91,8 +100,9 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, timeout: float = 90, **k
     errors = [
         f"rank {rank}: " + (report["error"] if report else "no report (crashed or hung)")
         for rank, report in enumerate(reports)
-        if not report or not report["ok"]
+        if (not report or not report["ok"]) and rank not in lost
     ]
+    errors += [f"rank {rank}: reported, but it was to die" for rank in lost if reports[rank] is not None]
     if hung or errors:
         raise AssertionError(f"hung ranks: {hung}\n" + "\n".join(errors))
-    return [report["result"] for report in reports]
+    return [None if report is None else report["result"] for report in reports]

@@ -214,7 +214,7 @@ def _train_blocks(dist: Any, steps: int = 3) -> tuple[torch.nn.Module, torch.opt
 def sharded_state_round_trip() -> dict[str, Any]:
     """FSDP2 on 2 ranks: gather whole state dicts, scatter them into a fresh sharded model."""
     import faccel
-    from faccel._checkpoint._sharded._fsdp_state import full_state, load_full_state
+    from faccel._checkpoint._strategies._fsdp import full_state, load_full_state
 
     dist = faccel.detect(strategy="fsdp")
     model, optimizer = _train_blocks(dist)

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from faccel._storage._safetensors import DTYPE_CODES, dtype_of_code, valid_shape
+from faccel._torch_compat import is_dtensor
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "hash_rows",
     "overlaps",
     "parse_index",
+    "row_split",
     "rows_of",
 ]
 
@@ -189,6 +191,30 @@ def assign(
         placed[key] = Placed(dtype=dtype, shape=shape, block=max(1, rows), first=rank)
         heapq.heappush(heap, (load + sizes[key], rank))
     return {key: placed[key] for key in tensors}
+
+
+def row_split(tensor: Any, world: int) -> bool:
+    """Whether ``tensor`` is a DTensor split by rows over all ``world`` ranks, as FSDP2 shards:
+    one mesh dimension of ``world`` ranks in order, ``Shard(0)``.
+
+    Example:
+        >>> import torch
+        >>> row_split(torch.zeros(2), 1)
+        False
+    """
+    if not is_dtensor(tensor):
+        return False
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    return (
+        mesh.ndim == 1
+        and mesh.mesh.flatten().tolist() == list(range(world))
+        and len(tensor.placements) == 1
+        and isinstance(tensor.placements[0], Shard)
+        and tensor.placements[0].dim == 0
+        and tensor.dim() > 0
+    )
 
 
 def parse_index(raw: Any, world: int, *, where: str) -> dict[str, dict[str, Placed]]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, RANKS_FORMAT, page_name, shard_name
-from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, rows_of
+from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, row_split, rows_of
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
@@ -49,37 +49,12 @@ __all__ = [
     "page_content",
     "plan_pieces",
     "read_tensors",
-    "row_split",
 ]
 
 # The tensor groups of a sharded checkpoint: the names state.json's tensor references use.
 GROUPS = {MODEL: "model", OPTIMIZER: "optimizer"}
 # Reading threads: pread and SHA-256 release the GIL.
 _READERS = 4
-
-
-def row_split(tensor: Any, world: int) -> bool:
-    """Whether ``tensor`` is a DTensor split by rows over all ``world`` ranks, as FSDP2 shards:
-    one mesh dimension of ``world`` ranks in order, ``Shard(0)``.
-
-    Example:
-        >>> import torch
-        >>> row_split(torch.zeros(2), 1)
-        False
-    """
-    if not is_dtensor(tensor):
-        return False
-    from torch.distributed.tensor import Shard
-
-    mesh = tensor.device_mesh
-    return (
-        mesh.ndim == 1
-        and mesh.mesh.flatten().tolist() == list(range(world))
-        and len(tensor.placements) == 1
-        and isinstance(tensor.placements[0], Shard)
-        and tensor.placements[0].dim == 0
-        and tensor.dim() > 0
-    )
 
 
 def plan_pieces(

@@ -1,4 +1,7 @@
-"""State dicts of FSDP2-sharded models: each rank's shards, or whole tensors gathered and scattered.
+"""FSDP2 (and HSDP, tensor parallelism): the strategy state of a model held in DTensors.
+
+:class:`FsdpState` is its row of the strategy table; below it, its state dicts: each rank's
+shards, or whole tensors gathered and scattered.
 
 The sharded format (version 2) takes each rank's own shards
 (:func:`sharded_state`: DTensors, the optimizer state keyed by parameter index
@@ -14,12 +17,21 @@ Gathering and scattering go through ``torch.distributed.checkpoint.state_dict``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["full_state", "load_full_state", "sharded_state"]
+from faccel._checkpoint._sharded._chunks import row_split
+from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
+from faccel._checkpoint._strategies._plain import PlainState
+from faccel._loop._model import is_sharded, unwrap_model
+from faccel._torch_compat import is_dtensor, local_rows
+
+if TYPE_CHECKING:
+    from faccel._dist._state import DistState
+
+__all__ = ["FsdpState", "full_state", "load_full_state", "sharded_state"]
 
 
 def _options(**kwargs: Any) -> Any:
@@ -115,3 +127,67 @@ def load_full_state(
     # list); put back the saved values, tuples included, as load_state_dict would.
     for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"], strict=True):
         group.update({key: value for key, value in saved.items() if key != "params"})
+
+
+class FsdpState(PlainState):
+    """The strategy state of a model whose parameters are DTensors faccel made (FSDP2, HSDP, TP)."""
+
+    name = "fsdp"
+    # The model loads through set_state_dict (a collective): only the optimizer is tried on a copy.
+    staged = frozenset({"optimizer"})
+
+    def holds(self, model: object) -> bool:
+        """FSDP2's ``fully_shard`` or tensor parallelism, under faccel's wrappers."""
+        return is_sharded(unwrap_model(model))  # type: ignore[arg-type]
+
+    def whole_state(self, dist: DistState, model: Any, optimizer: Any) -> Whole | None:
+        """The whole state gathered on rank 0 (a collective)."""
+        return full_state(unwrap_model(model), optimizer)
+
+    def shard_state(self, model: Any, optimizer: Any) -> Whole | None:
+        """This rank's shards (DTensors), no copy."""
+        return sharded_state(unwrap_model(model), optimizer)
+
+    def _split(self, dist: DistState, model: object) -> bool:
+        return all(row_split(p, dist.world_size) for p in unwrap_model(model).parameters())  # type: ignore[arg-type]
+
+    def sharded_problem(self, dist: DistState, model: object) -> str | None:
+        """Parameters not split by rows over all ranks (HSDP, tensor parallelism)."""
+        if self._split(dist, model):
+            return None
+        return (
+            "checkpoint(..., sharded=True): the model's parameters are not all split by rows over "
+            f"all {dist.world_size} ranks (HSDP or tensor parallelism?); the sharded format needs "
+            "that layout. Pass sharded=False (whole tensors, gathered on rank 0)"
+        )
+
+    def shards_by_default(self, dist: DistState, model: object) -> bool:
+        """The sharded format whenever it can hold the model: no rank gathers the whole state."""
+        return self._split(dist, model)
+
+    def ownership(self, model: object) -> Ownership:
+        """Every name; of a row-split DTensor, its local rows."""
+        rows = {
+            name: local_rows(tensor)
+            for name, tensor in self.target(model).items()
+            if is_dtensor(tensor) and row_split(tensor, tensor.device_mesh.size())  # type: ignore[attr-defined]
+        }
+        return Ownership(rows=rows)
+
+    def load(
+        self,
+        model: Any,
+        optimizer: Any,
+        model_state: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, Any] | None,
+    ) -> bool:
+        """Whole tensors (versions 1 and 3) scattered into each rank's shards (a collective);
+        DTensors of this rank's rows (version 2): through ``load_state_dict``."""
+        if any(is_dtensor(t) for t in model_state.values()):
+            return False
+        load_full_state(unwrap_model(model), optimizer, model_state, optimizer_state)
+        return True
+
+    def export_kind(self, model: object) -> ExportKind:
+        """Every rank writes its share, never the whole model on one rank."""
+        return "spread"

@@ -1,0 +1,208 @@
+"""``load_model``: weights in the Hugging Face layout (or the legacy ``.bin``) into a model, checked first.
+
+Either layout is read (the single file, or the index and its shards; names in ``_naming``),
+safetensors by byte ranges and ``.bin`` through torch's restricted loader. Every header is
+read and every name, shape and dtype compared with the model's before any weight is copied; a
+sharded model's DTensors take only their own rows (``_shard_read``), and the model's strategy
+loads the rest (``_checkpoint/_strategies``: ZeRO into its partitions).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from faccel._checkpoint._format import shard_name
+from faccel._checkpoint._strategies import strategy_of
+from faccel._dist._dtensor import copy_box
+from faccel._dist._state import DistState
+from faccel._hf._naming import INDEX_NAME, WEIGHTS_NAME
+from faccel._hf._shard_read import load_rows
+from faccel._storage._durable import read_json
+from faccel._storage._safetensors import TensorInfo, read_header, read_tensors
+from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
+from faccel._storage._weights import compare_tensors
+from faccel._torch_compat import is_dtensor
+from faccel._typecheck import setup_checked
+from faccel.errors import CheckpointError
+
+__all__ = ["find_layout", "load_model", "read_weights"]
+
+_Reader = Callable[[Path, Sequence[Path]], Mapping[str, Any]]
+
+
+def _from_index(index_path: Path, read: _Reader, within: Sequence[Path]) -> dict[str, tuple[str, Any]]:
+    """``name -> (shard, entry)`` for every tensor of a sharded layout, checked against its index.
+
+    ``read`` gives a shard's entries: safetensors headers, or the tensors of ``.bin`` shards.
+    Every shard is read and checked before this returns (nothing is loaded into a model yet).
+    """
+    index = read_json(index_path, where=str(index_path), within=within)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+        for k, v in weight_map.items()
+    ):
+        msg = f"{index_path}: needs a weight_map of tensor names to shard file names in the folder"
+        raise CheckpointError(msg)
+    layout: dict[str, tuple[str, Any]] = {}
+    problems: list[str] = []
+    for shard in sorted(set(weight_map.values())):
+        for name, entry in read(index_path.parent / shard, within).items():
+            if weight_map.get(name) != shard:
+                problems.append(f"{shard} holds {name!r}, which the index maps to {weight_map.get(name)!r}")
+            else:
+                layout[name] = (shard, entry)
+    problems += [
+        f"{name!r} is in the index but not in {shard}"
+        for name, shard in weight_map.items()
+        if name not in layout
+    ]
+    if problems:
+        msg = f"{index_path}: the index and the shards disagree: " + "; ".join(problems)
+        raise CheckpointError(msg)
+    return layout
+
+
+def _header(path: Path, within: Sequence[Path]) -> dict[str, TensorInfo]:
+    return dict(read_header(path, where=str(path), within=within).tensors)
+
+
+# The layouts load_model reads, in order of preference: (single file, index, reader of a file).
+# safetensors is read by byte ranges; the legacy .bin through torch's restricted loader.
+_LAYOUTS: tuple[tuple[str, str, _Reader], ...] = (
+    (WEIGHTS_NAME, INDEX_NAME, _header),
+    (BIN_NAME, BIN_INDEX_NAME, load_bin),
+)
+
+
+def _roots(directory: Path) -> tuple[Path, ...]:
+    """The folders load_model follows symbolic links into: ``directory`` itself (its real path)
+    and, for a Hugging Face cache snapshot (``.../snapshots/<revision>``, whose files are links
+    to ``../../blobs/<hash>``), that cache's ``blobs`` folder."""
+    real = Path(os.path.realpath(directory))
+    blobs = real.parent.parent / "blobs"
+    return (real, blobs) if real.parent.name == "snapshots" and blobs.is_dir() else (real,)
+
+
+def find_layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ...]]:
+    """Every stored tensor: ``name -> (file, TensorInfo or tensor)``, from a single file or an index;
+    and the folders its files may link into (see :func:`_roots`)."""
+    within = _roots(directory)
+    for single, index, read in _LAYOUTS:
+        # lexists: a FIFO, a folder or a link in a file's place is refused by the reader, not skipped.
+        if os.path.lexists(directory / single):
+            return {name: (single, entry) for name, entry in read(directory / single, within).items()}, within
+        if os.path.lexists(directory / index):
+            return _from_index(directory / index, read, within), within
+    msg = (
+        f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
+        f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
+    )
+    if os.path.lexists(directory / shard_name(0)):  # a sharded checkpoint (version 2)
+        msg = (
+            f"{directory}: a sharded checkpoint (each rank's shard-RANK.safetensors): its weights are "
+            "not one model.safetensors; write them in the Hugging Face layout with "
+            f"python -m faccel consolidate {directory} OUT, then load OUT"
+        )
+    raise CheckpointError(msg)
+
+
+def _spec(entry: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+    return entry.dtype, tuple(entry.shape)
+
+
+@setup_checked
+def load_model(
+    dist: DistState,
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Load weights saved by :func:`save_model` (or Hugging Face) into ``model``, in place.
+
+    Reads either layout: ``model.safetensors``, or the index and its shards.
+    Everything is checked before any weight is copied: every file's header
+    (every shard's, when sharded), missing and unexpected names (when
+    ``strict``), shape and dtype mismatches (always) are all listed in one
+    :class:`CheckpointError`, and the model is left untouched. Only the
+    tensors the model takes are read. Files are read only when they are
+    regular files; a symbolic link is followed only into ``directory`` itself
+    (or, in a Hugging Face cache snapshot, into the cache's ``blobs``). A name
+    the file lacks is not missing when the model ties it to a name the file
+    has. Every rank reads the files (they must be visible to all ranks).
+
+    Args:
+        dist: The run's :class:`DistState`.
+        model: The model, wrapped by :func:`prepare` or not.
+        directory: The folder holding the weights.
+        strict: Refuse missing and unexpected names.
+
+    Returns:
+        ``(missing, unexpected)`` names (both empty when ``strict``).
+
+    Raises:
+        CheckpointError: No weights in ``directory``, an inconsistent index,
+            a malformed file (or one that is not a regular file, or a link
+            out of ``directory``), or a mismatch with the model.
+
+    Example:
+        >>> import tempfile, torch, faccel
+        >>> dist, folder = faccel.detect({}), tempfile.mkdtemp()
+        >>> _ = faccel.save_model(dist, torch.nn.Linear(3, 2), folder)
+        >>> faccel.load_model(dist, torch.nn.Linear(3, 2), folder)
+        ((), ())
+        >>> faccel.load_model(dist, torch.nn.Linear(4, 2), folder)
+        Traceback (most recent call last):
+        ...
+        faccel.errors.CheckpointError: ...'weight' has shape [2, 3] in the file, [2, 4] in the model
+    """
+    folder = Path(directory)
+    layout, within = find_layout(folder)
+    strategy = strategy_of(model)
+    target = strategy.target(model)
+    specs = {name: _spec(entry) for name, (_, entry) in layout.items()}
+    # The strategy names the ties (ZeRO-3's stand-ins have no memory to tell them by).
+    for later, first in strategy.whole_specs(model)[1].items():
+        if later not in specs and first in specs:
+            specs[later] = specs[first]
+    missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
+    if problems:
+        msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
+        raise CheckpointError(msg)
+    wanted = set(target)
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _) in layout.items():
+        if name in wanted:
+            by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            # A sharded model's DTensors: each rank reads (or keeps) its own rows only (_shard_read).
+            shards = {name: (layout[name][1], target[name]) for name in names if is_dtensor(target[name])}
+            names = [name for name in names if name not in shards]
+            if isinstance(layout[next(iter(shards), names[0] if names else "")][1], torch.Tensor):
+                for entry, live in shards.values():  # .bin: read whole, then kept by rows
+                    copy_box(entry, live)
+            elif shards:
+                load_rows(folder / file, shards, within=within)
+            if not names:
+                continue
+            if isinstance(layout[names[0]][1], torch.Tensor):  # .bin: the entries are the tensors
+                tensors = {name: layout[name][1] for name in names}
+            else:  # safetensors: the entries say where to read
+                tensors = read_weights(folder / file, {name: layout[name][1] for name in names}, within)
+            # ZeRO: into its partitions and fp32 masters too (a collective under ZeRO-3).
+            strategy.load_weights(model, tensors)
+    return tuple(missing), tuple(unexpected)
+
+
+def read_weights(
+    path: Path, infos: Mapping[str, TensorInfo], within: Sequence[Path]
+) -> dict[str, torch.Tensor]:
+    return read_tensors(path, infos, where=str(path), within=within)
