@@ -47,8 +47,8 @@ def use(env: Mapping[str, str]) -> None:
     os.environ.update(env)
 
 
-@pytest.fixture(scope="session")
-def _moto_server() -> Iterator[tuple[Any, str]]:
+@pytest.fixture(scope="session", name="moto_server")
+def moto_server_fixture() -> Iterator[tuple[Any, str]]:
     pytest.importorskip("s3fs")
     server_module = pytest.importorskip("moto.server")
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -60,10 +60,10 @@ def _moto_server() -> Iterator[tuple[Any, str]]:
         server.stop()
 
 
-@pytest.fixture
-def s3(_moto_server: tuple[Any, str], monkeypatch: pytest.MonkeyPatch) -> S3:
+@pytest.fixture(name="s3")
+def s3_fixture(moto_server: tuple[Any, str], monkeypatch: pytest.MonkeyPatch) -> S3:
     """A new bucket on a local S3 server; the environment points s3fs at it for this test."""
-    server, endpoint = _moto_server
+    server, endpoint = moto_server
     env = {**_ENV, "AWS_ENDPOINT_URL": endpoint, "AWS_ENDPOINT_URL_S3": endpoint}
     for name, value in env.items():
         monkeypatch.setenv(name, value)

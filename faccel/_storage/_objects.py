@@ -42,7 +42,7 @@ import torch
 
 from faccel._storage._durable import BLAKE3, FileRecord, new_hash
 from faccel._storage._store import Entry, Lease, Spot
-from faccel.errors import CheckpointError, MissingExtraError
+from faccel.errors import ArgumentValueError, CheckpointError, MissingExtraError
 
 __all__ = ["ATTEMPTS", "LEASE_SECONDS", "ObjectStore", "object_spot"]
 
@@ -75,6 +75,13 @@ def object_spot(url: str) -> Spot:
         MissingExtraError: The protocol's package is not installed (the extra to install is named).
     """
     protocol = url.split("://", 1)[0].lower()
+    if _CREDENTIALS.match(url):
+        msg = (
+            f"{_safe(url)}: a URL with credentials in it ('user:secret@'); faccel never reads "
+            "credentials from a path (they would show in logs and errors): set them in the standard "
+            "environment variables or fsspec's configuration (docs/object-storage.md)"
+        )
+        raise ArgumentValueError(msg)
     extra = _EXTRAS.get(protocol)
     install = f"pip install 'faccel[{extra}]'" if extra else "install the fsspec package for it"
     try:
@@ -136,9 +143,18 @@ class ObjectStore:
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 return call()
+            except (FileNotFoundError, FileExistsError, NotImplementedError, TypeError):
+                raise  # answers the callers handle (absent, taken, no conditional writes)
+            except CheckpointError:
+                raise
             except Exception as error:
-                if not _transient(error):
-                    raise
+                if not _transient(error) or isinstance(error, PermissionError):
+                    msg = (
+                        f"{self.display(key)}: {what} was refused ({type(error).__name__}: "
+                        f"{_safe(str(error))[:200]}); check the URL, the bucket and the credentials "
+                        "(standard environment variables or fsspec's configuration)"
+                    )
+                    raise CheckpointError(msg) from None
                 if attempt == ATTEMPTS:
                     msg = (
                         f"{self.display(key)}: {what} failed {ATTEMPTS} times with a transient error "
