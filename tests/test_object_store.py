@@ -261,7 +261,7 @@ def test_credentials_never_appear_in_reprs_or_errors(s3: S3) -> None:
     with pytest.raises(faccel.errors.ArgumentValueError) as caught:
         faccel.restore(faccel.detect({}), _fresh(), "s3://user:hunter2@nobucket/run")
     assert "hunter2" not in str(caught.value)
-    with pytest.raises(faccel.errors.CheckpointError, match="refused|no checkpoint") as refused:
+    with pytest.raises(faccel.errors.CheckpointError, match=r"refused|no checkpoint") as refused:
         faccel.restore(faccel.detect({}), _fresh(), "s3://no-such-bucket-here/run")
     assert "testing" not in str(refused.value)
 
@@ -305,3 +305,35 @@ def test_writers_killed_at_random_moments_leave_a_whole_checkpoint_on_s3(s3: S3,
     outcomes = result["outcomes"]
     assert len(outcomes) == 6
     assert all(checked >= committed for committed, checked in outcomes)
+
+
+@pytest.mark.parametrize(("strategy", "sharded"), [("ddp", False), ("fsdp", True)])
+def test_two_gloo_ranks_round_trip_on_s3_and_restore_at_one_and_three(
+    s3: S3, strategy: str, sharded: bool
+) -> None:
+    """Each rank uploads its own objects; restores at 2, 1 and 3 ranks give back every tensor bitwise."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    root, env = f"{s3.url}/{strategy}", dict(s3.env)
+    saved = harness.run(ow.save, world_size=2, env=env, root=root, strategy=strategy, sharded=sharded)
+    assert saved[0]["state"] == saved[1]["state"]
+    shards = [name for name in saved[0]["objects"] if name.startswith("shard-")]
+    assert shards == (["shard-00000.safetensors", "shard-00001.safetensors"] if sharded else [])
+    for world in (2, 1, 3):
+        loaded = harness.run(ow.load, world_size=world, env=env, root=root, strategy=strategy)
+        assert all("error" not in r for r in loaded), loaded
+        assert all(r["state"] == saved[0]["state"] for r in loaded), world
+
+
+def test_a_background_checkpoint_uploads_on_its_thread_and_commits(s3: S3) -> None:
+    import faccel
+    from faccel._checkpoint._background import wait
+
+    dist, state = faccel.detect({}), _state(6)
+    root = f"{s3.url}/background"
+    folder = faccel.checkpoint(dist, state, root, blocking=False, sharded=True)
+    wait(dist.runtime)
+    assert faccel.latest_checkpoint(root) == folder
+    restored = faccel.restore(dist, _fresh(), root)
+    assert restored.step == 6 and _same(restored, state)
