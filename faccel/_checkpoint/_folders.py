@@ -28,7 +28,8 @@ from pathlib import Path
 
 import attrs
 
-from faccel._checkpoint._format import FORMAT, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
+from faccel._checkpoint._format import LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, trash_name
+from faccel._checkpoint._manifest import step_of
 from faccel._storage._durable import MAX_MANIFEST, fsync_dir, read_json
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
@@ -64,10 +65,7 @@ def _manifest(directory: Path) -> int | str:
         manifest = read_json(directory / MANIFEST, where=where, limit=MAX_MANIFEST)
     except (CheckpointError, OSError) as error:
         return str(error) if isinstance(error, CheckpointError) else f"{where}: {error}"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return f"{where}: not a faccel manifest (its format is not {FORMAT!r})"
-    step = manifest.get("step")
-    return step if type(step) is int else f"{where}: its step is not an integer, got {step!r}"
+    return step_of(manifest, where=where)
 
 
 def damaged_checkpoints(root: Path, *, after: int) -> list[tuple[Path, str]]:
