@@ -312,6 +312,10 @@ def _check_model(
         return {}
     aliases: dict[str, str] = section["aliases"]
     keys: list[str] = section["keys"]
+    ownership = strategy_of(state.model).ownership(state.model)
+    if not ownership.every_name:  # a rank that holds some names (a pipeline stage) checks those only
+        keys = [key for key in keys if ownership.owns(key)]
+        stored = {key: tensor for key, tensor in stored.items() if ownership.owns(key)}
     for key in keys:
         if key not in aliases and key not in stored:
             problems.add(MODEL, f"tensor {key!r} is missing")

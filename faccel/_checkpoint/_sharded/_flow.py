@@ -32,10 +32,10 @@ from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, page_name, 
 from faccel._checkpoint._manifest import RankPage
 from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, row_split, rows_of
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._loop._model import unwrap_model
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, in_parallel, parse_json, read_verified
 from faccel._storage._tagged_json import decode
 from faccel._torch_compat import is_dtensor, local_rows
@@ -162,8 +162,9 @@ class Pages:
 
 def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
-    model = dict(unwrap_model(state.model).state_dict())
-    found: dict[str, Any] = {"model": model, "optimizer": {}}
+    strategy = strategy_of(state.model)
+    model = strategy.target(state.model)
+    found: dict[str, Any] = {"model": model, "optimizer": {}, "ownership": strategy.ownership(state.model)}
     if state.optimizer is None:
         return found
     section = content.get("optimizer")
@@ -235,8 +236,11 @@ def read_tensors(
     targets = _targets(state, content, where)
     pages = Pages(directory, records, world)
     jobs: list[tuple[str, str, Placed, Any, int, int]] = []
+    ownership = targets["ownership"]
     for group, entries in index.items():
         for key, placed in entries.items():
+            if group == "model" and not ownership.owns(key):
+                continue  # another rank's (a pipeline stage's): neither read nor checked here
             live = _target_for(targets, group, key, placed)
             start, stop = 0, rows_of(placed.shape)
             if is_dtensor(live) and row_split(live, live.device_mesh.size()):
