@@ -28,7 +28,12 @@ def main(kills: int, seed: int) -> None:
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        result = test_gather_kills.kill_loop(Path(folder), kills=kills, seed=seed)
+        result = test_gather_kills.kill_loop(
+            Path(folder),
+            kills=kills,
+            seed=seed,
+            report=lambda so_far: print(json.dumps(test_gather_kills.summary(so_far)), flush=True),
+        )
     counts = test_gather_kills.summary(result)
     errors = Counter(t["survivor"]["error"] for t in result["trials"] if t["survivor"])
     print(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import faccel
-from faccel._hf._consolidate import _specs_and_reader
+from faccel._checkpoint._weights_reader import open_weights as _specs_and_reader
 from faccel.errors import CheckpointError
 from tests.manifests import rehash
 

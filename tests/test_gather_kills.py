@@ -104,33 +104,36 @@ def kill_trial(root: Path, out: Path, *, stage: int, victim: int, chooser: rando
         del store
 
 
-def kill_loop(folder: Path, *, kills: int, seed: int) -> dict[str, Any]:
-    """``kills`` trials (stages 2 and 3 in turn, the victim drawn), then every root restored."""
+def kill_loop(folder: Path, *, kills: int, seed: int, batch: int = 10, report: Any = None) -> dict[str, Any]:
+    """``kills`` trials (stages 2 and 3 in turn, the victim drawn); after each ``batch`` of them,
+    their roots restored at world size 1, each at the other stage; ``report(result)`` then."""
     chooser = random.Random(seed)
-    trials = []
-    for number in range(kills):
-        stage = (2, 3)[number % 2]
-        trial = kill_trial(
-            folder / f"root-{number}",
-            folder / f"out-{number}",
-            stage=stage,
-            victim=chooser.randrange(2),
-            chooser=chooser,
-        )
-        trials.append(trial)
-    restored: list[dict[str, Any]] = []
-    for stage in (2, 3):  # each root restored at the other stage, at world size 1
-        roots = [str(folder / f"root-{n}") for n in range(kills) if (2, 3)[n % 2] != stage]
-        if roots:
-            (found,) = harness.run(
-                gather_workers.restore_each,
-                world_size=1,
-                timeout=120 + 30 * len(roots),
-                roots=roots,
-                stage=stage,
+    result: dict[str, Any] = {"trials": [], "restored": []}
+    for first in range(0, kills, batch):
+        numbers = range(first, min(kills, first + batch))
+        for number in numbers:
+            trial = kill_trial(
+                folder / f"root-{number}",
+                folder / f"out-{number}",
+                stage=(2, 3)[number % 2],
+                victim=chooser.randrange(2),
+                chooser=chooser,
             )
-            restored += found
-    return {"trials": trials, "restored": restored}
+            result["trials"].append(trial)
+        for stage in (2, 3):
+            roots = [str(folder / f"root-{n}") for n in numbers if (2, 3)[n % 2] != stage]
+            if roots:
+                (found,) = harness.run(
+                    gather_workers.restore_each,
+                    world_size=1,
+                    timeout=120 + 30 * len(roots),
+                    roots=roots,
+                    stage=stage,
+                )
+                result["restored"] += found
+        if report is not None:
+            report(result)
+    return result
 
 
 def summary(result: dict[str, Any]) -> dict[str, int]:

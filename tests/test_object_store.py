@@ -337,3 +337,20 @@ def test_a_background_checkpoint_uploads_on_its_thread_and_commits(s3: S3) -> No
     assert faccel.latest_checkpoint(root) == folder
     restored = faccel.restore(dist, _fresh(), root)
     assert restored.step == 6 and _same(restored, state)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_consolidate_reads_a_checkpoint_on_s3_into_the_same_weights(
+    s3: S3, tmp_path: Path, sharded: bool
+) -> None:
+    from safetensors.torch import load_file
+
+    import faccel
+
+    dist, state = faccel.detect({}), _state(2)
+    faccel.checkpoint(dist, state, f"{s3.url}/run", sharded=sharded)
+    faccel.checkpoint(dist, state, tmp_path / "disk", sharded=sharded)
+    from_s3 = faccel.consolidate(f"{s3.url}/run", tmp_path / "from-s3")
+    from_disk = faccel.consolidate(tmp_path / "disk", tmp_path / "from-disk")
+    got, want = load_file(from_s3 / "model.safetensors"), load_file(from_disk / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

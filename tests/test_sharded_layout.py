@@ -208,6 +208,7 @@ def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tm
     rank more is refused when writing and when reading, so what a rank reads at start stays bounded."""
     import faccel
     from faccel._checkpoint._save import _use_shards
+    from faccel._checkpoint._strategies import strategy_of
     from faccel._checkpoint._verify import check_manifest
     from faccel.errors import ArgumentValueError
 
@@ -224,7 +225,7 @@ def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tm
         check_manifest(manifest, faccel.detect({}), model, where="m")
     huge = faccel.DistState.simulated(rank=0, world_size=MAX_SHARDED_WORLD + 1)
     with pytest.raises(ArgumentValueError, match=r"holds up to 1,048,576 ranks.*sharded=False"):
-        _use_shards(model, huge, fsdp=False, sharded=True)
-    assert _use_shards(model, huge, fsdp=False, sharded=False) is False
+        _use_shards(strategy_of(model), model, huge, sharded=True)
+    assert _use_shards(strategy_of(model), model, huge, sharded=False) is False
     fits = faccel.DistState.simulated(rank=0, world_size=MAX_SHARDED_WORLD)
-    assert _use_shards(model, fits, fsdp=False, sharded=True) is True
+    assert _use_shards(strategy_of(model), model, fits, sharded=True) is True

@@ -31,7 +31,8 @@ from typing import Any
 
 import attrs
 
-from faccel._checkpoint._format import FORMAT, MANIFEST, REPLACED, STEP_FOLDER
+from faccel._checkpoint._format import MANIFEST, REPLACED, STEP_FOLDER
+from faccel._checkpoint._manifest import step_of
 from faccel._storage._durable import MAX_MANIFEST, parse_json
 from faccel._storage._roots import shown, spot_of
 from faccel._storage._store import Lease, Spot
@@ -77,11 +78,9 @@ def read_manifest(folder: Spot) -> Manifest:
     except (CheckpointError, OSError) as error:
         why = str(error) if isinstance(error, CheckpointError) else f"{where}: {error}"
         return Manifest(folder=folder, why=why)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return Manifest(folder=folder, why=f"{where}: not a faccel manifest (its format is not {FORMAT!r})")
-    step = manifest.get("step")
-    if type(step) is not int:
-        return Manifest(folder=folder, why=f"{where}: its step is not an integer, got {step!r}")
+    step = step_of(manifest, where=where)
+    if isinstance(step, str):
+        return Manifest(folder=folder, why=step)
     return Manifest(folder=folder, content=manifest, step=step)
 
 

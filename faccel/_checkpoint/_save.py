@@ -48,7 +48,6 @@ from faccel._checkpoint._folders import (
 from faccel._checkpoint._format import (
     EXTRAS,
     FILE_HASH,
-    FORMAT,
     MANIFEST,
     MAX_SHARDED_WORLD,
     MODEL,
@@ -65,7 +64,8 @@ from faccel._checkpoint._format import (
     rng_name,
     shard_name,
 )
-from faccel._checkpoint._sharded._flow import exchange_records, page_content, plan_pieces
+from faccel._checkpoint._manifest import Manifest, RankPage
+from faccel._checkpoint._sharded._flow import exchange_records, plan_pieces
 from faccel._checkpoint._sharded._shard_file import write_shard
 from faccel._checkpoint._strategies import StrategyState, strategy_of
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
@@ -180,10 +180,8 @@ def manifest_content(
     version: int,
     data_world: int | None = None,
 ) -> dict[str, Any]:
-    """``manifest.json``'s content: ``listed`` holds the records of ``expected_files(world, version)``.
-
-    Version 2 lists one rank page per ``PAGE_RANKS`` ranks: about 100 bytes per 1,024 ranks, at
-    most 1,024 pages (``MAX_SHARDED_WORLD`` ranks). Each entry names its hash as the version does.
+    """``manifest.json``'s content (:class:`Manifest`'s encoding): ``listed`` holds the records of
+    ``expected_files(world, version)``.
 
     Example:
         >>> from faccel._storage._durable import FileRecord
@@ -192,23 +190,15 @@ def manifest_content(
         >>> manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"]["state.json"]
         {'size': 1, 'sha256': '00'}
     """
-    algorithm = FILE_HASH[version]
-    assert all(listed[name].algorithm == algorithm for name in expected_files(world, version))
-    return {
-        "format": FORMAT,
-        "version": version,
-        "step": content["step"],
-        "epoch": content["epoch"],
-        "position": content["position"],
-        "world_size": world,
-        # Only when a layout deals the data over fewer ranks (tensor parallelism).
-        **({"data_world_size": data_world} if data_world not in (None, world) else {}),
-        "torch_version": torch.__version__,
-        "files": {
-            name: {"size": listed[name].size, algorithm: listed[name].digest}
-            for name in expected_files(world, version)
-        },
-    }
+    return Manifest(
+        version=version,
+        step=content["step"],
+        epoch=content["epoch"],
+        position=content["position"],
+        world_size=world,
+        data_world_size=data_world,
+        files={name: listed[name] for name in expected_files(world, version)},
+    ).encode()
 
 
 def write_pages(temporary: Spot | Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
@@ -217,7 +207,7 @@ def write_pages(temporary: Spot | Path, ranks: list[tuple[FileRecord, FileRecord
     pages = {}
     for page in range(-(-len(ranks) // PAGE_RANKS)):
         first = page * PAGE_RANKS
-        content = page_content(first, ranks[first : first + PAGE_RANKS])
+        content = RankPage(first=first, ranks=ranks[first : first + PAGE_RANKS]).encode()
         pages[page_name(page)] = (folder / page_name(page)).write(
             [_json_bytes(content)], algorithm=_SHARDED_HASH
         )

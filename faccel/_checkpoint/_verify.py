@@ -23,20 +23,13 @@ from torch import nn
 from faccel._checkpoint._capture import class_name, is_stateful
 from faccel._checkpoint._format import (
     EXTRAS,
-    FORMAT,
-    MAX_SHARDED_WORLD,
     MODEL,
     OPTIMIZER,
-    PAGE_RANKS,
     RNG_FORMAT,
     STATE,
     STATE_FORMAT,
-    VERSION_SHARDED,
-    WHOLE_VERSIONS,
-    expected_files,
-    file_records,
-    manifest_version,
 )
+from faccel._checkpoint._manifest import Manifest
 from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
@@ -51,7 +44,7 @@ from faccel.errors import CheckpointError
 __all__ = ["Loadable", "check", "check_manifest", "check_rng"]
 
 
-def _check_data_world(manifest: dict[str, Any], world: int, dist: DistState, where: str) -> None:
+def _check_data_world(manifest: Manifest, dist: DistState, where: str) -> None:
     """Refuse a position inside an epoch that counts batches of another number of data-parallel ranks.
 
     Under a layout with tensor parallelism the loaders deal over fewer ranks
@@ -59,12 +52,15 @@ def _check_data_world(manifest: dict[str, Any], world: int, dist: DistState, whe
     number when it differs from the world size. (Another world size is
     checked with the rest of the state, by the restore.)
     """
-    data_world = manifest.get("data_world_size", world)
-    position = manifest.get("position")
-    if world == dist.world_size and data_world != dist.data_world_size and position not in (0, None):
+    data_world, position = manifest.data_world, manifest.position
+    if (
+        manifest.world_size == dist.world_size
+        and data_world != dist.data_world_size
+        and position not in (0, None)
+    ):
         msg = (
             f"{where}: written with {data_world} data-parallel ranks at batch {position} of epoch "
-            f"{manifest.get('epoch')}, restored with {dist.data_world_size} (layout {dist.parallel}): "
+            f"{manifest.epoch}, restored with {dist.data_world_size} (layout {dist.parallel}): "
             "a position inside an epoch counts batches of the data-parallel ranks that wrote it, so it "
             "cannot be carried over exactly. Resume in a layout with as many data-parallel ranks "
             "(replicate x shard), or from a checkpoint written at an epoch boundary"
@@ -75,40 +71,16 @@ def _check_data_world(manifest: dict[str, Any], world: int, dist: DistState, whe
 def check_manifest(
     manifest: Any, dist: DistState, model: nn.Module, *, where: str
 ) -> tuple[dict[str, FileRecord], int, int]:
-    """Check a parsed manifest against this faccel and run: format, version, world size, files.
+    """Check a parsed manifest against this faccel and run: format, version, world size, files
+    (:meth:`Manifest.decode`), and the data-parallel ranks a position inside an epoch counts.
 
     Returns each listed file's record (size and digest, checked as the file
     is read), the world size that wrote the checkpoint, and its format version
     (1 and 3: whole tensors, with SHA-256 and BLAKE3 records; 2: sharded).
     """
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        msg = f"{where}: not a faccel checkpoint manifest (format should be {FORMAT!r})"
-        raise CheckpointError(msg)
-    version = manifest_version(manifest, where=where)
-    world = manifest.get("world_size")
-    if type(world) is not int or world < 1:
-        msg = f"{where}: world_size should be a positive int, got {world!r}"
-        raise CheckpointError(msg)
-    if version == VERSION_SHARDED and world > MAX_SHARDED_WORLD:
-        msg = f"{where}: world_size {world} is over the sharded format's {MAX_SHARDED_WORLD:,} ranks"
-        raise CheckpointError(msg)
-    _check_data_world(manifest, world, dist, where)
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        files = {}
-    listed = set(files)
-    # Bounds world_size by what the manifest lists, before naming the files.
-    whole = version in WHOLE_VERSIONS
-    room = len(listed) if whole else (len(listed) - 2) * PAGE_RANKS
-    if world > room:
-        per = "one generator file per rank" if whole else f"one rank page per {PAGE_RANKS} ranks"
-        msg = f"{where}: world_size {world}, but it lists {len(listed)} files ({per})"
-        raise CheckpointError(msg)
-    expected = set(expected_files(world, version))
-    if listed != expected:
-        msg = f"{where}: lists files {sorted(listed)}, a checkpoint of {world} rank(s) has {sorted(expected)}"
-        raise CheckpointError(msg)
-    return file_records(files, version, where=where), world, version
+    decoded = Manifest.decode(manifest, where=where)
+    _check_data_world(decoded, dist, where)
+    return dict(decoded.files), decoded.world_size, decoded.version
 
 
 def elementwise_optimizer(optimizer: Any) -> bool:
@@ -340,6 +312,10 @@ def _check_model(
         return {}
     aliases: dict[str, str] = section["aliases"]
     keys: list[str] = section["keys"]
+    ownership = strategy_of(state.model).ownership(state.model)
+    if not ownership.every_name:  # a rank that holds some names (a pipeline stage) checks those only
+        keys = [key for key in keys if ownership.owns(key)]
+        stored = {key: tensor for key, tensor in stored.items() if ownership.owns(key)}
     for key in keys:
         if key not in aliases and key not in stored:
             problems.add(MODEL, f"tensor {key!r} is missing")

@@ -19,135 +19,22 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from faccel._checkpoint._folders import latest_checkpoint
-from faccel._checkpoint._format import (
-    FORMAT,
-    MANIFEST,
-    MODEL,
-    MODEL_METADATA,
-    STATE,
-    VERSION_SHARDED,
-    file_records,
-    manifest_version,
-    shard_name,
-)
-from faccel._checkpoint._sharded._chunks import Placed, chunks, parse_index, rows_of
-from faccel._checkpoint._sharded._flow import Pages
-from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._checkpoint._format import MANIFEST, MODEL_METADATA
+from faccel._checkpoint._weights_reader import byte_view, open_weights
 from faccel._hf._naming import INDEX_NAME, parse_size, shard_names, split_shards
 from faccel._storage._durable import (
-    MAX_JSON,
-    MAX_MANIFEST,
-    FileRecord,
     SyncedWriter,
     fsync_dir,
-    new_hash,
-    open_regular,
-    parse_json,
-    read_json,
-    read_verified,
 )
-from faccel._storage._safetensors import header_bytes, header_of_open, read_open
+from faccel._storage._roots import spot_of
+from faccel._storage._safetensors import header_bytes
 from faccel.errors import CheckpointError, StorageError
 
 __all__ = ["consolidate"]
-
-_READ_CHUNK = 64 << 20
-
-
-def _specs_and_reader(
-    folder: Path,
-) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Callable[[str], torch.Tensor], Callable[[], None]]:
-    """The model tensors' ``(dtype, shape)``, a function that reads one whole, and one that closes."""
-    where = str(folder / MANIFEST)
-    manifest = read_json(folder / MANIFEST, where=where, limit=MAX_MANIFEST)
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != FORMAT
-        or not isinstance(manifest.get("files"), dict)
-    ):
-        msg = f"{where}: not a faccel checkpoint manifest"
-        raise CheckpointError(msg)
-    version = manifest_version(manifest, where=where)
-    records = file_records(manifest["files"], version, where=where)
-    if version != VERSION_SHARDED:
-        path = folder / MODEL
-        # One open file from the hash on: a replace=True save renamed in meanwhile cannot mix in.
-        fd = _open_checked(path, records.get(MODEL))
-        try:
-            header = header_of_open(fd, where=str(path))
-        except BaseException:
-            os.close(fd)
-            raise
-        specs = {name: (info.dtype, info.shape) for name, info in header.tensors.items()}
-        return (
-            specs,
-            lambda name: read_open(fd, header, {name: header.tensors[name]}, where=str(path))[name],
-            lambda: os.close(fd),
-        )
-    world = manifest.get("world_size")
-    if type(world) is not int or world < 1:
-        msg = f"{where}: world_size should be a positive int"
-        raise CheckpointError(msg)
-    buffer, _ = read_verified(folder / STATE, records.get(STATE), where=str(folder / STATE), limit=MAX_JSON)
-    content = parse_json(buffer.numpy().tobytes(), str(folder / STATE))
-    index = parse_index(
-        content.get("tensors") if isinstance(content, dict) else None, world, where=str(folder)
-    )
-    model: dict[str, Placed] = index.get("model", {})
-    pages = Pages(folder, records, world)
-    opened: dict[int, ShardFile] = {}
-    scratch: dict[str, Any] = {}  # one thread reads: its buffers kept from tensor to tensor
-
-    def read(name: str) -> torch.Tensor:
-        placed = model[name]
-        for chunk in chunks(placed, world):  # sizes checked against the files before anything is allocated
-            if chunk.rank not in opened:
-                path = folder / shard_name(chunk.rank)
-                step = content.get("step") if isinstance(content, dict) else None
-                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path), step=step)
-            opened[chunk.rank].info(f"model/{name}", placed, chunk)
-        out = empty_rows(placed, 0, rows_of(placed.shape))
-        view = byte_view(out)
-        width = len(view) // max(1, rows_of(placed.shape))
-        for chunk in chunks(placed, world):
-            part = view[chunk.start * width : chunk.stop * width]
-            opened[chunk.rank].read(f"model/{name}", placed, chunk, part, scratch)
-        return out
-
-    def close() -> None:
-        for shard in opened.values():
-            shard.close()
-
-    return {name: (p.dtype, p.shape) for name, p in model.items()}, read, close
-
-
-def _open_checked(path: Path, record: FileRecord | None) -> int:
-    """A whole-tensor model file, open, its size and hash checked against the manifest in bounded
-    pieces; the caller reads the tensors from this descriptor and closes it."""
-    where = str(path)
-    if record is None:
-        msg = f"{path.parent}/{MANIFEST}: does not list {MODEL}"
-        raise CheckpointError(msg)
-    fd = open_regular(path, where=where)
-    try:
-        if os.fstat(fd).st_size != record.size:
-            msg = f"{where}: the file's size differs from the manifest's (truncated or altered)"
-            raise CheckpointError(msg)
-        digest = new_hash(record.algorithm)
-        while chunk := os.read(fd, _READ_CHUNK):
-            digest.update(chunk)
-        if digest.hexdigest() != record.digest:
-            msg = f"{where}: the {record.algorithm} checksum differs from the manifest's (corrupted)"
-            raise CheckpointError(msg)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _header(
@@ -216,19 +103,14 @@ def consolidate(
     if folder is None:
         msg = f"{checkpoint}: no checkpoint there (no step-NNNNNNNNNNNN folder with a {MANIFEST})"
         raise CheckpointError(msg)
-    if not isinstance(folder, Path):
-        msg = (
-            f"{folder}: consolidate reads a checkpoint on a local disk; copy it from object storage "
-            "first (the same bytes restore there, docs/object-storage.md)"
-        )
-        raise CheckpointError(msg)
     target = Path(out)
     if target.exists() and not target.is_dir():
         msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"
         raise StorageError(msg)
     # The checkpoint is opened and checked first; a run that fails later removes the folder it made.
-    specs, read, close = _specs_and_reader(folder)
-    if not allow_sparse:
+    specs, read, close = open_weights(spot_of(folder))
+    # Holes are a disk's: an object's size, as the store reports it, is bytes it holds.
+    if not allow_sparse and isinstance(folder, Path):
         try:
             _check_backed(folder, specs)
         except BaseException:

@@ -27,13 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, RANKS_FORMAT, page_name, shard_name
+from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, page_name, shard_name
+from faccel._checkpoint._manifest import RankPage
 from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, row_split, rows_of
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._loop._model import unwrap_model
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -46,7 +47,6 @@ __all__ = [
     "GROUPS",
     "allocatable_bytes",
     "exchange_records",
-    "page_content",
     "plan_pieces",
     "read_tensors",
 ]
@@ -136,24 +136,6 @@ def exchange_records(
     return out
 
 
-def page_content(first: int, records: list[tuple[FileRecord, FileRecord]]) -> dict[str, Any]:
-    """The JSON of the rank page whose first rank is ``first``, from its ranks' records.
-
-    Example:
-        >>> from faccel._storage._durable import FileRecord
-        >>> page_content(0, [(FileRecord(size=8, digest="ab", algorithm="sha256"),) * 2])["ranks"]
-        [{'shard': {'size': 8, 'sha256': 'ab'}, 'rng': {'size': 8, 'sha256': 'ab'}}]
-    """
-    return {
-        "format": RANKS_FORMAT,
-        "first": first,
-        "ranks": [
-            {"shard": {"size": s.size, "sha256": s.digest}, "rng": {"size": r.size, "sha256": r.digest}}
-            for s, r in records
-        ],
-    }
-
-
 class Pages:
     """The rank pages of a checkpoint, read (and checked against the manifest) when first needed."""
 
@@ -169,32 +151,7 @@ class Pages:
         raw = parse_json(buffer.numpy().data, where)
         first = page * PAGE_RANKS
         count = min(PAGE_RANKS, self.world - first)
-        entries = raw.get("ranks") if isinstance(raw, dict) else None
-        if (
-            not isinstance(raw, dict)
-            or raw.get("format") != RANKS_FORMAT
-            or raw.get("first") != first
-            or not isinstance(entries, list)
-            or len(entries) != count
-        ):
-            msg = f"{where}: not the rank page of ranks {first} to {first + count - 1}"
-            raise CheckpointError(msg)
-        out = []
-        for entry in entries:
-            try:
-                out.append(
-                    tuple(
-                        FileRecord(size=entry[k]["size"], digest=entry[k][SHA256], algorithm=SHA256)
-                        for k in ("shard", "rng")
-                    )
-                )
-            except (KeyError, TypeError):
-                msg = f"{where}: every rank needs shard and rng records of a size and a sha256"
-                raise CheckpointError(msg) from None
-            if not all(type(r.size) is int and isinstance(r.digest, str) for r in out[-1]):
-                msg = f"{where}: every rank needs shard and rng records of a size and a sha256"
-                raise CheckpointError(msg)
-        return out  # type: ignore[return-value]
+        return list(RankPage.decode(raw, first=first, count=count, where=where).ranks)
 
     def of(self, rank: int) -> tuple[FileRecord, FileRecord]:
         """Rank ``rank``'s ``(shard, rng)`` records."""
@@ -207,8 +164,9 @@ class Pages:
 
 def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
-    model = dict(unwrap_model(state.model).state_dict())
-    found: dict[str, Any] = {"model": model, "optimizer": {}}
+    strategy = strategy_of(state.model)
+    model = strategy.target(state.model)
+    found: dict[str, Any] = {"model": model, "optimizer": {}, "ownership": strategy.ownership(state.model)}
     if state.optimizer is None:
         return found
     section = content.get("optimizer")
@@ -281,8 +239,11 @@ def read_tensors(
     targets = _targets(state, content, where)
     pages = Pages(directory, records, world)
     jobs: list[tuple[str, str, Placed, Any, int, int]] = []
+    ownership = targets["ownership"]
     for group, entries in index.items():
         for key, placed in entries.items():
+            if group == "model" and not ownership.owns(key):
+                continue  # another rank's (a pipeline stage's): neither read nor checked here
             live = _target_for(targets, group, key, placed)
             start, stop = 0, rows_of(placed.shape)
             if is_dtensor(live) and row_split(live, live.device_mesh.size()):
