@@ -371,7 +371,7 @@ def checkpoint(
 
 def _root_name(root: Spot) -> str:
     """The root as one string per place: a local one made absolute (the roots this process wrote)."""
-    return os.path.abspath(root.key) if root.store.local else str(root)
+    return root.store.canonical(root.key)
 
 
 @attrs.frozen(kw_only=True)

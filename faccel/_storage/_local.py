@@ -175,6 +175,9 @@ class LocalStore:
     def parent(self, key: str) -> str:
         return os.fspath(Path(key).parent)
 
+    def canonical(self, key: str) -> str:
+        return os.path.abspath(key)
+
     def list(self, key: str) -> list[Entry]:
         try:
             entries = list(os.scandir(key))

@@ -137,6 +137,9 @@ class ObjectStore:
     def parent(self, key: str) -> str:
         return key.rstrip("/").rsplit("/", 1)[0]
 
+    def canonical(self, key: str) -> str:
+        return self.display(key.rstrip("/"))
+
     def _call(self, what: str, key: str, call: Callable[[], T]) -> T:
         """``call()``, retried on transient errors with backoff, then a named CheckpointError."""
         wait = _FIRST_WAIT

@@ -107,6 +107,9 @@ class Store(Protocol):
     def parent(self, key: str) -> str:
         """The key of the folder that holds ``key``."""
 
+    def canonical(self, key: str) -> str:
+        """One name per place (a local path made absolute), to tell whether two roots are one."""
+
     def list(self, key: str) -> list[Entry]:
         """The names directly inside folder ``key`` (none when it is missing or not a folder)."""
 
