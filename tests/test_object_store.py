@@ -360,3 +360,25 @@ def test_consolidate_reads_a_checkpoint_on_s3_into_the_same_weights(
     from_disk = consolidate(tmp_path / "disk", tmp_path / "from-disk")
     got, want = load_file(from_s3 / "model.safetensors"), load_file(from_disk / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", 300])
+def test_save_model_writes_the_hugging_face_layout_to_s3(s3: S3, tmp_path: Path, max_shard_size: Any) -> None:
+    """One file, or shards and an index committed last; copied down, load_model reads it back."""
+    import faccel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    url = f"{s3.url}/model-{max_shard_size}"
+    assert faccel.save_model(faccel.detect({}), model, url, max_shard_size=max_shard_size) == url
+    s3.fs().get(f"{url.removeprefix('s3://')}/", str(tmp_path / "down"), recursive=True)
+    names = sorted(p.name for p in (tmp_path / "down").iterdir())
+    assert (
+        names == ["model.safetensors"] if max_shard_size == "5GB" else "model.safetensors.index.json" in names
+    )
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    faccel.load_model(faccel.detect({}), fresh, tmp_path / "down")
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )

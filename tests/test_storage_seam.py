@@ -72,9 +72,10 @@ def _file_calls(path: Path) -> list[str]:
     return found
 
 
-def test_checkpoints_make_no_file_call_outside_the_store() -> None:
-    calls = [call for path in sorted((ROOT / "_checkpoint").rglob("*.py")) for call in _file_calls(path)]
-    assert calls == [], f"file calls in _checkpoint/ outside the Store protocol: {calls}"
+@pytest.mark.parametrize("package", ["_checkpoint", "_hf"])
+def test_checkpoints_and_exports_make_no_file_call_outside_the_store(package: str) -> None:
+    calls = [call for path in sorted((ROOT / package).rglob("*.py")) for call in _file_calls(path)]
+    assert calls == [], f"file calls in {package}/ outside the storage modules: {calls}"
 
 
 def test_restore_lists_the_root_once_and_reads_the_chosen_manifest_once(

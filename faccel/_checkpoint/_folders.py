@@ -196,10 +196,10 @@ def remove_leftovers(root: Spot) -> None:
     """
     root.store.leftovers(root.key, counts=lambda key: manifest_step(Spot(root.store, key)) is not None)
     if not root.store.renames:
-        # An object store: a step prefix without a manifest is a write that never committed.
+        # An object store: a step prefix without a manifest is a write that never committed (one
+        # size request per prefix, not a read of each manifest).
         for _, folder in scan(root).folders:
-            manifest = read_manifest(folder)
-            if manifest.step is None and not counted(manifest):
+            if root.store.size((folder / MANIFEST).key) is None:
                 root.store.delete(folder.key)
 
 

@@ -26,12 +26,10 @@ from faccel._checkpoint._folders import latest_checkpoint
 from faccel._checkpoint._format import MANIFEST, MODEL_METADATA
 from faccel._checkpoint._weights_reader import byte_view, open_weights
 from faccel._hf._naming import INDEX_NAME, parse_size, shard_names, split_shards
-from faccel._storage._durable import (
-    SyncedWriter,
-    fsync_dir,
-)
+from faccel._storage._local import local_spot, occupied_bytes
 from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import header_bytes
+from faccel._storage._store import Spot
 from faccel.errors import CheckpointError, StorageError
 
 __all__ = ["consolidate"]
@@ -45,17 +43,14 @@ def _header(
     return header_bytes(specs, order, MODEL_METADATA), order
 
 
-def _write_file(path: Path, header: bytes, order: list[str], read: Callable[[str], torch.Tensor]) -> None:
-    temporary = path.with_name(f".tmp-{path.name}")
-    temporary.unlink(missing_ok=True)
-    with SyncedWriter(temporary) as out:
+def _write_file(path: Spot, header: bytes, order: list[str], read: Callable[[str], torch.Tensor]) -> None:
+    with path.store.publisher(path.key) as out:  # .tmp-NAME, then renamed: whole or absent
         out.write(header)
         for name in order:
             tensor = read(name)  # one tensor in memory at a time
             out.write(byte_view(tensor))
             del tensor
         out.close()
-    os.replace(temporary, path)
 
 
 def consolidate(
@@ -103,28 +98,29 @@ def consolidate(
     if folder is None:
         msg = f"{checkpoint}: no checkpoint there (no step-NNNNNNNNNNNN folder with a {MANIFEST})"
         raise CheckpointError(msg)
-    target = Path(out)
-    if target.exists() and not target.is_dir():
-        msg = f"{target} is a file, not a folder: consolidate writes model.safetensors into a folder"
+    target = local_spot(out)
+    blocked = target.store.blocking_file(target.key)
+    if blocked is not None:
+        msg = f"{blocked} is a file, not a folder: consolidate writes model.safetensors into a folder"
         raise StorageError(msg)
     # The checkpoint is opened and checked first; a run that fails later removes the folder it made.
     specs, read, close = open_weights(spot_of(folder))
     # Holes are a disk's: an object's size, as the store reports it, is bytes it holds.
     if not allow_sparse and isinstance(folder, Path):
         try:
-            _check_backed(folder, specs)
+            _check_backed(folder, specs)  # a local folder (a Path)
         except BaseException:
             close()
             raise
-    written: list[Path] = []
-    created = not target.exists()
+    written: list[Spot] = []
+    created = not target.store.is_folder(target.key)
     try:
         try:
-            target.mkdir(parents=True, exist_ok=True)
+            target.store.make_folder(target.key)
             _remove_temporaries(target)
         except OSError as error:
             raise _storage_error(target, error) from error
-        held = [name for name in os.listdir(target) if name.endswith(".safetensors") or name == INDEX_NAME]
+        held = [e.name for e in target.entries() if e.name.endswith(".safetensors") or e.name == INDEX_NAME]
         if held:
             msg = f"{target} already holds weights ({sorted(held)[:3]}); consolidate into a new folder"
             raise StorageError(msg)
@@ -145,22 +141,22 @@ def consolidate(
             content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
             written.append(target / INDEX_NAME)
             _write_file(target / INDEX_NAME, content, [], read)
-        fsync_dir(target)
+        target.store.sync_folder(target.key)
     except BaseException as error:
         # A failed run leaves nothing of its own: its rerun finds the folder as it was.
         for path in written:
-            for each in (path, path.with_name(f".tmp-{path.name}")):
+            for each in (path, path.parent / f".tmp-{path.name}"):
                 with contextlib.suppress(OSError):
-                    each.unlink()
-        if created:
+                    target.store.delete(each.key)
+        if created and not any(True for _ in target.entries()):
             with contextlib.suppress(OSError):  # only if empty: nothing of anyone else's is removed
-                target.rmdir()
+                target.store.delete(target.key)
         if isinstance(error, OSError) and not isinstance(error, StorageError):
             raise _storage_error(target, error) from error
         raise
     finally:
         close()
-    return target
+    return Path(target.key)
 
 
 def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
@@ -173,11 +169,7 @@ def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, .
     allocate lazily.
     """
     claimed = sum(dtype.itemsize * int(torch.Size(shape).numel()) for dtype, shape in specs.values())
-    stored = 0
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False):
-            stat = entry.stat(follow_symlinks=False)
-            stored += min(stat.st_size, getattr(stat, "st_blocks", stat.st_size // 512 + 1) * 512)
+    stored = occupied_bytes(folder)
     if claimed > 2 * stored + (64 << 20):
         msg = (
             f"{folder}: its weights claim {claimed} bytes, but its files occupy {stored} bytes on disk "
@@ -188,25 +180,25 @@ def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, .
         raise CheckpointError(msg)
 
 
-def _remove_temporaries(target: Path) -> None:
+def _remove_temporaries(target: Spot) -> None:
     """Remove what a killed run left (``.tmp-`` files of its own names); a folder there is refused."""
-    for name in os.listdir(target):
-        if not name.startswith(".tmp-"):
+    for entry in target.entries():
+        if not entry.name.startswith(".tmp-"):
             continue
-        own = name[len(".tmp-") :]
+        own = entry.name[len(".tmp-") :]
         if not (own.endswith(".safetensors") or own == INDEX_NAME):
             continue
-        path = target / name
-        if path.is_dir() and not path.is_symlink():
+        path = target / entry.name
+        if entry.folder:
             msg = (
                 f"{path} is a folder, where consolidate writes its temporary file; "
                 "move it away or consolidate into another folder"
             )
             raise StorageError(msg)
-        path.unlink()
+        target.store.delete(path.key)
 
 
-def _storage_error(target: Path, error: OSError) -> StorageError:
+def _storage_error(target: Spot, error: OSError) -> StorageError:
     return StorageError(
         f"consolidating into {target} failed: {error.strerror or error} ({error.filename or target}); "
         "free space or correct the path or permissions, then run it again (nothing of this run was kept)"

@@ -24,6 +24,7 @@ from faccel._dist._state import DistState
 from faccel._hf._naming import INDEX_NAME, WEIGHTS_NAME
 from faccel._hf._shard_read import load_rows
 from faccel._storage._durable import read_json
+from faccel._storage._local import LOCAL, present, resolved
 from faccel._storage._safetensors import TensorInfo, read_header, read_tensors
 from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
 from faccel._storage._weights import compare_tensors
@@ -85,9 +86,9 @@ def _roots(directory: Path) -> tuple[Path, ...]:
     """The folders load_model follows symbolic links into: ``directory`` itself (its real path)
     and, for a Hugging Face cache snapshot (``.../snapshots/<revision>``, whose files are links
     to ``../../blobs/<hash>``), that cache's ``blobs`` folder."""
-    real = Path(os.path.realpath(directory))
+    real = resolved(directory)
     blobs = real.parent.parent / "blobs"
-    return (real, blobs) if real.parent.name == "snapshots" and blobs.is_dir() else (real,)
+    return (real, blobs) if real.parent.name == "snapshots" and LOCAL.is_folder(str(blobs)) else (real,)
 
 
 def find_layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ...]]:
@@ -96,15 +97,15 @@ def find_layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path
     within = _roots(directory)
     for single, index, read in _LAYOUTS:
         # lexists: a FIFO, a folder or a link in a file's place is refused by the reader, not skipped.
-        if os.path.lexists(directory / single):
+        if present(directory / single):
             return {name: (single, entry) for name, entry in read(directory / single, within).items()}, within
-        if os.path.lexists(directory / index):
+        if present(directory / index):
             return _from_index(directory / index, read, within), within
     msg = (
         f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
         f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
     )
-    if os.path.lexists(directory / shard_name(0)):  # a sharded checkpoint (version 2)
+    if present(directory / shard_name(0)):  # a sharded checkpoint (version 2)
         msg = (
             f"{directory}: a sharded checkpoint (each rank's shard-RANK.safetensors): its weights are "
             "not one model.safetensors; write them in the Hugging Face layout with "

@@ -54,14 +54,11 @@ from faccel._hf._naming import (
 )
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._model import unwrap_model
-from faccel._storage._durable import (
-    MAX_JSON,
-    atomic_write,
-    fsync_dir,
-    read_verified,
-    write_durably,
-)
+from faccel._storage._durable import MAX_JSON, parse_json, read_verified
+from faccel._storage._local import local_spot, present
+from faccel._storage._roots import shown, spot_of
 from faccel._storage._safetensors import TensorInfo, header_bytes, plan
+from faccel._storage._store import Spot
 from faccel._storage._weights import alias_groups, model_tensors
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError, StorageError
@@ -69,20 +66,21 @@ from faccel.errors import CheckpointError, StorageError
 __all__ = ["convert_weights", "save_model"]
 
 
-def _committed(directory: Path) -> set[str] | None:
+def _committed(directory: Spot) -> set[str] | None:
     """The weight files a loader reads in ``directory`` (load_model's precedence), or None if unknown.
 
     ``model.safetensors`` alone when it is there; else the index and the shards
     it names; none when neither is there. None (nothing may be deleted) when
     the index cannot be read as an index.
     """
-    if (directory / WEIGHTS_NAME).is_file():
+    if (directory / WEIGHTS_NAME).size() is not None:
         return {WEIGHTS_NAME}
     index_path = directory / INDEX_NAME
-    if not index_path.is_file():
+    if index_path.size() is None:
         return set()
     try:
-        weight_map = json.loads(index_path.read_bytes()).get("weight_map")
+        buffer, _ = index_path.read(None, where=str(index_path), limit=MAX_JSON)
+        weight_map = parse_json(buffer.numpy().tobytes(), str(index_path)).get("weight_map")
     except (OSError, ValueError, AttributeError):
         return None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -90,7 +88,7 @@ def _committed(directory: Path) -> set[str] | None:
     return {INDEX_NAME, *weight_map.values()}
 
 
-def _remove_leftovers(directory: Path) -> None:
+def _remove_leftovers(directory: Spot) -> None:
     """Delete what no loader reads: temporary files of our writes, and weight files the commit left.
 
     The other layout's files (an index beside ``model.safetensors``) and shards
@@ -100,7 +98,7 @@ def _remove_leftovers(directory: Path) -> None:
     committed = _committed(directory)
     stale = [
         name
-        for name in os.listdir(directory)
+        for name in (entry.name for entry in directory.entries() if not entry.folder)
         if TEMPORARY_FILE.fullmatch(name)
         or (
             committed is not None
@@ -109,21 +107,21 @@ def _remove_leftovers(directory: Path) -> None:
         )
     ]
     for name in stale:
-        (directory / name).unlink(missing_ok=True)
+        directory.store.delete((directory / name).key)
     if stale:
-        fsync_dir(directory)
+        directory.store.sync_folder(directory.key)
 
 
-def _new_tag(directory: Path) -> str:
+def _new_tag(directory: Spot) -> str:
     """8 hex digits that no shard in ``directory`` carries."""
-    present = set(os.listdir(directory))
+    names = {entry.name for entry in directory.entries()}
     while True:
         tag = secrets.token_hex(4)
-        if not any(name.startswith(f"model-{tag}-") for name in present):
+        if not any(name.startswith(f"model-{tag}-") for name in names):
             return tag
 
 
-def _commit_index(directory: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+def _commit_index(directory: Spot, weight_map: Mapping[str, str], total_size: int) -> None:
     """The commit of a sharded save whose shards are in place (under new names, fsynced).
 
     The index switches to the new shards in one rename; over a single file
@@ -131,14 +129,14 @@ def _commit_index(directory: Path, weight_map: Mapping[str, str], total_size: in
     """
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
     content = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
-    atomic_write(directory / INDEX_NAME, [content])
-    if (directory / WEIGHTS_NAME).is_file():
-        (directory / WEIGHTS_NAME).unlink()
-        fsync_dir(directory)
+    directory.store.replace((directory / INDEX_NAME).key, [content])
+    if (directory / WEIGHTS_NAME).size() is not None:
+        directory.store.delete((directory / WEIGHTS_NAME).key)
+        directory.store.sync_folder(directory.key)
 
 
 def _write_model(
-    directory: Path,
+    directory: Spot,
     stored: Mapping[str, torch.Tensor],
     max_shard_size: int,
     extras: Mapping[str, bytes] | None = None,
@@ -165,18 +163,20 @@ def _write_model(
     try:
         if len(groups) == 1:
             # One rename commits: model.safetensors takes precedence over any index.
-            atomic_write(directory / WEIGHTS_NAME, plan(get(groups[0]), metadata=METADATA))
+            directory.store.replace((directory / WEIGHTS_NAME).key, plan(get(groups[0]), metadata=METADATA))
         else:
             names = shard_names(len(groups), tag=_new_tag(directory))
             for name, group in zip(names, groups, strict=True):
-                temporary = directory / f".tmp-{name}"
-                write_durably(temporary, plan(get(group), metadata=METADATA))
-                os.replace(temporary, directory / name)  # a new name: no loader reads it yet
-            fsync_dir(directory)
+                # A new name: no loader reads it yet; it appears whole or not at all.
+                with directory.store.publisher((directory / name).key) as out:
+                    for chunk in plan(get(group), metadata=METADATA):
+                        out.write(chunk)
+                    out.close()
+            directory.store.sync_folder(directory.key)
             weight_map = {key: name for name, group in zip(names, groups, strict=True) for key in group}
             _commit_index(directory, weight_map, sum(sizes.values()))
         for name, content in (extras or {}).items():
-            atomic_write(directory / name, [content])
+            directory.store.replace((directory / name).key, [content])
     except OSError:
         with contextlib.suppress(OSError):  # the write's error is the one to report
             _remove_leftovers(directory)
@@ -192,7 +192,7 @@ def save_model(
     *,
     max_shard_size: int | str = "5GB",
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
-) -> Path:
+) -> Path | str:
     """Save the unwrapped model's weights to ``directory`` in the Hugging Face layout.
 
     ``model.safetensors``, or shards ``model-TAG-0000k-of-0000n.safetensors`` plus
@@ -243,7 +243,7 @@ def save_model(
         >>> import os; sorted(os.listdir(folder))
         ['model.safetensors']
     """
-    target = Path(directory)
+    target = spot_of(directory)
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
     configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
@@ -251,14 +251,14 @@ def save_model(
     # Who writes: the main process; every rank its share (FSDP2, HSDP, tensor parallelism); or
     # the main process as all ranks gather tensor by tensor (DeepSpeed ZeRO-3).
     _EXPORTS[strategy.export_kind(model)](dist, strategy, model, target, limit, configs)
-    return target
+    return shown(target)
 
 
 def _save_main(
     dist: DistState,
     strategy: StrategyState,
     model: Any,
-    target: Path,
+    target: Spot,
     limit: int,
     configs: Mapping[str, bytes],
 ) -> None:
@@ -276,7 +276,7 @@ def _save_gathered(
     dist: DistState,
     strategy: StrategyState,
     engine: Any,
-    target: Path,
+    target: Spot,
     limit: int,
     configs: Mapping[str, bytes],
 ) -> None:
@@ -310,7 +310,7 @@ def _save_gathered(
     together(dist, write, what="save_model", raises=StorageError)
 
 
-def _prepare_folder(directory: Path) -> None:
+def _prepare_folder(directory: Spot) -> None:
     """The folder a save writes into: refused under a file, created, cleared of a crashed save's files."""
     blocked = blocking_file(directory)
     if blocked is not None:
@@ -319,7 +319,7 @@ def _prepare_folder(directory: Path) -> None:
             f"into the folder {directory}; pass the path of a folder (new or existing)"
         )
         raise StorageError(msg)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.store.make_folder(directory.key)
     _remove_leftovers(directory)  # of a save that crashed
 
 
@@ -327,7 +327,7 @@ def _save_spread(
     dist: DistState,
     strategy: StrategyState,
     model: Any,
-    target: Path,
+    target: Spot,
     limit: int,
     configs: Mapping[str, bytes],
 ) -> None:
@@ -383,7 +383,7 @@ def _save_spread(
     }
 
     def write() -> None:
-        if not target.is_dir():
+        if not target.store.is_folder(target.key):
             msg = (
                 f"save_model: rank {dist.rank} does not see the folder {target} that rank 0 created: "
                 "a sharded model's save is written by every rank, into one folder all ranks share "
@@ -401,11 +401,11 @@ def _save_spread(
         if not dist.is_main_process:
             return
         for (file, size), part in zip(sizes_of.items(), planned, strict=True):
-            path = target / file
-            if not path.is_file() or path.stat().st_size != size:
+            found = (target / file).size()
+            if found != size:
                 msg = (
                     f"save_model: rank {part.rank} wrote {file} ({size} bytes), but rank 0 finds "
-                    f"{'no such file' if not path.is_file() else f'{path.stat().st_size} bytes'} in "
+                    f"{'no such file' if found is None else f'{found} bytes'} in "
                     f"{target}: the folder must be one that every rank shares (a shared file system); "
                     "nothing was committed"
                 )
@@ -416,7 +416,7 @@ def _save_spread(
             _commit_index(target, weight_map, sum(sizes.values()))
         # (one file: its owner's rename of model.safetensors committed it)
         for name, content in configs.items():
-            atomic_write(target / name, [content])
+            target.store.replace((target / name).key, [content])
         _remove_leftovers(target)  # the earlier save's files
 
     try:
@@ -430,7 +430,7 @@ def _save_spread(
 
 
 # Who writes each kind of export (the strategy says which kind, StrategyState.export_kind).
-_EXPORTS: Mapping[str, Callable[[DistState, StrategyState, Any, Path, int, Mapping[str, bytes]], None]] = {
+_EXPORTS: Mapping[str, Callable[[DistState, StrategyState, Any, Spot, int, Mapping[str, bytes]], None]] = {
     "main": _save_main,
     "spread": _save_spread,
     "gathered": _save_gathered,
@@ -498,10 +498,10 @@ def convert_weights(
         .numpy()
         .tobytes()
         for name in ("config.json", "generation_config.json")
-        if os.path.lexists(folder / name)
+        if present(folder / name)
     }
     try:
-        _write_model(out, stored, parse_size(max_shard_size), configs)
+        _write_model(local_spot(out), stored, parse_size(max_shard_size), configs)
     except OSError as error:  # a full disk, a permission: _write_model removed what it wrote
         msg = (
             f"converting into {out} failed: {error.strerror or error} ({error.filename or out}); free "

@@ -10,15 +10,15 @@ block; nothing outside the rows of this rank's boxes is read.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from faccel._storage._durable import open_regular
+from faccel._storage._local import LOCAL
 from faccel._storage._safetensors import TensorInfo, read_header
+from faccel._storage._store import Reader
 from faccel._torch_compat import local_box
 from faccel.errors import CheckpointError
 
@@ -26,16 +26,6 @@ __all__ = ["BLOCK_BYTES", "load_rows"]
 
 # The most bytes of a file read at once into one rank's scratch block.
 BLOCK_BYTES = 16 * 1024 * 1024
-
-
-def _read_exact(fd: int, view: memoryview, start: int, where: str) -> None:
-    offset = 0
-    while offset < len(view):
-        got = os.preadv(fd, [view[offset:]], start + offset)
-        if not got:
-            msg = f"{where}: the file shrank while it was read"
-            raise CheckpointError(msg)
-        offset += got
 
 
 def load_rows(
@@ -48,26 +38,26 @@ def load_rows(
     :class:`CheckpointError`: it changed since it was checked).
     """
     where = str(path)
-    fd = open_regular(path, where=where, within=within)
+    file = LOCAL.open(str(path), where=where, within=within)
     try:
         header = read_header(path, where=where, within=within)
         if any(header.tensors.get(name) != info for name, (info, _) in targets.items()):
             msg = f"{where}: the file changed since its header was checked; load again"
             raise CheckpointError(msg)
         for info, target in targets.values():
-            _load_box(fd, header.data_start + info.start, info, target, where)
+            _load_box(file, header.data_start + info.start, info, target)
     finally:
-        os.close(fd)
+        file.close()
 
 
-def _load_box(fd: int, start: int, info: TensorInfo, target: Any, where: str) -> None:
+def _load_box(file: Reader, start: int, info: TensorInfo, target: Any) -> None:
     offset, shape = local_box(target)
     local = target.to_local()
     if not local.numel():
         return
     if not info.shape:  # a 0-d tensor: one element
         buffer = torch.empty(info.end - info.start, dtype=torch.uint8)
-        _read_exact(fd, buffer.numpy().data, start, where)
+        file.read_into(buffer.numpy().data, start)
         local.copy_(buffer.view(info.dtype).reshape(()))
         return
     row_shape = info.shape[1:]
@@ -79,6 +69,6 @@ def _load_box(fd: int, start: int, info: TensorInfo, target: Any, where: str) ->
     for row in range(first, stop, rows_per_block):
         count = min(rows_per_block, stop - row)
         block = scratch[: count * row_bytes]
-        _read_exact(fd, block.numpy().data, start + row * row_bytes, where)
+        file.read_into(block.numpy().data, start + row * row_bytes)
         rows = block.view(info.dtype).reshape(count, *row_shape)
         local[row - first : row - first + count].copy_(rows[(slice(None), *columns)])

@@ -22,7 +22,6 @@ extra memory on a non-writer is one tensor, freed at once.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -32,8 +31,9 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._storage._durable import SyncedWriter, fsync_dir
+from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import raw_bytes
+from faccel._storage._store import Spot
 from faccel._torch_compat import is_dtensor
 
 __all__ = ["OwnFile", "write_own"]
@@ -58,7 +58,7 @@ class _Writer:
     handed (the walk's collectives go on to the end on every rank).
     """
 
-    def __init__(self, directory: Path, files: Sequence[OwnFile], buffer: int) -> None:
+    def __init__(self, directory: Spot, files: Sequence[OwnFile], buffer: int) -> None:
         self.directory = directory
         self.files = files
         self.buffer = buffer
@@ -92,10 +92,10 @@ class _Writer:
 
     def _run(self) -> None:
         try:
+            store = self.directory.store
             for file in self.files:
-                temporary = self.directory / f".tmp-{file.name}"
-                temporary.unlink(missing_ok=True)
-                with SyncedWriter(temporary) as out:
+                # Appears under its name whole or not at all (on a disk: .tmp-NAME, then a rename).
+                with store.publisher((self.directory / file.name).key) as out:
                     out.write(file.header)
                     for _ in file.names:
                         tensor = self._next()
@@ -106,8 +106,7 @@ class _Writer:
                         self._done(tensor)
                         del tensor
                     out.close()
-                os.replace(temporary, self.directory / file.name)
-            fsync_dir(self.directory)
+            store.sync_folder(self.directory.key)
         except BaseException as error:
             with self._ready:
                 self.error = error
@@ -133,7 +132,7 @@ def write_own(
     walk: Sequence[str],
     owner: Mapping[str, int],
     rank: int,
-    directory: Path,
+    directory: Spot | Path,
     files: Sequence[OwnFile],
     *,
     buffer: int = BUFFER,
@@ -146,7 +145,7 @@ def write_own(
     the folder is fsynced. A failed write (an ``OSError``) is raised after the walk
     has ended on this rank, so the other ranks' gathers are never left waiting.
     """
-    writer = _Writer(directory, files, buffer) if files else None
+    writer = _Writer(spot_of(directory), files, buffer) if files else None
     try:
         for name in walk:
             whole = _whole(state[name])

@@ -45,7 +45,16 @@ from faccel._storage._durable import (
 from faccel._storage._store import Entry, Lease, Spot
 from faccel.errors import CheckpointError
 
-__all__ = ["LOCAL", "LOCK", "LocalStore", "local_spot"]
+__all__ = [
+    "LOCAL",
+    "LOCK",
+    "LocalStore",
+    "local_spot",
+    "occupied_bytes",
+    "present",
+    "resolved",
+    "scratch_buffer",
+]
 
 # The file a writer locks in the root; it holds the writer's host and pid, for the error of a second one.
 LOCK = ".lock"
@@ -89,12 +98,27 @@ class _LocalWriter:
         return self._out.close()
 
 
+class _LocalPublisher(_LocalWriter):
+    """A new file written to ``.tmp-NAME`` beside ``path``, renamed to ``path`` when closed."""
+
+    def __init__(self, path: Path) -> None:
+        self._final = path
+        self._temporary = path.with_name(_TMP + path.name)
+        self._temporary.unlink(missing_ok=True)
+        super().__init__(self._temporary)
+
+    def close(self) -> int:
+        size = super().close()
+        os.replace(self._temporary, self._final)
+        return size
+
+
 class _LocalReader:
     """An open regular file: ``pread`` through the page cache, or ``O_DIRECT`` around it."""
 
-    def __init__(self, path: Path, where: str) -> None:
+    def __init__(self, path: Path, where: str, within: Sequence[Path] = ()) -> None:
         self.where = where
-        self.fd = open_regular(path, where=where)
+        self.fd = open_regular(path, where=where, within=within)
         self.size = os.fstat(self.fd).st_size
         self.direct_fd = _reopen_direct(self.fd)
         self.direct_works = True
@@ -190,6 +214,8 @@ class LocalStore:
             elif entry.is_file(follow_symlinks=False):
                 size = entry.stat(follow_symlinks=False).st_size
                 found.append(Entry(name=entry.name, folder=False, size=size))
+            else:  # a link, a FIFO, a socket: a name, never a regular file of a size
+                found.append(Entry(name=entry.name, folder=False))
         return found
 
     def size(self, key: str) -> int | None:
@@ -220,6 +246,12 @@ class LocalStore:
     def writer(self, key: str) -> _LocalWriter:
         return _LocalWriter(Path(key))
 
+    def publisher(self, key: str) -> _LocalPublisher:
+        return _LocalPublisher(Path(key))
+
+    def sync_folder(self, key: str) -> None:
+        fsync_dir(Path(key))
+
     def replace(self, key: str, chunks: Sequence[Any]) -> FileRecord:
         return atomic_write(Path(key), chunks)
 
@@ -234,8 +266,10 @@ class LocalStore:
     ) -> tuple[torch.Tensor, FileRecord]:
         return read_verified(Path(key), expected, where=where, limit=limit, algorithm=algorithm)
 
-    def open(self, key: str, *, where: str) -> _LocalReader:
-        return _LocalReader(Path(key), where)
+    def open(self, key: str, *, where: str, within: Sequence[Path] = ()) -> _LocalReader:
+        """``within``: links are followed while the real path stays inside one of these folders
+        (``_durable.open_regular``); a checkpoint's files are never links (``within`` empty)."""
+        return _LocalReader(Path(key), where, within)
 
     def delete(self, key: str) -> None:
         if os.path.isdir(key) and not os.path.islink(key):
@@ -381,6 +415,27 @@ def _holder(path: str) -> str:
 
 
 LOCAL = LocalStore()
+
+
+def occupied_bytes(folder: str | os.PathLike[str]) -> int:
+    """The bytes the regular files directly in ``folder`` occupy on disk (a file with holes counts
+    its allocated blocks, not its size)."""
+    stored = 0
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            info = entry.stat(follow_symlinks=False)
+            stored += min(info.st_size, getattr(info, "st_blocks", info.st_size // 512 + 1) * 512)
+    return stored
+
+
+def resolved(path: str | os.PathLike[str]) -> Path:
+    """``path`` with every symbolic link resolved (where its files really are)."""
+    return Path(os.path.realpath(path))
+
+
+def present(path: str | os.PathLike[str]) -> bool:
+    """Whether anything is at ``path`` (a dangling link too): what a reader that refuses links reports."""
+    return os.path.lexists(path)
 
 
 def local_spot(path: str | os.PathLike[str] | Spot) -> Spot:

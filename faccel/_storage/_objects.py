@@ -235,6 +235,13 @@ class ObjectStore:
     def writer(self, key: str) -> _ObjectWriter:
         return _ObjectWriter(self, key)
 
+    def publisher(self, key: str) -> _ObjectWriter:
+        """An object appears whole when its upload ends: the writer is already atomic."""
+        return _ObjectWriter(self, key)
+
+    def sync_folder(self, key: str) -> None:
+        """Nothing to do: an uploaded object is durable."""
+
     def replace(self, key: str, chunks: Sequence[Any]) -> FileRecord:
         """One object's upload is atomic: readers see the old object or the new one."""
         return self.write(key, chunks)

@@ -132,6 +132,14 @@ class Store(Protocol):
     def writer(self, key: str) -> Writer:
         """A :class:`Writer` for a new file at ``key``."""
 
+    def publisher(self, key: str) -> Writer:
+        """A :class:`Writer` whose file appears at ``key`` whole, when it is closed, or not at all
+        (on a disk: written beside it and renamed; :meth:`sync_folder` then makes the name durable)."""
+
+    def sync_folder(self, key: str) -> None:
+        """Make the names in folder ``key`` durable (creations, renames, deletions); nothing to do
+        where an object is durable once written."""
+
     def replace(self, key: str, chunks: Sequence[Any]) -> FileRecord:
         """Replace the file at ``key`` atomically (the old bytes or the new, never a mix)."""
 
