@@ -245,7 +245,8 @@ def restore(
             extras name the entries to restore (any placeholder value; where
             it holds a tensor, the saved one must match its shape and dtype);
             the same for ``rank_extras``.
-        path: A checkpoint folder, or a root folder of checkpoints.
+        path: A checkpoint folder, or a root folder of checkpoints; or their URL on object
+            storage (docs/object-storage.md).
         arrival_timeout: How long the ranks that called ``restore`` wait for
             the others to call it too, before raising.
 

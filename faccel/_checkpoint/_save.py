@@ -253,7 +253,9 @@ def checkpoint(
     Args:
         dist: The run's :class:`DistState`.
         train_state: What to save.
-        path: The root folder of the run's checkpoints (created if missing).
+        path: The root folder of the run's checkpoints (created if missing), or a URL of object
+            storage (``s3://bucket/run``, ``gs://...``: the manifest's conditional write commits,
+            a lease object is the lock; docs/object-storage.md). The result is then a URL.
         keep: Keep only this many checkpoints, the new one included, deleting
             the oldest (folders with a higher step than this one are never
             deleted). None keeps all.

@@ -217,7 +217,8 @@ def save_model(
     Args:
         dist: The run's :class:`DistState`.
         model: The model, wrapped by :func:`prepare` or not.
-        directory: Where to write; created if missing.
+        directory: Where to write; created if missing. A URL of object storage
+            (``s3://bucket/model``) writes there (docs/object-storage.md); the result is then a URL.
         max_shard_size: Largest shard, in bytes or as text (``"5GB"``, ``"500MiB"``).
         arrival_timeout: How long the ranks that called ``save_model`` wait for
             the others to call it too, before raising.
