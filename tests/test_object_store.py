@@ -315,7 +315,7 @@ def test_writers_killed_at_random_moments_leave_a_whole_checkpoint_on_s3(s3: S3,
 def test_two_gloo_ranks_round_trip_on_s3_and_restore_at_one_and_three(
     s3: S3, strategy: str, sharded: bool
 ) -> None:
-    """Each rank uploads its own objects; restores at 2, 1 and 3 ranks give back every tensor bitwise."""
+    """Each rank uploads its own objects; restores at 1 and 3 ranks give back every tensor bitwise."""
     from tests.distributed import harness
     from tests.distributed import object_store_workers as ow
 
@@ -324,7 +324,7 @@ def test_two_gloo_ranks_round_trip_on_s3_and_restore_at_one_and_three(
     assert saved[0]["state"] == saved[1]["state"]
     shards = [name for name in saved[0]["objects"] if name.startswith("shard-")]
     assert shards == (["shard-00000.safetensors", "shard-00001.safetensors"] if sharded else [])
-    for world in (2, 1, 3):
+    for world in (1, 3):  # another world size each way (2 ranks: the S3 round trips above)
         loaded = harness.run(ow.load, world_size=world, env=env, root=root, strategy=strategy)
         assert all("error" not in r for r in loaded), loaded
         assert all(r["state"] == saved[0]["state"] for r in loaded), world
