@@ -46,7 +46,11 @@ SIZES = {False: (1024, 12), True: (512, 8)}
 
 
 def _server() -> tuple[Any, dict[str, str]]:
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
