@@ -23,12 +23,15 @@ import time
 
 
 def main(kills: int, seed: int) -> None:
+    import logging
+
     import s3fs
     from moto.server import ThreadedMotoServer
 
     from tests.distributed import harness
     from tests.distributed import object_store_workers as ow
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -111,7 +111,7 @@ def _transient(error: BaseException) -> bool:
     if isinstance(error, OSError):
         return True  # s3fs and gcsfs raise a 5xx, SlowDown or a dropped connection as a plain OSError
     name = type(error).__name__
-    return any(word in name for word in ("Timeout", "Connection", "Throttl", "ServerError", "ClientError"))
+    return any(word in name for word in ("Timeout", "Connection", "Throttl", "ServerError"))
 
 
 class ObjectStore:
