@@ -1,4 +1,4 @@
-"""A meta-built model in one process: materialized whole, bitwise the eager build; refusals by name."""
+"""A meta-built model in one process and on 2 gloo ranks (DDP, FSDP2): the eager build bitwise, or refused."""
 
 from __future__ import annotations
 
@@ -8,6 +8,19 @@ from torch import nn
 
 import faccel
 from faccel.errors import ArgumentValueError, PrepareError
+from tests.distributed import harness, materialize_workers
+from tests.distributed.materialize_workers import (
+    DTYPES,
+    BuffersOnly,
+    Computed,
+    DeclaredEmbedFirst,
+    DeclaredHeadFirst,
+    DeclaredReverse,
+    HeadFirst,
+    SharedBuffer,
+    Tables,
+    same_as_eager,
+)
 from tests.distributed.meta_workers import TinyGPT, eager, full_state, on_meta
 
 
@@ -64,3 +77,111 @@ def test_an_unknown_init_is_refused() -> None:
 def test_init_empty_still_computes_non_persistent_buffers() -> None:
     model = faccel.prepare(faccel.detect({}), on_meta(), init="empty")
     assert torch.equal(model.rotary.inv_freq, TinyGPT().rotary.inv_freq)
+
+
+# Issue 35: the holes of the meta path, each refused by name or exact.
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_non_float_buffer_the_reset_leaves_unset_is_refused(dtype: str) -> None:
+    """Before: an int64 table held addresses, a bool mask came out all True, a complex one zeros."""
+    with pytest.raises(PrepareError, match="left 'table' unset"):
+        faccel.prepare(faccel.detect({}), materialize_workers.on_meta(lambda: Tables(DTYPES[dtype], "none")))
+
+
+def test_a_half_written_integer_buffer_is_refused() -> None:
+    with pytest.raises(PrepareError, match="left 'table' unset"):
+        faccel.prepare(faccel.detect({}), materialize_workers.on_meta(lambda: Tables(torch.int64, "half")))
+
+
+def test_non_float_buffers_the_reset_computes_are_the_eager_build_s() -> None:
+    result = same_as_eager(faccel.detect({}), Computed)
+    assert result["equal"] == result["names"]
+    assert "norm.num_batches_tracked" in result["names"]
+    # the generator is where the eager build left it (the inits that ran twice drew the same numbers)
+    after = torch.rand(3)
+    materialize_workers.eager(Computed)
+    assert torch.equal(after, torch.rand(3))
+
+
+class _Replaced(nn.Module):
+    """reset_parameters assigns new tensors (a causal mask made anew) instead of filling them."""
+
+    def __init__(self, size: int = 3) -> None:
+        super().__init__()
+        self.size = size
+        self.register_buffer("mask", torch.ones(3, 3, dtype=torch.bool).tril())
+
+    def reset_parameters(self) -> None:
+        self.mask = torch.ones(self.size, self.size, dtype=torch.bool).tril()
+
+
+def test_an_initializer_may_replace_a_tensor_with_one_of_its_shape_and_dtype() -> None:
+    model = faccel.prepare(faccel.detect({}), materialize_workers.on_meta(_Replaced))
+    assert torch.equal(model.mask, _Replaced().mask)
+
+
+def test_a_replacement_of_another_shape_is_refused() -> None:
+    with pytest.raises(PrepareError, match=r"replaced 'mask' with a tensor of shape \[4, 4\]"):
+        faccel.prepare(faccel.detect({}), materialize_workers.on_meta(lambda: _Replaced(size=4)))
+
+
+@pytest.mark.parametrize("build", [DeclaredHeadFirst, DeclaredEmbedFirst, DeclaredReverse])
+def test_declared_ties_are_bitwise_in_either_order_and_direction(build: type) -> None:
+    """Before: the head registered first kept the head's draw; the eager build keeps the embedding's."""
+    result = same_as_eager(faccel.detect({}), build)
+    assert result["equal"] == result["names"]
+    model = faccel.unwrap_model(result["model"])
+    assert model.head.weight is model.embed.weight
+
+
+def test_an_undeclared_tie_whose_owners_draw_differently_is_refused() -> None:
+    with pytest.raises(PrepareError, match=r"_tied_weights_keys = \{'head.weight': 'embed.weight'\}"):
+        faccel.prepare(faccel.detect({}), materialize_workers.on_meta(HeadFirst))
+
+
+def test_a_model_with_buffers_and_no_parameters_is_materialized() -> None:
+    """Before: torch's raw NotImplementedError: Cannot copy out of meta tensor."""
+    result = same_as_eager(faccel.detect({}), BuffersOnly)
+    assert result["equal"] == result["names"]
+    model = result["model"]
+    assert model.a.noise is model.b.noise
+
+
+def test_a_buffer_two_modules_share_stays_one_tensor() -> None:
+    """Before: two tensors with different values (each owner's own draw)."""
+    result = same_as_eager(faccel.detect({}), SharedBuffer)
+    assert result["equal"] == result["names"]
+    model = result["model"]
+    assert model.a.noise is model.b.noise
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_the_holes_on_two_gloo_ranks(strategy: str) -> None:
+    """Each hole under FSDP2 and DDP on 2 real gloo processes: refused by name on every rank, or exact."""
+    ranks = harness.run(materialize_workers.holes_run, world_size=2, timeout=180, strategy=strategy)
+    for r in ranks:
+        for name in sorted(DTYPES):
+            assert (
+                r[f"unset_{name}"].startswith("PrepareError:") and "left 'table' unset" in r[f"unset_{name}"]
+            )
+        assert "left 'table' unset" in r["half_int64"]
+        names, equal = r["computed"]
+        assert equal == names
+        for build in ("DeclaredHeadFirst", "DeclaredEmbedFirst", "DeclaredReverse"):
+            names, equal, tied = r[build]
+            assert equal == names and tied, build
+        assert "_tied_weights_keys" in r["undeclared"]
+        flat = r["flat"]
+        assert flat["equal"] == flat["names"] and flat["tied"]
+        assert flat["eager_equal"] == flat["names"] and flat["eager_tied"]
+        if strategy == "fsdp":  # before: ValueError: zip() argument 2 is longer than argument 1
+            for case in ("split_meta", "split_eager"):
+                assert r[case].startswith("PrepareError:") and "different FSDP2 units" in r[case], r[case]
+            names, equal, shared = r["buffers_only"]
+            assert equal == names and shared
+        else:
+            assert "no parameter that requires a gradient" in r["buffers_only"], r["buffers_only"]
+        names, equal, shared = r["shared_buffer"]
+        assert equal == names and shared
+    assert ranks[0]["flat"]["loss"] == ranks[1]["flat"]["loss"]
