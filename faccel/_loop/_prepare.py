@@ -234,7 +234,8 @@ def prepare(
         shard_policy: Under ``strategy='fsdp'``: which submodules become FSDP2
             units (``fully_shard`` is applied to each, innermost first, then to
             the root). Default: each block of the first ``ModuleList``, else
-            each child module with parameters.
+            each child module with parameters, less those that would split a
+            tied parameter over two units (docs/large-models.md).
         split_batches: The loader's ``batch_size`` is the *global* batch: each
             rank takes ``batch_size // world_size`` of every global batch (it must
             divide), so the global batch stays fixed as the world size changes.
@@ -292,8 +293,11 @@ def prepare(
             tensor parallelism and no ``tp_plan`` (or a plan key that names no
             submodule); a model partly on the meta device, or a meta model
             ``init`` cannot fill (a module without ``reset_parameters``, a tensor
-            the initializer left unset, a meta non-persistent buffer under
-            ``'empty'``); an ``activation_checkpointing`` that matches no
+            the initializer left unset, of any dtype, a meta non-persistent buffer under
+            ``'empty'``, a tie whose owners draw it differently and that the model's
+            ``_tied_weights_keys`` does not direct); a ``shard_policy`` that splits a
+            tied parameter over two FSDP2 units; a model with no trainable parameter
+            under DDP; an ``activation_checkpointing`` that matches no
             submodule; ``offload`` or ``reshard_after_forward=False`` with a
             strategy that does not shard with FSDP2 (DDP, DeepSpeed), or
             ``activation_checkpointing`` under DeepSpeed (not applied to its engine).
