@@ -185,3 +185,13 @@ def test_the_holes_on_two_gloo_ranks(strategy: str) -> None:
         names, equal, shared = r["shared_buffer"]
         assert equal == names and shared
     assert ranks[0]["flat"]["loss"] == ranks[1]["flat"]["loss"]
+
+
+def test_a_tp_plan_that_splits_a_tied_weight_is_refused_by_name() -> None:
+    """Before: raw ValueError: zip() argument 2 is longer than argument 1 (the tie split into two)."""
+    ranks = harness.run(materialize_workers.tp_tie_run, world_size=2, timeout=120)
+    for r in ranks:
+        for case in ("split_meta", "split_eager"):
+            assert r[case].startswith("PrepareError:") and "tp_plan key 'head'" in r[case], r[case]
+        names, equal, tied = r["kept"]
+        assert equal == names and tied

@@ -23,8 +23,8 @@ from faccel._loop._activation_checkpoint import checkpoint_activations
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
-from faccel._loop._parallel import apply_plan
-from faccel._loop._ties import check_ties_in_units, ties_in_one_unit
+from faccel._loop._parallel import apply_plan, plan_key_matches
+from faccel._loop._ties import check_ties_in_plan, check_ties_in_units, ties_in_one_unit
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
 from faccel._tree import map_tensors
@@ -316,6 +316,8 @@ def _wrap_layout(dist: DistState, model: nn.Module, options: PrepareOptions) -> 
     """
     layout = dist.parallel
     if layout.tensor > 1:
+        if options.tp_plan is not None:  # a tied parameter split apart: refused before anything is split
+            check_ties_in_plan(model, options.tp_plan, plan_key_matches)
         apply_plan(dist, model, options.tp_plan)
     if layout.data_size > 1:
         return _wrap_fsdp(dist, model, options, mesh=data_mesh(dist))

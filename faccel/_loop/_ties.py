@@ -25,7 +25,15 @@ from torch import nn
 from faccel._torch_compat import module_dicts
 from faccel.errors import PrepareError
 
-__all__ = ["Owner", "check_ties_in_units", "declared_sources", "full_name", "owners", "ties_in_one_unit"]
+__all__ = [
+    "Owner",
+    "check_ties_in_plan",
+    "check_ties_in_units",
+    "declared_sources",
+    "full_name",
+    "owners",
+    "ties_in_one_unit",
+]
 
 # (path of the owning module, the module, 'parameter' or 'buffer', the tensor's name in it)
 Owner = tuple[str, nn.Module, str, str]
@@ -154,3 +162,41 @@ def check_ties_in_units(model: nn.Module, policy: Callable[[nn.Module], bool]) -
                 "or the root, then holds it once), or True for one module that holds every owner"
             )
             raise PrepareError(msg)
+
+
+def check_ties_in_plan(
+    model: nn.Module, plan: Mapping[str, Any], matches: Callable[[str, str], bool]
+) -> None:
+    """Refuse a ``tp_plan`` key that splits a module owning a tied parameter (``matches(key, path)``).
+
+    ``parallelize_module`` gives each module it splits DTensor parameters of its
+    own, so an owner it splits no longer shares the tensor with the others.
+
+    Raises:
+        PrepareError: A plan key names an owner of a tied parameter.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Embedding(3, 2), torch.nn.Linear(2, 3, bias=False))
+        >>> net[1].weight = net[0].weight
+        >>> check_ties_in_plan(net, {"1": None}, lambda key, path: key == path)
+        Traceback (most recent call last):
+        ...
+        faccel.errors.PrepareError: tp_plan key '1' splits 1, which owns the tied parameter '0.weight' ...
+    """
+    for group in owners(model).values():
+        params = [(path, name) for path, _, kind, name in group if kind == "parameter"]
+        if len({path for path, _ in params}) < 2:
+            continue
+        for path, _ in params:
+            key = next((key for key in plan if matches(key, path)), None)
+            if key is not None:
+                names = ", ".join(full_name(p, n) for p, n in params)
+                msg = (
+                    f"tp_plan key {key!r} splits {path}, which owns the tied parameter "
+                    f"{full_name(*params[0])!r} (one tensor: {names}); tensor parallelism gives each "
+                    "module it splits parameters of its own, so the tie would come apart into two "
+                    "tensors; leave the tied modules out of the plan (FSDP2 still shards them over "
+                    "the data-parallel ranks), or untie them"
+                )
+                raise PrepareError(msg)

@@ -279,3 +279,26 @@ def holes_run(*, strategy: str) -> dict[str, Any]:
     inner = faccel.unwrap_model(shared["model"])
     out["shared_buffer"] = [shared["names"], shared["equal"], inner.a.noise is inner.b.noise]
     return out
+
+
+def tp_tie_run() -> dict[str, Any]:
+    """Under tensor parallelism (tensor=2): a plan that splits a tied head is refused by name, meta and
+    eager; a plan that leaves the tie alone is bitwise the eager build, still tied."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    dist = faccel.detect(layout="tensor=2")
+    splits = {"tp_plan": {"head": ColwiseParallel()}}
+    out: dict[str, Any] = {
+        "split_meta": refusal(lambda: faccel.prepare(dist, on_meta(Flat), **splits)),
+        "split_eager": refusal(lambda: faccel.prepare(dist, eager(Flat), **splits)),
+    }
+
+    class Wider(Flat):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(8, 16)
+
+    result = same_as_eager(dist, Wider, tp_plan={"up": ColwiseParallel()})
+    inner = faccel.unwrap_model(result["model"])
+    out["kept"] = [result["names"], result["equal"], inner.head.weight is inner.embed.weight]
+    return out
