@@ -195,3 +195,39 @@ def test_a_tp_plan_that_splits_a_tied_weight_is_refused_by_name() -> None:
             assert r[case].startswith("PrepareError:") and "tp_plan key 'head'" in r[case], r[case]
         names, equal, tied = r["kept"]
         assert equal == names and tied
+
+
+class _RealPart(nn.Module):
+    """A complex buffer whose reset_parameters writes the real parts only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rotations", torch.ones(4, dtype=torch.complex64))
+
+    def reset_parameters(self) -> None:
+        self.rotations.real.fill_(1.0)
+
+
+def test_a_complex_buffer_written_in_its_real_parts_only_is_refused() -> None:
+    with pytest.raises(PrepareError, match="left 'rotations' unset"):
+        faccel.prepare(faccel.detect({}), materialize_workers.on_meta(_RealPart))
+
+
+class _Aliased(nn.Module):
+    """One parameter under two names of one module, written through the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3))
+        self.alias = self.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+
+
+def test_a_tensor_one_module_holds_under_two_names_is_one_stand_in() -> None:
+    """Before: a stand-in per name, the alias's left NaN and refused, though the eager build is fine."""
+    result = same_as_eager(faccel.detect({}), _Aliased)
+    assert result["equal"] == result["names"]
+    assert result["model"].alias is result["model"].weight

@@ -263,8 +263,8 @@ _PATTERNS = (0xA5, 0x5A)
 def _stand_in(tensor: torch.Tensor, draw: int) -> torch.Tensor:
     """A whole, plain CPU tensor like ``tensor``: NaN, or (other dtypes) the ``draw``-th bit pattern."""
     shadow = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    if tensor.dtype in _NAN_DTYPES:
-        shadow.fill_(float("nan"))
+    if tensor.dtype in _NAN_DTYPES:  # both parts of a complex one: writing the real parts is not enough
+        shadow.fill_(complex(float("nan"), float("nan")) if tensor.is_complex() else float("nan"))
     elif tensor.dtype == torch.bool:
         shadow.fill_(draw == 1)
     elif shadow.numel():
@@ -339,13 +339,18 @@ class _Ties:
 def _draw(
     module: nn.Module, real: dict[str, torch.Tensor], run: Callable[[nn.Module], None], draw: int
 ) -> dict[str, Any]:
-    """Run ``run`` on ``module`` with stand-ins for ``real``; what each slot holds after (real put back)."""
+    """Run ``run`` on ``module`` with stand-ins for ``real``; what each slot holds after (real put back).
+
+    A tensor the module holds under two names gets one stand-in under both, as in the eager build.
+    """
+    shadows: dict[int, torch.Tensor] = {}
     for name, tensor in real.items():
-        shadow = _stand_in(tensor, draw)
-        if isinstance(tensor, nn.Parameter):
-            module_dicts(module)[1][name] = nn.Parameter(shadow, requires_grad=tensor.requires_grad)
-        else:
-            module_dicts(module)[2][name] = shadow
+        if id(tensor) not in shadows:
+            shadow = _stand_in(tensor, draw)
+            if isinstance(tensor, nn.Parameter):
+                shadow = nn.Parameter(shadow, requires_grad=tensor.requires_grad)
+            shadows[id(tensor)] = shadow
+        _slot(module, name)[name] = shadows[id(tensor)]
     try:
         run(module)
         return {name: _slot(module, name).get(name) for name in real}
