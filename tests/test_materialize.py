@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -231,3 +233,12 @@ def test_a_tensor_one_module_holds_under_two_names_is_one_stand_in() -> None:
     result = same_as_eager(faccel.detect({}), _Aliased)
     assert result["equal"] == result["names"]
     assert result["model"].alias is result["model"].weight
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_a_meta_built_model_under_deepspeed_is_the_eager_build() -> None:
+    """Before: torch's raw NotImplementedError: Cannot copy out of meta tensor (from DeepSpeed's engine)."""
+    ranks = harness.run(materialize_workers.deepspeed_run, world_size=2, timeout=300)
+    for r in ranks:
+        assert r["equal"] == r["names"]  # after one step of ZeRO-3: the optimizer stepped the engine's

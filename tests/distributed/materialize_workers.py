@@ -302,3 +302,37 @@ def tp_tie_run() -> dict[str, Any]:
     inner = faccel.unwrap_model(result["model"])
     out["kept"] = [result["names"], result["equal"], inner.head.weight is inner.embed.weight]
     return out
+
+
+def deepspeed_run() -> dict[str, Any]:
+    """Under ZeRO-3 on 2 gloo ranks: a meta-built model (materialized whole, then partitioned by
+    DeepSpeed) has the eager build's weights, and its optimizer steps the engine's parameters."""
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    dist = faccel.detect(strategy="deepspeed", deepspeed=config)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randn(8, 11))
+
+    def engine(model: nn.Module) -> dict[str, list[int]]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        prepared, optimizer, loader = faccel.prepare(dist, model, optimizer, loader)
+        x, y = next(iter(loader))
+        faccel.backward(dist, (prepared(x) - y).square().mean())
+        optimizer.step()
+        out = {}
+        for name, param in faccel.unwrap_model(prepared).named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                out[name] = bits(param.detach())
+        return out
+
+    torch.manual_seed(0)
+    want = engine(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 11)))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 11))
+    got = engine(model)
+    return {"names": sorted(want), "equal": sorted(n for n in want if want[n] == got.get(n))}
