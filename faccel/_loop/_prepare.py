@@ -278,7 +278,9 @@ def prepare(
             build after the same ``torch.manual_seed`` at any world size and
             layout; ``'empty'``: allocated only, for a ``load_model`` that
             follows; a callable ``init(module)``: run on each module that owns
-            meta tensors, with those tensors whole and plain on the CPU. Unused
+            meta tensors, with those tensors whole and plain on the CPU (twice,
+            from the same generator state, where the module owns integer or bool
+            tensors: what it left unset differs between the two). Unused
             for a model that is not on meta. (Under DeepSpeed the meta model is
             materialized whole, as under DDP, before the engine partitions it.)
         activation_checkpointing: Which submodules recompute their activations in
