@@ -6,6 +6,8 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import faccel
@@ -242,3 +244,58 @@ def test_a_meta_built_model_under_deepspeed_is_the_eager_build() -> None:
     ranks = harness.run(materialize_workers.deepspeed_run, world_size=2, timeout=300)
     for r in ranks:
         assert r["equal"] == r["names"]  # after one step of ZeRO-3: the optimizer stepped the engine's
+
+
+_ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64]
+_ALL_DTYPES += [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(_ALL_DTYPES), fill=st.sampled_from(["whole", "half", "none"]))
+def test_law_a_meta_build_is_the_eager_build_or_refused_whatever_the_dtype(
+    dtype: torch.dtype, fill: str
+) -> None:
+    """Law: a buffer of any dtype is the eager build's bit for bit when the reset computes it whole,
+    and refused by name when the reset leaves any of it unset."""
+    build = lambda: Tables(dtype, fill)  # noqa: E731
+    if fill == "whole":
+        result = same_as_eager(faccel.detect({}), build)
+        assert result["equal"] == result["names"]
+    else:
+        with pytest.raises(PrepareError, match="left 'table' unset"):
+            faccel.prepare(faccel.detect({}), materialize_workers.on_meta(build))
+
+
+def _tied(head_first: bool, from_embed: bool, declared: bool) -> type:
+    """A model class with an embedding and a head tied one way, registered in one order, declared or not."""
+
+    def __init__(self: nn.Module) -> None:
+        nn.Module.__init__(self)
+        for name in ("head", "embed") if head_first else ("embed", "head"):
+            setattr(self, name, nn.Linear(8, 11, bias=False) if name == "head" else nn.Embedding(11, 8))
+        if from_embed:
+            self.head.weight = self.embed.weight
+        else:
+            self.embed.weight = self.head.weight
+
+    keys = {"head.weight": "embed.weight"} if from_embed else {"embed.weight": "head.weight"}
+    return type(
+        "Tied", (nn.Module,), {"__init__": __init__, **({"_tied_weights_keys": keys} if declared else {})}
+    )
+
+
+@settings(max_examples=16, deadline=None)
+@given(head_first=st.booleans(), from_embed=st.booleans(), declared=st.booleans())
+def test_law_a_tie_is_the_eager_build_in_any_order_and_direction_or_refused(
+    head_first: bool, from_embed: bool, declared: bool
+) -> None:
+    """Law: declared, a tie is bitwise the eager build in either registration order and direction;
+    undeclared (the owners draw differently), it is refused by name, never the wrong draw."""
+    build = _tied(head_first, from_embed, declared)
+    if declared:
+        result = same_as_eager(faccel.detect({}), build)
+        assert result["equal"] == result["names"]
+        assert result["model"].head.weight is result["model"].embed.weight
+    else:
+        with pytest.raises(PrepareError, match="_tied_weights_keys"):
+            faccel.prepare(faccel.detect({}), materialize_workers.on_meta(build))
