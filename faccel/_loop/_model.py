@@ -23,7 +23,8 @@ from faccel._loop._activation_checkpoint import checkpoint_activations
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
-from faccel._loop._parallel import apply_plan
+from faccel._loop._parallel import apply_plan, plan_key_matches
+from faccel._loop._ties import check_ties_in_plan, check_ties_in_units, ties_in_one_unit
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
 from faccel._tree import map_tensors
@@ -189,11 +190,15 @@ def default_shard_policy(root: nn.Module) -> ShardPolicy:
     """Shard each block of the first ``ModuleList`` (transformer layers), else each child.
 
     Each block becomes one FSDP2 unit: its parameters are gathered just before
-    its forward and freed after, which is what bounds the peak memory.
+    its forward and freed after, which is what bounds the peak memory. A
+    module that shares a parameter with one outside it (a tied embedding and
+    head) is left to the unit around both, so the tied tensor is sharded once.
     """
     blocks = next((m for m in root.modules() if isinstance(m, nn.ModuleList)), None)
     units = {id(m) for m in (blocks if blocks is not None else root.children())}
-    return lambda module: id(module) in units and any(True for _ in module.parameters())
+    return ties_in_one_unit(
+        root, lambda module: id(module) in units and any(True for _ in module.parameters())
+    )
 
 
 def _wrap_ddp(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.Module:
@@ -201,6 +206,13 @@ def _wrap_ddp(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.
     if dist.autocast_dtype is not None:
         wrapped = Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
     if dist.distributed:
+        if not any(param.requires_grad for param in model.parameters()):
+            msg = (
+                f"the {type(model).__name__} has no parameter that requires a gradient, so DDP has "
+                "nothing to train or average (torch's DistributedDataParallel refuses it); prepare the "
+                "model that trains, and build one of buffers only on dist.device, unprepared"
+            )
+            raise PrepareError(msg)
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
         ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.ddp_kwargs or {}))
         if dist.world_size > 2:
@@ -246,6 +258,8 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
     # Float32 outputs from the root only: a block that returned float32 would hand the root's
     # own layers (a read-out after the blocks, in low precision) an input of another dtype.
     root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=reduce_dtype)
+    if options.shard_policy is not None:  # a tie split over two units: refused before anything is sharded
+        check_ties_in_units(model, options.shard_policy)
     should_shard = options.shard_policy or default_shard_policy(model)
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
@@ -302,6 +316,8 @@ def _wrap_layout(dist: DistState, model: nn.Module, options: PrepareOptions) -> 
     """
     layout = dist.parallel
     if layout.tensor > 1:
+        if options.tp_plan is not None:  # a tied parameter split apart: refused before anything is split
+            check_ties_in_plan(model, options.tp_plan, plan_key_matches)
         apply_plan(dist, model, options.tp_plan)
     if layout.data_size > 1:
         return _wrap_fsdp(dist, model, options, mesh=data_mesh(dist))

@@ -15,7 +15,7 @@ from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._consistency import check_setup
 from faccel._loop._deepspeed import prepare_deepspeed
-from faccel._loop._materialize import INITS
+from faccel._loop._materialize import INITS, prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
 from faccel._marks import REPLACED_BY
@@ -44,6 +44,25 @@ def _module(dist: DistState, obj: Any, options: _Options) -> Any:
         if old is not new:
             setattr(old, _REPLACED_BY, new)
     return prepared
+
+
+def _materialize_whole(dist: DistState, objs: tuple[Any, ...], options: _Options) -> None:
+    """A meta-built model made real and whole (as under DDP), the optimizers pointed at its parameters.
+
+    DeepSpeed's engine takes a real model (it partitions it itself under ZeRO-3).
+    """
+    materialized = False
+    for obj in objs:
+        if isinstance(obj, nn.Module):
+            before = list(obj.parameters())
+            if prepare_meta(obj, dist.device, options.init, shards_first=False):
+                materialized = True
+                for old, new in zip(before, obj.parameters(), strict=True):
+                    if old is not new:
+                        setattr(old, _REPLACED_BY, new)
+    for obj in objs:
+        if materialized and isinstance(obj, torch.optim.Optimizer):
+            _rebind(obj)
 
 
 def _rebind(optimizer: torch.optim.Optimizer) -> bool:
@@ -234,7 +253,8 @@ def prepare(
         shard_policy: Under ``strategy='fsdp'``: which submodules become FSDP2
             units (``fully_shard`` is applied to each, innermost first, then to
             the root). Default: each block of the first ``ModuleList``, else
-            each child module with parameters.
+            each child module with parameters, less those that would split a
+            tied parameter over two units (docs/large-models.md).
         split_batches: The loader's ``batch_size`` is the *global* batch: each
             rank takes ``batch_size // world_size`` of every global batch (it must
             divide), so the global batch stays fixed as the world size changes.
@@ -258,8 +278,11 @@ def prepare(
             build after the same ``torch.manual_seed`` at any world size and
             layout; ``'empty'``: allocated only, for a ``load_model`` that
             follows; a callable ``init(module)``: run on each module that owns
-            meta tensors, with those tensors whole and plain on the CPU. Unused
-            for a model that is not on meta.
+            meta tensors, with those tensors whole and plain on the CPU (twice,
+            from the same generator state, where the module owns integer or bool
+            tensors: what it left unset differs between the two). Unused
+            for a model that is not on meta. (Under DeepSpeed the meta model is
+            materialized whole, as under DDP, before the engine partitions it.)
         activation_checkpointing: Which submodules recompute their activations in
             the backward instead of keeping them (docs/large-models.md): a module
             class (``Block``), a tuple of classes, or a predicate ``fn(module) ->
@@ -292,8 +315,11 @@ def prepare(
             tensor parallelism and no ``tp_plan`` (or a plan key that names no
             submodule); a model partly on the meta device, or a meta model
             ``init`` cannot fill (a module without ``reset_parameters``, a tensor
-            the initializer left unset, a meta non-persistent buffer under
-            ``'empty'``); an ``activation_checkpointing`` that matches no
+            the initializer left unset, of any dtype, a meta non-persistent buffer under
+            ``'empty'``, a tie whose owners draw it differently and that the model's
+            ``_tied_weights_keys`` does not direct); a ``shard_policy`` that splits a
+            tied parameter over two FSDP2 units; a model with no trainable parameter
+            under DDP; an ``activation_checkpointing`` that matches no
             submodule; ``offload`` or ``reshard_after_forward=False`` with a
             strategy that does not shard with FSDP2 (DDP, DeepSpeed), or
             ``activation_checkpointing`` under DeepSpeed (not applied to its engine).
@@ -339,6 +365,7 @@ def prepare(
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
+        _materialize_whole(dist, objs, options)
         prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
         return prepared[0] if len(prepared) == 1 else prepared
     # Modules first, whatever the order given: preparing one may replace its parameters,

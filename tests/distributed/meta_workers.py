@@ -48,6 +48,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Embedding, blocks, a tied head, a rotary table: what the meta path must get right."""
 
+    # Which way the head is tied (a built model does not record it): the meta build keeps embed's draw.
+    _tied_weights_keys = {"head.weight": "embed.weight"}  # noqa: RUF012
+
     def __init__(self, vocab: int = 11, width: int = 8, depth: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
