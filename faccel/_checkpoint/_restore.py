@@ -42,6 +42,7 @@ from faccel._checkpoint._format import (
 from faccel._checkpoint._load import load
 from faccel._checkpoint._save import _resolve
 from faccel._checkpoint._sharded._flow import (
+    allocatable_bytes,
     read_tensors,
 )
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng, model_target
@@ -94,6 +95,10 @@ def _read_checkpoint(
 
     def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
         limit = MAX_JSON if name.endswith(".json") else caps.get(name)
+        # Never more than this process can allocate (a forged size, a sparse file): refused by name
+        # before read_verified's buffer, as the sharded format does (issue 35, item 8).
+        room = allocatable_bytes()
+        limit = room if limit is None else limit if room is None else min(limit, room)
         where = f"{directory}/{name}"
         return lambda: read_verified(directory / name, record or records[name], where=where, limit=limit)[0]
 
