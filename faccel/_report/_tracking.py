@@ -32,12 +32,12 @@ import attrs
 import torch
 
 from faccel._dist._state import DistState
+from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError, StorageError
 
-__all__ = ["Tracker", "end_training", "init_tracker", "log"]
+__all__ = ["Tracker", "end_training", "init_tracker", "log", "plot", "read_metrics"]
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 # The back-ends kind="all" opens when their package is installed (jsonl always: read_metrics, plot).
 _ALL = (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"))
@@ -538,57 +538,3 @@ def end_training(dist: DistState, tracker: Tracker) -> None:
         >>> faccel.end_training(dist, faccel.init_tracker(dist, tempfile.mkdtemp(), kind="csv"))
     """
     tracker.__exit__(None, None, None)
-
-
-def read_metrics(run: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Metric name -> ``(step, value)`` pairs from a run's ``metrics.jsonl`` (or the file itself).
-
-    Example:
-        >>> import pathlib, tempfile, faccel
-        >>> dist, run = faccel.detect({}), pathlib.Path(tempfile.mkdtemp())
-        >>> with faccel.init_tracker(dist, run) as tracker:
-        ...     for step in range(3):
-        ...         faccel.log(dist, tracker, step, {"loss": 1.0 / (step + 1)})
-        >>> read_metrics(run)["loss"]
-        [(0, 1.0), (1, 0.5), (2, 0.3333333333333333)]
-    """
-    path = Path(run)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        for name, value in record["metrics"].items():
-            curves.setdefault(name, []).append((int(record["step"]), float(value)))
-    return curves
-
-
-def plot(run: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
-    """Draw every metric of a JSONL run against its step into one PNG; returns its path.
-
-    Needs matplotlib. The default output is ``metrics.png`` beside ``metrics.jsonl``.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    curves = read_metrics(run)
-    if not curves:
-        msg = f"{run} holds no metrics to plot"
-        raise ArgumentValueError(msg)
-    figure = Figure(figsize=(5 * min(len(curves), 3), 3.5 * ((len(curves) + 2) // 3)), dpi=100)
-    FigureCanvasAgg(figure)
-    for index, (name, points) in enumerate(sorted(curves.items()), start=1):
-        axes = figure.add_subplot((len(curves) + 2) // 3, min(len(curves), 3), index)
-        steps, values = zip(*points, strict=True)
-        axes.plot(steps, values)
-        axes.set_title(name)
-        axes.set_xlabel("step")
-        axes.grid(alpha=0.3)
-    figure.tight_layout()
-    target = (
-        Path(out)
-        if out is not None
-        else (Path(run) if Path(run).is_dir() else Path(run).parent) / "metrics.png"
-    )
-    figure.savefig(target)
-    return target
