@@ -119,3 +119,34 @@ def test_one_process_describes_nothing_and_sends_nothing() -> None:
         assert "needs a running process group" in str(error)
     else:
         raise AssertionError("a distributed state without a group was not refused")
+
+
+def test_loader_order_scheduler_hyper_parameters_and_selections_are_described() -> None:
+    """Issue 35, item 7, in one process: what the two-rank test compares, item by item."""
+    dist = faccel.detect({})
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8))
+    shuffled = describe(
+        dist, [torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)], PrepareOptions()
+    )
+    plain = describe(dist, [torch.utils.data.DataLoader(data, batch_size=4)], PrepareOptions())
+    problem = difference_problem(plain, shuffled, rank=1)
+    assert (
+        problem is not None and 'sampler has class "SequentialSampler", rank 0 has "RandomSampler"' in problem
+    )
+    items = {entry[1]: entry[2] for entry in shuffled}
+    assert items["sampler"]["shuffle"] is True and items["batch_sampler"]["batch_size"] == 4
+
+    optimizer = torch.optim.SGD(_model().parameters(), lr=0.1)
+    step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    hyper = {entry[1]: entry[2] for entry in describe(dist, [step], PrepareOptions())}["hyper-parameters"]
+    assert hyper == {"step_size": 2, "gamma": 0.5}  # the counters (_step_count, _last_lr ...) left out
+
+    def raises(module: nn.Module) -> bool:
+        raise RuntimeError("a policy with a bug")
+
+    options = PrepareOptions(shard_policy=raises, activation_checkpointing=lambda m: isinstance(m, nn.ReLU))
+    items = {entry[1]: entry[2] for entry in describe(dist, [_model()], options)}
+    assert (
+        items["shard_policy selects"] == "raised RuntimeError"
+    )  # described, not raised before the collective
+    assert items["activation_checkpointing selects"] == ["1"]

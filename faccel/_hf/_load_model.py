@@ -46,10 +46,18 @@ def _from_index(index_path: Path, read: _Reader, within: Sequence[Path]) -> dict
     index = read_json(index_path, where=str(index_path), within=within)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+        isinstance(k, str)
+        and isinstance(v, str)
+        and "/" not in v
+        and "\x00" not in v
+        and v not in ("", ".", "..")
         for k, v in weight_map.items()
     ):
-        msg = f"{index_path}: needs a weight_map of tensor names to shard file names in the folder"
+        # (A NUL byte in a name would reach the OS as torch's raw "embedded null byte": issue 35, item 8.)
+        msg = (
+            f"{index_path}: needs a weight_map of tensor names to shard file names in the folder "
+            "(plain names: no '/', no NUL byte)"
+        )
         raise CheckpointError(msg)
     layout: dict[str, tuple[str, Any]] = {}
     problems: list[str] = []

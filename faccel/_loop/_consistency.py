@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from faccel._data._loader import PreparedLoader
+from faccel._data._loader import PreparedLoader, _plain_shuffle
 from faccel._dist._collectives import all_gather_bytes
 from faccel._dist._process_group import comm_device, peers_answer, require_group
 from faccel._dist._state import DistState
@@ -46,14 +46,41 @@ Entry = list[Any]
 # The first all_gather: the description's length (8 bytes) and its SHA-256 (32 bytes).
 _HEAD = 8 + 32
 _CALL = "this prepare call"
+# How deep a hyper-parameter's value is described (a scheduler's state_dict nests two levels).
+_DEPTH = 8
+# What a scheduler's state_dict holds that moves as it steps, or is derived from what is compared
+# elsewhere (last_epoch and base_lrs have entries of their own; the learning rates are the
+# optimizer's). Everything else in it (StepLR's gamma, CosineAnnealingLR's T_max, OneCycleLR's
+# phases, SequentialLR's milestones and its schedulers' own) is a hyper-parameter.
+_COUNTERS = frozenset(
+    {
+        "last_epoch",
+        "base_lrs",
+        "_step_count",
+        "_last_lr",
+        "_is_initial",
+        "_get_lr_called_within_step",
+        "verbose",
+        "best",
+        "num_bad_epochs",
+        "cooldown_counter",
+    }
+)
 
 
-def _plain(value: Any) -> Any:
-    """A hyper-parameter as JSON: numbers, strings and lists of them as they are; anything else by type."""
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A hyper-parameter as JSON: numbers, strings and lists of them as they are; anything else by type.
+
+    Dicts (a scheduler's ``state_dict``) are walked too, without its counters, down to a fixed depth.
+    """
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if depth >= _DEPTH:
+        return type(value).__qualname__
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items() if k not in _COUNTERS}
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and value.device.type != "meta":  # a tensor learning rate
             return value.detach().cpu().reshape(()).item()
@@ -96,12 +123,39 @@ def _length(obj: Any) -> int | None:
         return None
 
 
+def _sampler(sampler: object) -> dict[str, Any] | None:
+    """What decides a sampler's order: its class, whether faccel shuffles for it, its plain settings.
+
+    ``shuffle`` is True for a ``RandomSampler`` that draws every sample once and False for a
+    ``SequentialSampler`` (faccel draws those orders itself, from ``dist.seed``), None for any
+    other sampler (its own order is dealt; faccel also compares the orders drawn at prepare).
+    The plain public attributes (a custom sampler's ``seed``, ``replacement``, a batch sampler's
+    ``batch_size`` and ``drop_last``) go with them; its data and generator do not (faccel reseeds it).
+    """
+    if sampler is None:
+        return None
+    out: dict[str, Any] = {"class": type(sampler).__qualname__, "shuffle": _plain_shuffle(sampler)}
+    for key, value in sorted(getattr(sampler, "__dict__", {}).items()):
+        if not key.startswith("_") and (value is None or isinstance(value, bool | int | float | str)):
+            out[key] = value
+    count = getattr(type(sampler), "num_samples", None)
+    if isinstance(count, property):  # RandomSampler's num_samples= (private under the property)
+        out["num_samples"] = _plain(getattr(sampler, "num_samples", None))
+    inner = getattr(sampler, "sampler", None)  # a batch sampler's sampler
+    if inner is not None and inner is not sampler:
+        out["sampler"] = _sampler(inner)
+    return out
+
+
 def _loader(loader: DataLoader) -> Iterator[tuple[str, Any]]:  # type: ignore[type-arg]
     yield "class", type(loader).__qualname__
     yield "length", _length(loader)
     yield "batch_size", loader.batch_size
     yield "drop_last", loader.drop_last
     yield "dataset length", _length(loader.dataset)
+    # The order: shuffle=True on one rank and False on another deals overlapping shares.
+    yield "sampler", _sampler(loader.sampler)
+    yield "batch_sampler", _sampler(loader.batch_sampler)
 
 
 def _prepared_loader(loader: PreparedLoader) -> Iterator[tuple[str, Any]]:
@@ -109,12 +163,16 @@ def _prepared_loader(loader: PreparedLoader) -> Iterator[tuple[str, Any]]:
     yield "batch_size", loader.batch_size
     for field in ("num_samples", "world_size", "shuffle", "drop_last", "even_batches", "seed"):
         yield f"sharding {field}", _plain(getattr(s, field, None))
+    yield "sharding sampler", _sampler(getattr(s, "sampler", None))
 
 
 def _scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> Iterator[tuple[str, Any]]:
     yield "class", type(scheduler).__qualname__
     yield "last_epoch", scheduler.last_epoch
     yield "base_lrs", _plain(scheduler.base_lrs)
+    # The hyper-parameters (StepLR's gamma, a cosine's T_max ...): its state_dict less the counters.
+    # A LambdaLR's functions are code: the state_dict holds None for them, so they are not compared.
+    yield "hyper-parameters", _plain(scheduler.state_dict())
 
 
 def _value(obj: Any) -> Iterator[tuple[str, Any]]:
@@ -154,18 +212,47 @@ def _dist(dist: DistState) -> Iterator[tuple[str, Any]]:
 
 def _options(options: PrepareOptions) -> Iterator[tuple[str, Any]]:
     init = options.init
-    yield "init", init if isinstance(init, str) else "a callable"
+    yield "init", init if isinstance(init, str) else f"a callable ({_callable_name(init)})"
     yield "even_batches", options.even_batches
     yield "split_batches", options.split_batches
     yield "worker_seeds", options.worker_seeds
     plan = options.tp_plan
     yield "tp_plan", None if plan is None else {str(k): type(v).__qualname__ for k, v in plan.items()}
+    # What the policy selects is compared with the model it is applied to (_chosen).
     yield "shard_policy", None if options.shard_policy is None else "a callable"
     ddp = options.ddp_kwargs
     yield "ddp_kwargs", None if ddp is None else {str(k): _plain(v) for k, v in ddp.items()}
     yield "activation_checkpointing", _selector(options.activation_checkpointing)
     yield "offload", options.offload
     yield "reshard_after_forward", options.reshard_after_forward
+
+
+def _callable_name(fn: Any) -> str:
+    """Where a function is defined, the same on every rank (its identity is not)."""
+    kind = fn if isinstance(fn, type) else type(fn)
+    module = getattr(fn, "__module__", None) or kind.__module__
+    return f"{module}.{getattr(fn, '__qualname__', kind.__qualname__)}"
+
+
+def _chosen(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> Any:
+    """The submodule names ``predicate`` picks in ``model`` (the root left out, as ``prepare`` does).
+
+    A predicate that raises is described by its error rather than raised: the description must
+    reach the collective on every rank, or the ranks that did not raise would wait there.
+    """
+    try:
+        return [name for name, module in model.named_modules() if module is not model and predicate(module)]
+    except Exception as error:  # the predicate is user code; prepare raises it later, on every rank alike
+        return f"raised {type(error).__qualname__}"
+
+
+def _selections(model: nn.Module, options: PrepareOptions) -> Iterator[tuple[str, Any]]:
+    """What the options that pick submodules pick in this model: another policy per rank shards apart."""
+    if options.shard_policy is not None:
+        yield "shard_policy selects", _chosen(model, options.shard_policy)
+    selector = options.activation_checkpointing
+    if selector is not None and not isinstance(selector, type | tuple):
+        yield "activation_checkpointing selects", _chosen(model, selector)
 
 
 def _selector(selector: Any) -> Any:
@@ -202,6 +289,8 @@ def describe(dist: DistState, objs: Sequence[Any], options: PrepareOptions) -> l
     for index, (obj, (name, describe_one)) in enumerate(zip(objs, kinds, strict=True)):
         where = f"the {type(obj).__qualname__} (argument {index})" if name != "other value" else ""
         entries += [[where, item, value] for item, value in describe_one(obj)]
+        if name == "model":
+            entries += [[where, item, value] for item, value in _selections(obj, options)]
     return entries
 
 

@@ -32,12 +32,12 @@ import attrs
 import torch
 
 from faccel._dist._state import DistState
+from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError, StorageError
 
-__all__ = ["Tracker", "end_training", "init_tracker", "log"]
+__all__ = ["Tracker", "end_training", "init_tracker", "log", "plot", "read_metrics"]
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 # The back-ends kind="all" opens when their package is installed (jsonl always: read_metrics, plot).
 _ALL = (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"))
@@ -49,9 +49,81 @@ class _Writer(Protocol):
     def close(self) -> None: ...
 
 
-def _write_config(folder: Path, config: Mapping[str, Any]) -> None:
-    """The hyperparameters as ``config.json`` (values JSON cannot hold are written as text)."""
-    (folder / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
+# A path component's bytes on Linux and macOS (NAME_MAX): a longer project or run name cannot be a folder.
+NAME_BYTES = 255
+# How deep a config may nest: a hyperparameter tree is a few levels; json would recurse without end.
+CONFIG_DEPTH = 64
+
+
+def _config_text(config: Mapping[str, Any]) -> str:
+    """The hyperparameters as ``config.json``'s text (values JSON cannot hold are written as text)."""
+    _check_config(config)
+    try:
+        return json.dumps(dict(config), indent=1, sort_keys=True, default=str)
+    except (TypeError, ValueError) as error:  # keys of several types that sort_keys cannot order
+        msg = f"config could not be written as JSON ({error}); give it keys of one type (str)"
+        raise ArgumentValueError(msg) from error
+
+
+def _check_config(config: Mapping[str, Any]) -> None:
+    """Refuse what ``json`` would fail on, before anything is written: a cycle, depth, a huge integer.
+
+    An explicit stack, not recursion: a config 5,000 levels deep must not reach the interpreter's
+    recursion limit.
+    """
+    stack: list[tuple[str, Any, tuple[int, ...]]] = [("config", config, ())]
+    while stack:
+        where, value, path = stack.pop()
+        if isinstance(value, bool) or value is None or isinstance(value, float | str):
+            continue
+        if isinstance(value, int):
+            _check_int(where, value)
+            continue
+        if not isinstance(value, Mapping | list | tuple):
+            continue  # written as its str(), as JSON cannot hold it
+        if id(value) in path:
+            msg = f"config holds itself: {where} is the {type(value).__name__} that contains it; give a tree"
+            raise ArgumentValueError(msg)
+        if len(path) >= CONFIG_DEPTH:
+            msg = f"config is nested deeper than {CONFIG_DEPTH} levels (at {where}); flatten it"
+            raise ArgumentValueError(msg)
+        inner = (*path, id(value))
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not (key is None or isinstance(key, str | int | float | bool)):
+                    msg = f"{where} has the key {key!r}; JSON keys are text or numbers: use str keys"
+                    raise ArgumentValueError(msg)
+                if isinstance(key, int) and not isinstance(key, bool):
+                    _check_int(f"a key of {where}", key)
+                stack.append((f"{where}[{key!r}]", item, inner))
+        else:
+            stack.extend((f"{where}[{index}]", item, inner) for index, item in enumerate(value))
+
+
+def _check_int(where: str, value: int) -> None:
+    # Python refuses to write an integer of more digits than sys.get_int_max_str_digits() (4,300).
+    try:
+        str(value)
+    except ValueError:
+        digits = int(abs(value).bit_length() * 0.30103) + 1
+        msg = (
+            f"{where} is an integer of {digits} digits, more than Python writes as text "
+            "(sys.get_int_max_str_digits()); record it as a float, or as text you shorten"
+        )
+        raise ArgumentValueError(msg) from None
+
+
+def _write_config(folder: Path, text: str) -> None:
+    """``config.json`` whole or not at all: written beside, then renamed (a full disk leaves none)."""
+    target = folder / CONFIG_FILE
+    partial = folder / f".{CONFIG_FILE}.tmp"
+    try:
+        partial.write_text(text)
+        os.replace(partial, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
 
 
 def _append(fd: int, data: bytes) -> None:
@@ -74,7 +146,7 @@ class _JsonLines:
     """
 
     def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
-        _write_config(folder, config)
+        _write_config(folder, _config_text(config))
         self._fd = os.open(
             folder / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
         )
@@ -91,7 +163,7 @@ class _Csv:
     """Long format (``step,time,source,metric,value``), so new metric names need no new header."""
 
     def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
-        _write_config(folder, config)
+        _write_config(folder, _config_text(config))
         path = folder / "metrics.csv"
         fresh = not path.exists()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -286,29 +358,69 @@ def init_tracker(
     if kind != "all" and kind not in _WRITERS:
         msg = f"kind must be one of {[*sorted(_WRITERS), 'all']}, got {kind!r}"
         raise ArgumentValueError(msg)
+    # Every name and value is checked on every rank before any folder or file is made.
+    for what, part in (("project", project), ("run_name", run_name)):
+        if part is not None:
+            _check_name(what, part)
+    options = dict(config or {})
+    _check_config(options)
     base = Path(logdir)
     if project is not None:
-        for what, part in (("project", project), ("run_name", run_name)):
-            if part is not None and (part in ("", ".", "..") or "/" in part or os.sep in part):
-                msg = f"{what} names a folder under logdir, so it must be one plain name, got {part!r}"
-                raise ArgumentValueError(msg)
         base = base / project / run_name if run_name is not None else base / project
     if not per_rank and not dist.is_main_process:
         return Tracker(kind=kind, folder=None)
     folder = base / f"rank-{dist.rank:05d}" if per_rank else base
-    folder.mkdir(parents=True, exist_ok=True)
     kinds = [kind] if kind != "all" else ["jsonl", *(k for k, package in _ALL if _installed(package))]
-    name, options = run_name or base.name, dict(config or {})
+    name = run_name or base.name
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # removed again should writing fail
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         writers = [_WRITERS[k](folder, options, name, project or "faccel") for k in kinds]
     except ImportError as error:
+        _remove_empty(made)
         msg = (
             f"the {kind!r} tracker needs the package {error.name!r}, which is not installed; "
             f"pip install {error.name}, or use kind='jsonl'"
         )
         raise ArgumentError(msg) from error
+    except OSError as error:
+        _remove_empty(made)
+        msg = (
+            f"init_tracker on rank {dist.rank} could not make the run's folder {folder} or write its "
+            f"{CONFIG_FILE} ({error}); nothing was left behind. Free space on that disk, or choose a "
+            "logdir you can write to"
+        )
+        raise StorageError(msg) from error
     writer = writers[0] if len(writers) == 1 else _Each(writers)
     return Tracker(kind=kind, folder=folder, per_rank=per_rank, writer=writer)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders init_tracker made (innermost first), if nothing else was put in them."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _check_name(what: str, name: object) -> None:
+    """A project, run or metric name: text, one plain folder name short enough for the disk."""
+    if not isinstance(name, str):
+        msg = f"{what} must be a str, got {type(name).__name__}"
+        raise ArgumentError(msg)
+    if name in ("", ".", "..") or "/" in name or os.sep in name:
+        msg = f"{what} names a folder under logdir, so it must be one plain name, got {name!r}"
+        raise ArgumentValueError(msg)
+    _check_text(what, name)
+
+
+def _check_text(what: str, name: str) -> None:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        msg = f"{what} {name[:60]!r} holds a control character (a NUL, a newline ...); use printable text"
+        raise ArgumentValueError(msg)
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > NAME_BYTES:
+        msg = f"{what} must be at most {NAME_BYTES} bytes (a file name's limit), got {size}: {name[:40]!r}..."
+        raise ArgumentValueError(msg)
 
 
 def _installed(package: str) -> bool:
@@ -318,16 +430,33 @@ def _installed(package: str) -> bool:
         return True
 
 
-def _scalar(name: str, value: Any) -> float:
+def _scalar(name: object, value: Any) -> float:
+    if not isinstance(name, str):
+        msg = f"metric names must be str, got {name!r} ({type(name).__name__})"
+        raise ArgumentError(msg)
+    if not name:
+        msg = "a metric name is empty; name it"
+        raise ArgumentValueError(msg)
+    _check_text(f"metric name {name[:60]!r}", name)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             msg = f"metric {name!r} is a tensor of shape {list(value.shape)}; log a scalar (reduce it first)"
+            raise ArgumentValueError(msg)
+        if value.is_complex():
+            msg = f"metric {name!r} is a complex tensor ({value.dtype}); log its real part or its abs()"
             raise ArgumentValueError(msg)
         return float(value.detach().item())
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"metric {name!r} must be a number or a one-element tensor, got {type(value).__name__}"
         raise ArgumentError(msg)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        msg = (
+            f"metric {name!r} is an integer too large for a float (about 10**{len(str(value)) - 1}); "
+            "every back-end records floats: log it scaled, or its log10"
+        )
+        raise ArgumentValueError(msg) from None
 
 
 def log(
@@ -370,8 +499,12 @@ def log(
         >>> record["source"], record["metrics"]
         ('rank 0', {'loss': 0.5, 'lr': 0.1})
     """
-    if step < 0:
-        msg = f"step must be >= 0, got {step!r}"
+    if isinstance(step, bool) or not isinstance(step, int):
+        msg = f"step must be an int (your optimizer step), got {type(step).__name__} {step!r}"
+        raise ArgumentError(msg)
+    if not 0 <= step < 2**63:  # TensorBoard, W&B and MLflow keep steps as 64-bit integers
+        shown = step if abs(step) < 2**63 else f"an integer of {abs(step).bit_length()} bits"
+        msg = f"step must be >= 0 and < 2**63, got {shown}"
         raise ArgumentValueError(msg)
     values = {name: _scalar(name, value) for name, value in metrics.items()}
     source = f"rank {dist.rank}"
@@ -405,57 +538,3 @@ def end_training(dist: DistState, tracker: Tracker) -> None:
         >>> faccel.end_training(dist, faccel.init_tracker(dist, tempfile.mkdtemp(), kind="csv"))
     """
     tracker.__exit__(None, None, None)
-
-
-def read_metrics(run: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Metric name -> ``(step, value)`` pairs from a run's ``metrics.jsonl`` (or the file itself).
-
-    Example:
-        >>> import pathlib, tempfile, faccel
-        >>> dist, run = faccel.detect({}), pathlib.Path(tempfile.mkdtemp())
-        >>> with faccel.init_tracker(dist, run) as tracker:
-        ...     for step in range(3):
-        ...         faccel.log(dist, tracker, step, {"loss": 1.0 / (step + 1)})
-        >>> read_metrics(run)["loss"]
-        [(0, 1.0), (1, 0.5), (2, 0.3333333333333333)]
-    """
-    path = Path(run)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        for name, value in record["metrics"].items():
-            curves.setdefault(name, []).append((int(record["step"]), float(value)))
-    return curves
-
-
-def plot(run: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
-    """Draw every metric of a JSONL run against its step into one PNG; returns its path.
-
-    Needs matplotlib. The default output is ``metrics.png`` beside ``metrics.jsonl``.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    curves = read_metrics(run)
-    if not curves:
-        msg = f"{run} holds no metrics to plot"
-        raise ArgumentValueError(msg)
-    figure = Figure(figsize=(5 * min(len(curves), 3), 3.5 * ((len(curves) + 2) // 3)), dpi=100)
-    FigureCanvasAgg(figure)
-    for index, (name, points) in enumerate(sorted(curves.items()), start=1):
-        axes = figure.add_subplot((len(curves) + 2) // 3, min(len(curves), 3), index)
-        steps, values = zip(*points, strict=True)
-        axes.plot(steps, values)
-        axes.set_title(name)
-        axes.set_xlabel("step")
-        axes.grid(alpha=0.3)
-    figure.tight_layout()
-    target = (
-        Path(out)
-        if out is not None
-        else (Path(run) if Path(run).is_dir() else Path(run).parent) / "metrics.png"
-    )
-    figure.savefig(target)
-    return target

@@ -136,3 +136,89 @@ def cost(*, depth: int, repeats: int = 5) -> dict[str, float]:
         finally:
             _prepare.check_setup = check_setup
     return {key: sorted(values)[len(values) // 2] for key, values in seconds.items()}
+
+
+class _SeededSampler(torch.utils.data.Sampler[int]):
+    """A custom sampler whose order comes from its own seed and the epoch (a set_epoch sampler)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _data(n: int = 40) -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randn(n, 1))
+
+
+def _linears(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def _nothing(module: nn.Module) -> bool:
+    return False
+
+
+def orders() -> dict[str, Any]:
+    """Issue 35, item 7: what silently broke training although the set-up check ran (FSDP2, 2 ranks).
+
+    Each case's outcome on this rank, then one matching prepare of all of it and a step.
+    """
+    dist = faccel.detect(strategy="fsdp")
+    one = _rank() == 1
+
+    def sgd() -> torch.optim.Optimizer:
+        return torch.optim.SGD(_model().parameters(), lr=0.1)
+
+    cases: dict[str, Callable[[], Any]] = {
+        "shuffle": lambda: faccel.prepare(
+            dist, torch.utils.data.DataLoader(_data(), batch_size=4, shuffle=not one)
+        ),
+        "replacement": lambda: faccel.prepare(
+            dist,
+            torch.utils.data.DataLoader(
+                _data(), batch_size=4, sampler=torch.utils.data.RandomSampler(_data(), replacement=one)
+            ),
+        ),
+        "sampler seed": lambda: faccel.prepare(
+            dist,
+            torch.utils.data.DataLoader(_data(), batch_size=4, sampler=_SeededSampler(40, 2 if one else 1)),
+        ),
+        "sampler class": lambda: faccel.prepare(
+            dist,
+            torch.utils.data.DataLoader(
+                _data(), batch_size=4, sampler=_SeededSampler(40, 1) if one else None, shuffle=not one
+            ),
+        ),
+        "StepLR gamma": lambda: faccel.prepare(
+            dist, torch.optim.lr_scheduler.StepLR(sgd(), step_size=2, gamma=0.9 if one else 0.5)
+        ),
+        "cosine T_max": lambda: faccel.prepare(
+            dist, torch.optim.lr_scheduler.CosineAnnealingLR(sgd(), T_max=20 if one else 10)
+        ),
+        "shard_policy": lambda: faccel.prepare(dist, _model(), shard_policy=_nothing if one else _linears),
+    }
+    out: dict[str, Any] = {name: _outcome(call) for name, call in cases.items()}
+    # The same set-up on every rank (a shuffled loader, a StepLR, a shard policy) is not refused.
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=4, shuffle=True)
+    model, optimizer, scheduler, loader = faccel.prepare(
+        dist, model, optimizer, scheduler, loader, shard_policy=_linears
+    )
+    x, y = next(iter(loader.at(epoch=0)))
+    faccel.backward(dist, nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    scheduler.step()
+    out["trained"] = True
+    return out

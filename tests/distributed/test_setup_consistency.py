@@ -37,3 +37,27 @@ def test_a_set_up_that_differs_on_one_rank_is_refused_on_every_rank(
             assert message.startswith(f"prepare() on rank {rank}: "), message
             assert re.search(pattern, message), (case, message)
         assert seen["trained"]  # the group survived every refusal, and the same set-up is not refused
+
+
+# Issue 35, item 7: set-ups that differ in what silently broke training (13 of 40 samples read twice,
+# DDP parameters diverging, SIGABRT on one rank) before the check compared them.
+ORDERS = {
+    "shuffle": r'rank 1: sampler has class "SequentialSampler", rank 0 has "RandomSampler"',
+    "replacement": r"rank 1: sampler has replacement true, rank 0 has false",
+    "sampler seed": r"rank 1: sampler has seed 2, rank 0 has 1",
+    "sampler class": r'rank 1: sampler has class "_SeededSampler", rank 0 has "RandomSampler"',
+    "StepLR gamma": r"rank 1: hyper-parameters has gamma 0\.9, rank 0 has 0\.5 \(the StepLR \(argument 0\)",
+    "cosine T_max": r"rank 1: hyper-parameters has T_max 20, rank 0 has 10 \(the CosineAnnealingLR",
+    "shard_policy": r'rank 1: shard_policy selects is \[\], rank 0 has \["0", "2"\]',
+}
+
+
+def test_another_data_order_schedule_or_shard_policy_on_one_rank_is_refused_on_every_rank() -> None:
+    ranks = harness.run(setup_workers.orders, world_size=2, timeout=120)
+    for rank, seen in enumerate(ranks):
+        for case, pattern in ORDERS.items():
+            kind, message, is_faccel = seen[case]
+            assert kind == "SetupMismatchError" and is_faccel, (rank, case, seen[case])
+            assert message.startswith(f"prepare() on rank {rank}: "), message
+            assert re.search(pattern, message), (case, message)
+        assert seen["trained"]
