@@ -10,9 +10,12 @@ side (the loader walk, the no-sync contexts) is in ``_accumulate``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from faccel.errors import AccumulationError
+
+if TYPE_CHECKING:
+    from faccel._loop._exact import Atom
 
 __all__ = ["MicroStep", "micro_step", "sync_boundary"]
 
@@ -33,10 +36,13 @@ class MicroStep(NamedTuple):
             data-parallel rank, counted by ``micro_batches(..., items=count)``
             before the group starts; None when not counted. ``backward(...,
             items=n)`` divides the loss sum by it instead of by ``group_size``.
+        atom: In exact mode (``micro_batches(..., atoms=A, model=model)``), which
+            atom of the step this micro-step computes (``faccel._loop._exact.Atom``:
+            its index, seed and the step's accumulator); None otherwise.
 
     Example:
         >>> micro_step(9, accumulation_steps=4, num_batches=10)
-        MicroStep(index=9, sync=True, group_size=2, items=None)
+        MicroStep(index=9, sync=True, group_size=2, items=None, atom=None)
     """
 
     # Shadows tuple.index (a method nobody calls on a MicroStep): the name reads best.
@@ -44,6 +50,7 @@ class MicroStep(NamedTuple):
     sync: bool
     group_size: int
     items: int | None = None
+    atom: Atom | None = None
 
 
 def micro_step(index: int, *, accumulation_steps: int, num_batches: int | None) -> MicroStep:
