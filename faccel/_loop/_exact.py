@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._data._loader import PreparedLoader, _ShardedStream
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._loop._micro_step import MicroStep
+from faccel._loop._micro_step import Atom, MicroStep
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._loop._tree_reduce import TreeStack, bit_reversed, exchange, is_power_of_two
 from faccel._tree import map_tensors
@@ -102,29 +102,6 @@ def exact_problem(*, atoms: Any, data_world_size: int, batch_size: int, remainin
     return ""
 
 
-class Atom(NamedTuple):
-    """Which atom a micro-step of exact mode computes (``micro.atom``).
-
-    Attributes:
-        index: The atom, in ``[0, atoms)``: global positions ``p`` of the batch
-            with ``p % atoms == index``.
-        piece: Which batch of the accumulation group this piece is from.
-        last: Whether it is the atom's last piece (its gradient is then complete).
-        seed: The seed torch's generators run under for this piece; derive
-            Python or NumPy randomness of the forward from it
-            (``numpy.random.default_rng(micro.atom.seed)``).
-        group: The step's live accumulator; ``group.loss`` is the step's loss,
-            bitwise the same at every size, once the last piece went through
-            ``faccel.backward``.
-    """
-
-    index: int  # type: ignore[assignment]  # shadows tuple.index, as MicroStep does
-    piece: int
-    last: bool
-    seed: int
-    group: AtomGroup
-
-
 class _Layout(NamedTuple):
     """Where each parameter's gradient sits in the flat buffer of its dtype."""
 
@@ -151,6 +128,12 @@ def _layout(params: Sequence[torch.Tensor]) -> _Layout:
 
 
 def _problem_of_setup(dist: DistState, model: nn.Module) -> str:
+    if dist.data_world_size != dist.world_size:
+        return (
+            f"exact mode needs every rank to be a data-parallel replica, got layout {dist.parallel}: "
+            "tensor parallelism and pipelines split a forward over ranks with reductions whose order "
+            "exact mode does not control; use a plain DDP run"
+        )
     if dist.strategy != "ddp" or is_sharded(model):
         return (
             f"exact mode needs DDP or one process, got strategy={dist.strategy!r}"
@@ -159,12 +142,6 @@ def _problem_of_setup(dist: DistState, model: nn.Module) -> str:
             "inside autograd, and keeping each atom's unsharded gradient apart to sum it in a fixed "
             "tree would hold the whole model per rank (the memory FSDP2 saves); DeepSpeed reduces "
             "inside its engine. Use strategy='ddp'"
-        )
-    if dist.data_world_size != dist.world_size:
-        return (
-            f"exact mode needs every rank to be a data-parallel replica, got layout {dist.parallel}: "
-            "tensor parallelism and pipelines split a forward over ranks with reductions whose order "
-            "exact mode does not control; use a plain DDP run"
         )
     if comm_device(dist) != dist.device:
         return (

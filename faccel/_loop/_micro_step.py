@@ -8,16 +8,40 @@ nothing that starts processes (``tests/test_import_graph.py``); the loop's
 side (the loader walk, the no-sync contexts) is in ``_accumulate``.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, NamedTuple
+# No ``from __future__ import annotations``: the fields' types stay objects, so a runtime
+# checker (typeguard, in the tests) resolves ``Atom`` from any module that checks a MicroStep.
+from typing import Any, NamedTuple
 
 from faccel.errors import AccumulationError
 
-if TYPE_CHECKING:
-    from faccel._loop._exact import Atom
+__all__ = ["Atom", "MicroStep", "micro_step", "sync_boundary"]
 
-__all__ = ["MicroStep", "micro_step", "sync_boundary"]
+
+class Atom(NamedTuple):
+    """Which atom a micro-step of exact mode computes (``micro.atom``; docs/exact.md).
+
+    Attributes:
+        index: The atom, in ``[0, atoms)``: the global positions ``p`` of the
+            batch with ``p % atoms == index``.
+        piece: Which batch of the accumulation group this piece is from.
+        last: Whether it is the atom's last piece (its gradient is then whole).
+        seed: The seed torch's generators run under for this piece; derive
+            Python or NumPy randomness of the forward from it
+            (``numpy.random.default_rng(micro.atom.seed)``).
+        group: The step's live accumulator (``faccel._loop._exact.AtomGroup``);
+            ``group.loss`` is the step's loss, the same bits at every size,
+            once the step's last piece went through ``faccel.backward``.
+
+    Example:
+        >>> Atom(index=3, piece=0, last=True, seed=7, group=None).index
+        3
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as MicroStep's does
+    piece: int
+    last: bool
+    seed: int
+    group: Any  # an AtomGroup (faccel._loop._exact imports this module, not the reverse)
 
 
 class MicroStep(NamedTuple):
