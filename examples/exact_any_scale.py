@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -96,7 +95,7 @@ def digest(state: faccel.TrainState) -> str:
 
 
 def train(root: str | None = None, stop_at: int = STEPS, resume: bool = False) -> dict[str, Any]:
-    """Train (from ``root``'s checkpoint if ``resume``) until step ``stop_at``; checkpoint there if ``root``."""
+    """Train (from ``root``'s checkpoint if ``resume``) to step ``stop_at``; checkpoint there if ``root``."""
     torch.set_num_threads(1)  # the same thread count in every process, at every size
     dist = faccel.detect(accumulation_steps=ACCUMULATION)
     state, loader = build(dist)
@@ -148,7 +147,9 @@ def main(sizes: list[int]) -> bool:
         print(f"{size} process(es), 20 steps: {result['digest'][:16]}  loss[-1] {result['losses'][-1]!r}")
     resized_losses = first["losses"] + second["losses"] + third["losses"]
     print(f"2 -> 4 -> 1 processes (stops at steps 7, 14): {third['digest'][:16]}")
-    same = all(r["digest"] == reference["digest"] and r["losses"] == reference["losses"] for r in straight.values())
+    same = all(
+        r["digest"] == reference["digest"] and r["losses"] == reference["losses"] for r in straight.values()
+    )
     same_resized = third["digest"] == reference["digest"] and resized_losses == reference["losses"]
     print(f"weights, AdamW state and losses equal at every size (bitwise): {same}")
     print(f"and equal after resizing 2 -> 4 -> 1 (bitwise): {same_resized}")

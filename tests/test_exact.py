@@ -92,7 +92,7 @@ def test_each_piece_runs_under_its_atom_seed_and_the_callers_generator_is_restor
     torch.manual_seed(123)
     before = torch.get_rng_state()
     seen = []
-    for micro, (x, y) in faccel.micro_batches(dist, loader, atoms=4, model=net):
+    for micro, (x, _) in faccel.micro_batches(dist, loader, atoms=4, model=net):
         assert micro.atom is not None
         # Rank 1 of 2 holds atoms 1 and 3 (positions p % 4), in the tree's order.
         seen.append((micro.atom.index, micro.atom.seed, torch.rand(1).item()))
@@ -142,7 +142,7 @@ def test_fsdp_tensor_parallelism_and_a_bare_loader_are_refused_by_name() -> None
     with pytest.raises(UsageError, match="tensor parallelism and pipelines"):
         next(faccel.micro_batches(dist, loader, atoms=4, model=model()))
     dist = faccel.DistState()
-    with pytest.raises(ArgumentError, match="loader faccel.prepare"):
+    with pytest.raises(ArgumentError, match=r"loader faccel\.prepare"):
         next(faccel.micro_batches(dist, [torch.ones(2)], atoms=2, model=model()))
     with pytest.raises(ArgumentError, match="needs model="):
         next(faccel.micro_batches(dist, [torch.ones(2)], atoms=2))
@@ -169,7 +169,7 @@ def test_zeroing_inside_a_step_or_skipping_a_backward_is_refused() -> None:
         break
     batches = faccel.micro_batches(dist, loader, atoms=4, model=net)
     next(batches)
-    with pytest.raises(UsageError, match="must go through faccel.backward"):
+    with pytest.raises(UsageError, match=r"must go through faccel\.backward"):
         next(batches)
 
 

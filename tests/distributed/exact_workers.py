@@ -27,7 +27,7 @@ def train(**kwargs: Any) -> dict[str, Any]:
 
 
 def refusals() -> dict[str, str]:
-    """Ranks with unequal thread counts, then a backward outside ``accumulate``: each refused on every rank."""
+    """Unequal thread counts, then a backward outside ``accumulate``: each refused on every rank."""
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
