@@ -1,9 +1,9 @@
 """Exact mode's price: a step at 8 atoms vs ordinary DDP at the same global batch, and vs one process.
 
-An MLP of ~9.4M parameters (256-2048-2048-2048-256), global batch 64, AdamW. On 2 and 4 gloo
+An MLP of ~9.4M parameters (256-2048-2048-2048-256), global batch 512, AdamW. On 2 and 4 gloo
 processes each rank trains two copies side by side on the same batches of a prepared loader:
-ordinary faccel DDP (one forward and backward of its 64/W samples, DDP's bucketed all-reduce)
-and exact mode (``micro_batches(..., atoms=8, model=model)``: 8/W atoms of 8 samples each, the
+ordinary faccel DDP (one forward and backward of its 512/W samples, DDP's bucketed all-reduce)
+and exact mode (``micro_batches(..., atoms=8, model=model)``: 8/W atoms of 64 samples each, the
 fixed tree, the point-to-point exchange). Blocks of steps alternate, the order rotating; rank 0
 times them. In one process the same exact step is compared with a plain step of the whole batch.
 
@@ -25,7 +25,7 @@ from benchmarks.common import FACCEL, Row, interleave, rank_env, rows, run_ranks
 DDP = "ordinary DDP"
 PLAIN = "one process, plain"
 SIZES = (256, 2048, 2048, 2048, 256)
-GLOBAL_BATCH = 64
+GLOBAL_BATCH = 512
 ATOMS = 8
 
 
@@ -106,7 +106,7 @@ def _bytes(world: int) -> tuple[float, float]:
 
 
 def run(quick: bool) -> list[Row]:
-    rounds, steps = (3, 2) if quick else (6, 4)
+    rounds, steps = (3, 2) if quick else (5, 3)
     out: list[Row] = []
     for world in (1, 2, 4):
         figures = run_ranks(_worker, (world, rounds, steps), what="exact-mode benchmark", world_size=world)

@@ -7,7 +7,7 @@ robin, so a rank ``r`` of ``W`` holds atoms ``r, r + W, ...`` and its local
 atom ``i`` is the stride slice ``batch[i::A // W]``, the same samples in the
 same order at every ``W``. Each atom's gradient is computed alone (same
 shapes, same kernels), under an RNG seeded from ``(seed, epoch, position,
-atom)``, into a zeroed flat buffer per dtype that the parameters' ``.grad``
+atom)``, into a flat buffer of -0.0 per dtype that the parameters' ``.grad``
 view; the atoms are summed along ``_tree_reduce``'s one fixed tree, locally
 then across ranks by point-to-point messages. After the step's last
 ``faccel.backward`` every rank's ``.grad`` holds the bits one process gets.
@@ -245,16 +245,24 @@ class ExactRun:
 
     # -- buffers -------------------------------------------------------------------------------------
     def take(self) -> list[torch.Tensor]:
-        """Zeroed flat buffers (one per dtype, then the float64 loss slot), reused where possible."""
+        """Flat buffers of -0.0 (one per dtype, then the float64 loss slot), reused where possible.
+
+        -0.0, not +0.0: it is IEEE-754's exact additive identity (``-0.0 + g`` is ``g`` for
+        every ``g``, -0.0 included), so an atom's gradient accumulated into it is the raw
+        gradient, the same bits whether it lands in a fresh buffer or into its left
+        neighbour's (``_fused``).
+        """
         if self._free:
             buffers = self._free.pop()
             for b in buffers:
-                b.zero_()
+                b.fill_(-0.0)
             return buffers
         device = self.layout.params[0].device if self.layout.params else self.dist.device
         lay = self.layout
-        flats = [torch.zeros(n, dtype=d, device=device) for n, d in zip(lay.sizes, lay.dtypes, strict=True)]
-        return [*flats, torch.zeros(1, dtype=torch.float64, device=device)]
+        flats = [
+            torch.full((n,), -0.0, dtype=d, device=device) for n, d in zip(lay.sizes, lay.dtypes, strict=True)
+        ]
+        return [*flats, torch.full((1,), -0.0, dtype=torch.float64, device=device)]
 
     def release(self, buffers: list[torch.Tensor]) -> None:
         self._free.append(buffers)
@@ -297,7 +305,7 @@ class ExactRun:
         try:
             for j, i in enumerate(order):
                 atom = self.first_atom + i * self.stride
-                group.begin_atom()
+                group.begin_atom(j)
                 for m, batch in enumerate(batches):
                     seed = atom_seed(self.dist.seed, self.epoch, positions[m], atom)
                     piece = self.split(batch, i)
@@ -316,7 +324,7 @@ class AtomGroup:
     """The live accumulator of one optimizer step in exact mode (``micro.atom.group``).
 
     It owns the parameters' ``.grad`` during the step: each atom starts from
-    zeroed buffers that ``.grad`` views, its pieces accumulate there, then the
+    buffers of -0.0 that ``.grad`` views, its pieces accumulate there, then the
     buffers join the tree. After the step's last ``faccel.backward``,
     ``.grad`` views the tree's sum (the same bits on every rank and at every
     size) and :attr:`loss` holds the step's loss as a float64 scalar tensor.
@@ -332,14 +340,30 @@ class AtomGroup:
         self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._entered = 0
         self._done = 0
+        self._place = 0  # the current atom's place in the push order
+        self._pending: list[torch.Tensor] = []  # a left leaf waiting for its right one
 
     @property
     def atoms(self) -> int:
         """The atom count of the run."""
         return self.run.atoms
 
-    def begin_atom(self) -> None:
-        self._current = self.run.take()
+    def _fused(self, j: int) -> bool:
+        """Whether leaf ``j`` (in push order) accumulates straight into leaf ``j - 1``'s buffers.
+
+        A leaf of one piece at an odd place is the right operand of its pair: autograd's
+        in-place accumulation (``grad += new``) into the left leaf's buffers is the very
+        addition the tree makes, element by element, and saves a zeroed buffer and a pass.
+        """
+        return self.size == 1 and j % 2 == 1
+
+    def begin_atom(self, j: int) -> None:
+        self._place = j
+        if self._fused(j):
+            self._current = self._pending
+            self._pending = []
+        else:
+            self._current = self.run.take()
         self._views = self.run.point_grads(self._current)
 
     def enter(self, seed: int) -> None:
@@ -398,8 +422,12 @@ class AtomGroup:
                     "zero gradients after optimizer_step, or not at all"
                 )
                 raise UsageError(msg)
-        self._stack.push(current)
         self._current = []
+        j = self._place
+        if self._fused(j + 1) and j + 1 < self.run.local:
+            self._pending = current  # the next leaf adds itself into these buffers
+            return
+        self._stack.push(current, level=1 if self._fused(j) else 0)
         if micro.sync:
             self._finish()
 

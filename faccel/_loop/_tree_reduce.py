@@ -97,9 +97,9 @@ class TreeStack:
         self._entries: list[tuple[int, list[torch.Tensor]]] = []
         self._release = release
 
-    def push(self, leaf: list[torch.Tensor]) -> None:
-        """Add one leaf; merge equal levels, the earlier entry on the left."""
-        level, value = 0, leaf
+    def push(self, leaf: list[torch.Tensor], level: int = 0) -> None:
+        """Add a leaf (or a summed subtree at its ``level``); merge equal levels, the earlier on the left."""
+        value = leaf
         while self._entries and self._entries[-1][0] == level:
             _, left = self._entries.pop()
             for a, b in zip(left, value, strict=True):
