@@ -61,6 +61,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "ddp_step": "ddp: time per step, 2 gloo processes / plain DDP's",
     "deepspeed_step": "deepspeed: time per ZeRO-2 step, 2 gloo processes / DeepSpeed's own loop's",
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
+    "exact_step": "exact: time per step in exact mode (8 atoms), 2 and 4 gloo processes / ordinary DDP's",
 }
 
 

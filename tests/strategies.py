@@ -456,3 +456,17 @@ def plan_param_specs(draw: st.DrawFn) -> list[Any]:
             )
         )
     return out
+
+
+@st.composite
+def atom_layouts(draw: st.DrawFn, *, max_log_atoms: int = 7) -> dict:
+    """Exact mode's tree: an atom count A (a power of two), a data-parallel size dividing it, buffer sizes."""
+    log_atoms = draw(st.integers(0, max_log_atoms))
+    log_world = draw(st.integers(0, log_atoms))
+    return {
+        "atoms": 2**log_atoms,
+        "world": 2**log_world,
+        # One buffer per dtype, some shorter than the world (those are sent whole, not halved).
+        "numels": draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }

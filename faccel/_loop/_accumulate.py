@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._data._loader import PreparedLoader
 from faccel._dist._state import DistState
+from faccel._loop._exact import ExactRun
 from faccel._loop._micro_step import MicroStep, sync_boundary
 from faccel._loop._model import is_sharded
 from faccel._typecheck import setup_checked
@@ -39,7 +40,12 @@ def _groups(iterable: Iterable[Any], size: int, first: int) -> Iterator[list[Any
 
 
 def micro_batches(
-    dist: DistState, loader: Iterable[Any], *, items: Callable[[Any], int] | None = None
+    dist: DistState,
+    loader: Iterable[Any],
+    *,
+    items: Callable[[Any], int] | None = None,
+    atoms: int | None = None,
+    model: nn.Module | None = None,
 ) -> Iterator[tuple[MicroStep, Any]]:
     """Pair each batch of ``loader`` with its :class:`MicroStep` under ``dist.accumulation_steps``.
 
@@ -55,13 +61,30 @@ def micro_batches(
     ``items``, for ``faccel.backward(dist, loss_sum, micro=micro, items=n)``.
     Every rank must iterate (the collective), as it must to train anyway.
 
+    With ``atoms=A`` and ``model=`` (exact mode, docs/exact.md), every global
+    batch is split into ``A`` equal atoms whatever the number of ranks; each
+    yielded micro-step is one atom's share of one batch (``micro.atom``), run
+    under torch generators seeded from ``(dist.seed, epoch, position, atom)``,
+    and after the step's last ``backward`` every ``.grad`` holds, on every
+    rank, the bits one process computes: the same weights at data-parallel
+    sizes 1, 2, 4 ... ``A`` and across resumes that change it.
+
     Args:
         dist: The run's :class:`DistState`.
         loader: The prepared loader (any iterable of batches).
         items: Counts the items of one batch, for loss by item count.
+        atoms: Exact mode's atom count per global batch: a power of two that
+            the data-parallel size divides.
+        model: The prepared model, with ``atoms``.
 
     Raises:
-        ArgumentValueError: ``items`` returned a negative count or a non-integer.
+        ArgumentValueError: ``items`` returned a negative count or a non-integer;
+            with ``atoms``, a count or loader exact mode cannot split the same way
+            at every size (the message says why and what to change).
+        ArgumentError: ``atoms`` without ``model=``, or without a prepared loader.
+        UsageError: ``atoms`` under FSDP2, DeepSpeed, tensor parallelism or
+            pipelines, or ranks with different thread counts (or, on CUDA,
+            without deterministic algorithms).
 
     Example:
         >>> import faccel
@@ -73,6 +96,9 @@ def micro_batches(
     """
     k = dist.accumulation_steps
     start = getattr(loader, "start", 0)
+    if atoms is not None or model is not None:
+        yield from _exact(dist, loader, items, atoms, model, k, start)
+        return
     if items is not None:
         yield from _counted(dist, loader, items, k, start)
         return
@@ -100,21 +126,43 @@ def _counted(
     """Groups read ahead and counted: one scalar collective per group gives its global item count."""
     index = start
     for group in _groups(loader, k, k - start % k):
-        local = 0
-        for batch in group:
-            n = count(batch)
-            if isinstance(n, torch.Tensor) and n.numel() == 1:
-                n = int(n.item())
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                msg = f"micro_batches(items=...) must return a count >= 0 for each batch, got {n!r}"
-                raise ArgumentValueError(msg)
-            local += n
-        total = _global_items(dist, local)
+        total = _global_items(dist, sum(_count(count, batch) for batch in group))
         size = index % k + len(group)
         for position, batch in enumerate(group):
             sync = position == len(group) - 1
             yield MicroStep(index=index, sync=sync, group_size=size, items=total), batch
             index += 1
+
+
+def _count(count: Callable[[Any], int], batch: Any) -> int:
+    n = count(batch)
+    if isinstance(n, torch.Tensor) and n.numel() == 1:
+        n = int(n.item())
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        msg = f"micro_batches(items=...) must return a count >= 0 for each batch, got {n!r}"
+        raise ArgumentValueError(msg)
+    return n
+
+
+def _exact(
+    dist: DistState,
+    loader: Iterable[Any],
+    count: Callable[[Any], int] | None,
+    atoms: int | None,
+    model: nn.Module | None,
+    k: int,
+    start: int,
+) -> Iterator[tuple[MicroStep, Any]]:
+    """Exact mode: each group read ahead, then its atoms in the tree's order (``_exact``)."""
+    if atoms is None:
+        msg = "micro_batches(..., model=...) is for exact mode and needs atoms= as well (docs/exact.md)"
+        raise ArgumentError(msg)
+    run = ExactRun(dist, loader, atoms, model)
+    index = start
+    for group in _groups(loader, k, k - start % k):
+        total = None if count is None else _global_items(dist, sum(_count(count, b) for b in group))
+        yield from run.pieces(index, group, total)
+        index += len(group)
 
 
 def _global_items(dist: DistState, local: int) -> int:
@@ -169,7 +217,8 @@ def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextli
     """A context for the forward and backward of ``micro``: DDP's ``no_sync`` unless it syncs.
 
     Gradients of non-syncing micro-steps stay local (no all-reduce); the
-    syncing micro-step all-reduces the accumulated sum once. FSDP2 models get
+    syncing micro-step all-reduces the accumulated sum once. In exact mode
+    every micro-step skips DDP's all-reduce (``backward`` sums the atoms). FSDP2 models get
     ``set_requires_gradient_sync(False)`` for the block instead.
 
     Example:
@@ -182,6 +231,8 @@ def accumulate(dist: DistState, model: nn.Module, micro: MicroStep) -> contextli
         >>> model.bias.grad.item()
         1.0
     """
+    if micro.atom is not None and dist.distributed:  # exact mode reduces the atoms itself
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else _NOTHING
     if micro.sync or not dist.distributed:
         return _NOTHING  # one process: there is no all-reduce to skip
     if isinstance(model, DistributedDataParallel):

@@ -78,6 +78,9 @@ def backward(
         _check_loss(dist, loss)
     if kwargs and not kwargs.keys() <= _TORCH_KEYWORDS:
         _check_keywords(kwargs)
+    if micro is not None and micro.atom is not None:
+        _atom_backward(dist, loss, micro, items, scaler, kwargs)
+        return
     if items is not None or (micro is not None and micro.items is not None):
         loss = _by_items(dist, loss, micro, items)
     elif micro is not None:
@@ -118,10 +121,42 @@ def backward(
 _TORCH_KEYWORDS = frozenset({"retain_graph", "create_graph", "inputs"})
 
 
-def _by_items(
-    dist: DistState, loss: torch.Tensor, micro: MicroStep | None, items: int | None
-) -> torch.Tensor:
-    """``loss`` (a sum over ``items``) over the group's global count, times what DDP/FSDP divide by."""
+def _atom_backward(
+    dist: DistState,
+    loss: torch.Tensor,
+    micro: MicroStep,
+    items: int | None,
+    scaler: torch.amp.GradScaler | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """Exact mode: one atom's piece, weighted as one process weighs it; its accumulator does the rest.
+
+    Nothing divides by the data-parallel size here (the atoms are summed, not
+    averaged), so the weight is the same number at every size: the group's
+    global item count, or its pieces (batches x atoms).
+    """
+    group = micro.atom.group  # type: ignore[union-attr]
+    group.check_no_sync()
+    if items is not None or micro.items is not None:
+        loss = loss / max(_check_items(micro, items), 1)
+    else:
+        loss = loss / (micro.group_size * group.atoms)
+    scaled = loss
+    if scaler is not None and scaler.is_enabled():
+        scaled = scaler.scale(loss)
+    elif dist.precision == "fp16":
+        msg = (
+            "fp16 training needs loss scaling: create scaler = faccel.grad_scaler(dist) once and "
+            "pass scaler= to faccel.backward and faccel.optimizer_step"
+        )
+        raise PrecisionError(msg)
+    dist.runtime.backwards += 1
+    scaled.backward(**kwargs)
+    group.done(micro, loss)
+
+
+def _check_items(micro: MicroStep | None, items: int | None) -> int:
+    """The group's item count; raise unless ``items`` goes with a counted group's micro-step and fits it."""
     if micro is None or micro.items is None:
         msg = (
             "backward(..., items=n) divides the loss sum by the group's item count on every rank, which "
@@ -139,8 +174,16 @@ def _by_items(
     if isinstance(items, bool) or not isinstance(items, int) or not 0 <= items <= micro.items:
         msg = f"items must be an int in [0, {micro.items}] (the group's count), got {items!r}"
         raise ArgumentValueError(msg)
+    return micro.items
+
+
+def _by_items(
+    dist: DistState, loss: torch.Tensor, micro: MicroStep | None, items: int | None
+) -> torch.Tensor:
+    """``loss`` (a sum over ``items``) over the group's global count, times what DDP/FSDP divide by."""
+    count = _check_items(micro, items)
     # DDP and FSDP average gradients over the data-parallel ranks: multiply that back.
-    scale = (dist.data_world_size if dist.distributed else 1) / max(micro.items, 1)
+    scale = (dist.data_world_size if dist.distributed else 1) / max(count, 1)
     return loss * scale
 
 

@@ -8,13 +8,40 @@ nothing that starts processes (``tests/test_import_graph.py``); the loop's
 side (the loader walk, the no-sync contexts) is in ``_accumulate``.
 """
 
-from __future__ import annotations
-
-from typing import NamedTuple
+# No ``from __future__ import annotations``: the fields' types stay objects, so a runtime
+# checker (typeguard, in the tests) resolves ``Atom`` from any module that checks a MicroStep.
+from typing import Any, NamedTuple
 
 from faccel.errors import AccumulationError
 
-__all__ = ["MicroStep", "micro_step", "sync_boundary"]
+__all__ = ["Atom", "MicroStep", "micro_step", "sync_boundary"]
+
+
+class Atom(NamedTuple):
+    """Which atom a micro-step of exact mode computes (``micro.atom``; docs/exact.md).
+
+    Attributes:
+        index: The atom, in ``[0, atoms)``: the global positions ``p`` of the
+            batch with ``p % atoms == index``.
+        piece: Which batch of the accumulation group this piece is from.
+        last: Whether it is the atom's last piece (its gradient is then whole).
+        seed: The seed torch's generators run under for this piece; derive
+            Python or NumPy randomness of the forward from it
+            (``numpy.random.default_rng(micro.atom.seed)``).
+        group: The step's live accumulator (``faccel._loop._exact.AtomGroup``);
+            ``group.loss`` is the step's loss, the same bits at every size,
+            once the step's last piece went through ``faccel.backward``.
+
+    Example:
+        >>> Atom(index=3, piece=0, last=True, seed=7, group=None).index
+        3
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as MicroStep's does
+    piece: int
+    last: bool
+    seed: int
+    group: Any  # an AtomGroup (faccel._loop._exact imports this module, not the reverse)
 
 
 class MicroStep(NamedTuple):
@@ -33,10 +60,13 @@ class MicroStep(NamedTuple):
             data-parallel rank, counted by ``micro_batches(..., items=count)``
             before the group starts; None when not counted. ``backward(...,
             items=n)`` divides the loss sum by it instead of by ``group_size``.
+        atom: In exact mode (``micro_batches(..., atoms=A, model=model)``), which
+            atom of the step this micro-step computes (``faccel._loop._exact.Atom``:
+            its index, seed and the step's accumulator); None otherwise.
 
     Example:
         >>> micro_step(9, accumulation_steps=4, num_batches=10)
-        MicroStep(index=9, sync=True, group_size=2, items=None)
+        MicroStep(index=9, sync=True, group_size=2, items=None, atom=None)
     """
 
     # Shadows tuple.index (a method nobody calls on a MicroStep): the name reads best.
@@ -44,6 +74,7 @@ class MicroStep(NamedTuple):
     sync: bool
     group_size: int
     items: int | None = None
+    atom: Atom | None = None
 
 
 def micro_step(index: int, *, accumulation_steps: int, num_batches: int | None) -> MicroStep:

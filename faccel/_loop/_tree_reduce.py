@@ -1,0 +1,219 @@
+"""The one fixed summation tree of exact mode, and the exchange that follows it across ranks.
+
+The tree over ``A`` leaves (a power of two) is
+
+    tree(x) = tree(x[0::2]) + tree(x[1::2]),    tree([x0]) = x0
+
+so at every level the leaves whose indices agree modulo ``2**k`` form one
+subtree. A data-parallel rank ``r`` of ``W`` (a power of two dividing ``A``)
+holds the leaves ``r, r + W, r + 2W, ...`` (the prepared loader deals global
+positions round robin), which is exactly one node of that tree, whatever
+``W``. Each rank sums its node (:class:`TreeStack`, a binary counter fed in
+bit-reversed order, which is the same tree streamed with ``log2`` buffers),
+then the ranks combine nodes along the upper levels of the same tree:
+first with the rank ``W/2`` away, then ``W/4`` ... then 1 (recursive halving
+of the buffer, then recursive doubling of the halves back: each element is
+added in exactly the pairs and order one process uses; no ``all_reduce``,
+whose order is the backend's). IEEE-754 addition is commutative bit for bit,
+so which of two partners holds the left operand does not change a bit; the
+grouping is what matters, and it is fixed.
+
+Everything here but :func:`exchange` is pure, and :func:`simulate_exchange`
+applies the same plans to in-memory tensors, so one process can prove the law
+for any ``A`` and ``W`` (``tests/test_exact_tree.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+__all__ = [
+    "Round",
+    "TreeStack",
+    "bit_reversed",
+    "exchange",
+    "is_power_of_two",
+    "plan",
+    "simulate_exchange",
+    "tree_sum",
+]
+
+T = TypeVar("T")
+
+
+def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` is 1, 2, 4, 8 ...
+
+    Example:
+        >>> [n for n in range(10) if is_power_of_two(n)]
+        [1, 2, 4, 8]
+    """
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def tree_sum(leaves: Sequence[T]) -> T:
+    """The reference: ``tree(x[0::2]) + tree(x[1::2])``, what one process computes. Pure.
+
+    Example:
+        >>> tree_sum(["a", "b", "c", "d"])   # (a + c) + (b + d)
+        'acbd'
+    """
+    if len(leaves) == 1:
+        return leaves[0]
+    return tree_sum(leaves[0::2]) + tree_sum(leaves[1::2])  # type: ignore[operator, no-any-return]
+
+
+def bit_reversed(count: int) -> list[int]:
+    """``range(count)`` in bit-reversed order: pushed in this order, a binary counter builds :func:`tree_sum`.
+
+    Example:
+        >>> bit_reversed(8)
+        [0, 4, 2, 6, 1, 5, 3, 7]
+    """
+    bits = count.bit_length() - 1
+    return [int(format(i, f"0{bits}b")[::-1], 2) if bits else 0 for i in range(count)]
+
+
+class TreeStack:
+    """A binary counter of partial sums: push leaves in :func:`bit_reversed` order, read :meth:`result`.
+
+    Each entry is a list of tensors (one flat buffer per dtype) combined
+    element by element; the right operand is handed to ``release`` once
+    added, so its memory can serve the next leaf. At most ``log2(n) + 1``
+    entries are alive.
+
+    Example:
+        >>> stack = TreeStack()
+        >>> for leaf in bit_reversed(4):
+        ...     stack.push([torch.tensor([float(leaf)])])
+        >>> stack.result()[0].item()
+        6.0
+    """
+
+    def __init__(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        self._entries: list[tuple[int, list[torch.Tensor]]] = []
+        self._release = release
+
+    def push(self, leaf: list[torch.Tensor], level: int = 0) -> None:
+        """Add a leaf (or a summed subtree at its ``level``); merge equal levels, the earlier on the left."""
+        value = leaf
+        while self._entries and self._entries[-1][0] == level:
+            _, left = self._entries.pop()
+            for a, b in zip(left, value, strict=True):
+                a.add_(b)
+            if self._release is not None:
+                self._release(value)
+            level, value = level + 1, left
+        self._entries.append((level, value))
+
+    def result(self) -> list[torch.Tensor]:
+        """The sum of every leaf pushed; raises ValueError unless their count was a power of two."""
+        if len(self._entries) != 1:
+            msg = f"a tree needs a power-of-two count of leaves; {len(self._entries)} partial sums remain"
+            raise ValueError(msg)
+        return self._entries[0][1]
+
+
+class Round(NamedTuple):
+    """One step of a rank's exchange: send ``give`` to ``partner``, receive into ``take`` (and add it)."""
+
+    partner: int
+    give: tuple[int, int]
+    take: tuple[int, int]
+    add: bool
+
+
+def plan(rank: int, world: int, numel: int) -> list[Round]:
+    """The rounds rank ``rank`` of ``world`` runs to combine a buffer of ``numel`` elements. Pure.
+
+    Partners are ``rank ^ world/2``, then ``^ world/4`` ... ``^ 1``: the upper
+    levels of :func:`tree_sum`'s tree over the ranks' nodes. A buffer of at
+    least ``world`` elements is halved each round (each rank keeps the half
+    its bit says and adds the partner's copy of it), then the summed pieces
+    are sent back up the same pairs, unchanged; a smaller one is sent whole
+    and added each round.
+
+    Example:
+        >>> [tuple(r) for r in plan(0, 2, 4)]
+        [(1, (2, 4), (0, 2), True), (1, (0, 2), (2, 4), False)]
+    """
+    rounds: list[Round] = []
+    bit = world // 2
+    if numel < world:
+        while bit:
+            rounds.append(Round(rank ^ bit, (0, numel), (0, numel), True))
+            bit //= 2
+        return rounds
+    start, end = 0, numel
+    halves: list[Round] = []
+    while bit:
+        mid = (start + end) // 2
+        keep, give = ((start, mid), (mid, end)) if not rank & bit else ((mid, end), (start, mid))
+        halves.append(Round(rank ^ bit, give, keep, True))
+        start, end = keep
+        bit //= 2
+    gathers = [Round(r.partner, r.take, r.give, False) for r in reversed(halves)]
+    return halves + gathers
+
+
+def simulate_exchange(nodes: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """What :func:`exchange` leaves on each rank, given each rank's buffers, computed in one process. Pure.
+
+    Example:
+        >>> out = simulate_exchange([[torch.tensor([1.0, 2.0])], [torch.tensor([10.0, 20.0])]])
+        >>> [o[0].tolist() for o in out]
+        [[11.0, 22.0], [11.0, 22.0]]
+    """
+    world = len(nodes)
+    held = [[b.clone() for b in node] for node in nodes]
+    plans = [[plan(rank, world, b.numel()) for b in held[rank]] for rank in range(world)]
+    count = max((len(p) for p in plans[0]), default=0)
+    for step in range(count):
+        sent = [
+            [
+                held[rank][i][slice(*p[step].give)].clone() if step < len(p) else None
+                for i, p in enumerate(plans[rank])
+            ]
+            for rank in range(world)
+        ]
+        for rank in range(world):
+            for i, p in enumerate(plans[rank]):
+                incoming = sent[p[step].partner][i] if step < len(p) else None
+                if incoming is None:  # a small buffer's rounds are over
+                    continue
+                target = held[rank][i][slice(*p[step].take)]
+                target.add_(incoming) if p[step].add else target.copy_(incoming)
+    return held
+
+
+def exchange(buffers: list[torch.Tensor], rank: int, world: int, group: Any = None) -> None:
+    """Combine every rank's ``buffers`` in place along :func:`plan`, over point-to-point messages.
+
+    All buffers of a round travel in one ``batch_isend_irecv`` (each its own
+    tag); received halves are added after the round completes.
+    """
+    import torch.distributed as tdist
+
+    plans = [plan(rank, world, b.numel()) for b in buffers]
+    count = max((len(p) for p in plans), default=0)
+    for step in range(count):
+        ops = []
+        scratch: list[torch.Tensor | None] = []
+        for tag, (buffer, p) in enumerate(zip(buffers, plans, strict=True)):
+            if step >= len(p):  # a small buffer's rounds are over
+                scratch.append(None)
+                continue
+            r = p[step]
+            target = buffer[slice(*r.take)]
+            incoming = torch.empty_like(target) if r.add else target
+            scratch.append(incoming if r.add else None)
+            ops.append(tdist.P2POp(tdist.isend, buffer[slice(*r.give)], r.partner, group, tag))
+            ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, group, tag))
+        for request in tdist.batch_isend_irecv(ops):
+            request.wait()
+        for buffer, p, received in zip(buffers, plans, scratch, strict=True):
+            if received is not None:
+                buffer[slice(*p[step].take)].add_(received)
