@@ -15,6 +15,12 @@ the same facts are equal whatever they hold), shared by the states
 - the DeviceMeshes and subgroups made for the layouts (a DTensor's mesh must be
   the very mesh the next call slices from);
 - the hooks ``shutdown`` runs first;
+- the hooks faccel registered on your objects (the evaluation check-in of a
+  sharded model, the optimizer's look at its parameters before its first
+  step; each listed, with why, in ``faccel._marks``), removed by ``shutdown``;
+- the process groups faccel made for itself (the evaluation check-in's gloo
+  group: one per handle, however many models are prepared), dropped by
+  ``shutdown`` before the process group stops;
 - the record of each prepared loader's iterations, weakly keyed by its
   ``DataLoader`` (:class:`LoaderRecord`: the guards against a second bare pass
   and against re-reading an epoch resumed at another world size; see
@@ -136,6 +142,10 @@ class Runtime:
         self.staging: dict[str, dict[str, torch.Tensor]] = {}
         self.meshes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.hooks: dict[str, Callable[[], None]] = {}
+        # Hooks on the user's objects (torch's RemovableHandle, by its id): removed by close.
+        self.handles: dict[int, Any] = {}
+        # Process groups faccel made for its own use, by name (faccel._marks.GROUPS): dropped by close.
+        self.groups: dict[str, Any] = {}
         self.crumbs: collections.deque[Crumb] = collections.deque(maxlen=CRUMBS)
         self.loaders: weakref.WeakKeyDictionary[Any, LoaderRecord] = weakref.WeakKeyDictionary()
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
@@ -197,19 +207,45 @@ class Runtime:
         """Forget the hook registered under ``name`` (nothing if there is none)."""
         self.hooks.pop(name, None)
 
+    def hold(self, handle: Any) -> Any:
+        """Keep ``handle`` (a hook on a user's object) until :meth:`release` or :meth:`close` removes it."""
+        self.handles[handle.id] = handle
+        return handle
+
+    def release(self, handle: Any) -> None:
+        """Remove the hook of ``handle`` from its object, and forget it."""
+        handle.remove()
+        self.handles.pop(handle.id, None)
+
+    def group(self, name: str, make: Callable[[], Any]) -> Any:
+        """The process group kept under ``name``, made by ``make()`` the first time it is asked for.
+
+        ``make`` is a collective (``torch.distributed.new_group``): every rank
+        asks for the same names in the same order, as every rank makes the same
+        ``prepare`` calls.
+        """
+        group = self.groups.get(name)
+        if group is None:
+            group = self.groups[name] = make()
+        return group
+
     def release_staging(self) -> None:
         """Drop the staging buffers (the background checkpoint must be done: see ``free_memory``)."""
         self.staging.clear()
 
     def close(self) -> None:
-        """Run the hooks, then drop the staging buffers and meshes. The handle stays usable.
+        """Run the hooks, remove faccel's hooks from your objects, drop the groups, buffers and meshes.
 
-        A hook's error is raised after the rest is released.
+        The handle stays usable. A hook's error is raised after the rest is released.
         """
         try:
             for hook in list(self.hooks.values()):
                 hook()
         finally:
             self.hooks.clear()
+            for handle in list(self.handles.values()):
+                handle.remove()
+            self.handles.clear()
+            self.groups.clear()
             self.staging.clear()
             self.meshes.clear()

@@ -75,11 +75,12 @@ def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
     if not _rebind(optimizer) and dist.distributed and (dist.strategy == "fsdp" or dist.parallel.tensor > 1):
         # Prepared before its model (an earlier prepare call): the model's sharding (or plan) will
         # replace these parameters, so look again just before the first step.
+        # The hook is held by dist.runtime (shutdown removes it) and listed in faccel._marks.
         def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             _rebind(opt)
-            handle.remove()
+            dist.runtime.release(handle)
 
-        handle = optimizer.register_step_pre_hook(first_step)
+        handle = dist.runtime.hold(optimizer.register_step_pre_hook(first_step))
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
