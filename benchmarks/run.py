@@ -41,7 +41,18 @@ RESULTS = HERE / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Display order; modules not listed come after, by name.
-ORDER = ("step", "accumulation", "data", "import", "checkpoint", "functional", "ddp", "deepspeed", "parallel")
+ORDER = (
+    "step",
+    "accumulation",
+    "data",
+    "import",
+    "checkpoint",
+    "functional",
+    "ddp",
+    "deepspeed",
+    "parallel",
+    "eval_forward",
+)
 # Benchmarks other issues own: shown as pending until their module exists.
 PLANNED: Mapping[str, str] = {
     "accumulation": "step time with 4 micro-steps of accumulation vs manual accumulation "
@@ -61,6 +72,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "ddp_step": "ddp: time per step, 2 gloo processes / plain DDP's",
     "deepspeed_step": "deepspeed: time per ZeRO-2 step, 2 gloo processes / DeepSpeed's own loop's",
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
+    "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / `fully_shard` by hand",
 }
 
 
