@@ -51,7 +51,7 @@ import torch
 
 from faccel._torch_compat import set_group_timeout
 
-__all__ = ["Crumb", "LoaderRecord", "Pending", "Runtime"]
+__all__ = ["CheckpointThread", "Crumb", "LoaderRecord", "Pending", "Runtime"]
 
 # How many of the last faccel calls a rank remembers (a hang report names the last one).
 CRUMBS = 8
@@ -102,6 +102,19 @@ class Pending:
     step: int
     thread: threading.Thread
     error: BaseException | None = None
+
+
+class CheckpointThread(threading.Thread):
+    """A background checkpoint's thread; it knows the runtime handle that started it.
+
+    Another handle of the same process (a second ``detect``) must let it finish
+    before it writes: :meth:`Runtime.others_writing` finds it by its type and
+    owner, not by a thread name.
+    """
+
+    def __init__(self, owner: Runtime, target: Callable[[], None]) -> None:
+        super().__init__(target=target, name="faccel-checkpoint", daemon=False)
+        self.owner: weakref.ReferenceType[Runtime] = weakref.ref(owner)
 
 
 @attrs.define
@@ -198,6 +211,20 @@ class Runtime:
         if record is None:
             record = self.loaders[key] = LoaderRecord()
         return record
+
+    def background(self, step: int, target: Callable[[], None]) -> Pending:
+        """The background checkpoint of ``step`` on a :class:`CheckpointThread` of this handle, unstarted."""
+        self.pending = Pending(step=step, thread=CheckpointThread(self, target))
+        return self.pending
+
+    def others_writing(self) -> list[threading.Thread]:
+        """The background checkpoints still running that other handles of this process started."""
+        here = threading.current_thread()
+        return [
+            thread
+            for thread in threading.enumerate()
+            if isinstance(thread, CheckpointThread) and thread.owner() is not self and thread is not here
+        ]
 
     def at_close(self, name: str, hook: Callable[[], None]) -> None:
         """Have :meth:`close` call ``hook`` first (once per ``name``, however often it is registered)."""
