@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from faccel._choices import Precision, Strategy
 from faccel._dist._deepspeed_config import read_config
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
@@ -52,10 +53,10 @@ def detect(
     env: Mapping[str, str] | None = None,
     *,
     device: str | torch.device | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     backend: str | None = None,
     accumulation_steps: int | None = None,
-    strategy: str | None = None,
+    strategy: Strategy | None = None,
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,

@@ -10,17 +10,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from faccel._choices import Init, Offload, WorkerSeeds
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._consistency import check_setup
 from faccel._loop._deepspeed import prepare_deepspeed
-from faccel._loop._materialize import INITS
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
 from faccel._marks import REPLACED_BY
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, PrepareError
+from faccel.errors import PrepareError
 
 __all__ = ["prepare"]
 
@@ -180,11 +180,11 @@ def prepare(
     ddp_kwargs: Mapping[str, Any] | None = None,
     shard_policy: Callable[[nn.Module], bool] | None = None,
     split_batches: bool = False,
-    worker_seeds: str = "rank",
+    worker_seeds: WorkerSeeds = "rank",
     tp_plan: Mapping[str, Any] | None = None,
-    init: str | Callable[[nn.Module], None] = "reset",
+    init: Init | Callable[[nn.Module], None] = "reset",
     activation_checkpointing: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
-    offload: str | None = None,
+    offload: Offload | None = None,
     reshard_after_forward: bool = True,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
@@ -321,9 +321,6 @@ def prepare(
         (3, 4, 'tag')
     """
     breadcrumb(dist, "prepare")  # what this rank was last doing, should a peer's collective time out
-    if not callable(init) and init not in INITS:
-        msg = f"init must be 'reset', 'empty' or a callable init(module), got {init!r}"
-        raise ArgumentValueError(msg)
     options = PrepareOptions(
         init=init,
         even_batches=even_batches,
