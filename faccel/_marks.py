@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there: five attributes, two hooks.
+"""Every mark faccel sets on an object of yours, and why it must be there: six attributes, two hooks.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -22,6 +22,15 @@ itself, under these names, and nowhere else:
 - ``_faccel_deepspeed_engine`` (:data:`DEEPSPEED_ENGINE`), on each parameter of
   a DeepSpeed engine's module (``strategy='deepspeed'``): a weak reference to the
   engine, so ``backward`` finds the engine from the loss's graph.
+- ``_faccel_process_group`` (:data:`PROCESS_GROUP`), on each
+  ``DistributedDataParallel`` wrapper ``prepare`` made, set with
+  ``object.__setattr__`` after the wrapper is built: a pin holding the
+  wrapper's process group (its copies and pickles get an empty pin). Freeing
+  the wrapper then drops its C++ reducer's hold on the group before this
+  one, so the group's last holder is a Python object, whose release torch
+  makes without the interpreter lock: the gloo group's destructor joins its
+  worker threads, and one of them may need that lock to free the last
+  collective's tensors (issue 35.11: a rank that never exited).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
@@ -68,6 +77,7 @@ __all__ = [
     "DEEPSPEED_ENGINE",
     "EVAL_CHECK_IN",
     "HOOKS",
+    "PROCESS_GROUP",
     "REBIND_AT_FIRST_STEP",
     "REPLACED_BY",
     "TENSOR_PARALLEL",
@@ -78,6 +88,7 @@ WRAPPED_AS = "_faccel_wrapped_as"
 TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
 DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"
+PROCESS_GROUP = "_faccel_process_group"
 
 EVAL_CHECK_IN = "faccel: evaluation check-in"
 REBIND_AT_FIRST_STEP = "faccel: rebind at first step"

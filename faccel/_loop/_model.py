@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._mesh import data_mesh
+from faccel._dist._process_group import pin_process_group
 from faccel._dist._state import DistState
 from faccel._loop._activation_checkpoint import checkpoint_activations
 from faccel._loop._check_in import add_check_in
@@ -206,6 +207,7 @@ def _wrap_ddp(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.
         ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.ddp_kwargs or {}))
         if dist.world_size > 2:
             _fix_bucket_layout(ddp)
+        pin_process_group(ddp)  # freeing it after shutdown must not join gloo's threads (faccel._marks)
         wrapped = ddp
     return wrapped
 

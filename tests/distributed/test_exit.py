@@ -123,3 +123,32 @@ def test_two_process_jobs_exit_after_shutdown_with_their_ddp_wrapper_alive() -> 
     hung = [o for o in outcomes if not o.exited]
     assert not hung, hung[0].stacks[-8000:]
     assert [o.returncode for o in outcomes] == [0, 0, 0], outcomes
+
+
+def _ddp_pin() -> dict[str, object]:
+    import copy
+
+    import torch
+
+    import faccel
+    from faccel._marks import PROCESS_GROUP
+
+    dist = faccel.detect()
+    model = faccel.prepare(dist, torch.nn.Linear(2, 1))
+    names = list(vars(model))
+    pin = vars(model)[PROCESS_GROUP]
+    faccel.shutdown(dist)
+    return {
+        "after the reducer": names.index(PROCESS_GROUP) > names.index("reducer"),
+        "holds its group": pin.group is model.process_group,
+        "a copy holds none": copy.deepcopy(pin).group is None,
+    }
+
+
+def test_a_ddp_wrapper_holds_its_group_past_its_reducer() -> None:
+    # Freeing the wrapper releases its attributes in the order they were set: the pin, set last,
+    # is the group's last holder, released by torch without the interpreter lock.
+    from tests.distributed import harness
+
+    for outcome in harness.run(_ddp_pin, timeout=60):
+        assert outcome == {"after the reducer": True, "holds its group": True, "a copy holds none": True}
