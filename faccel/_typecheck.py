@@ -18,6 +18,17 @@ from faccel._choices import CLOSED_SETS, ClosedSet
 from faccel.errors import ArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Settings:
+    """What set-up functions take first: ``DistState`` derives from it.
+
+    A layer below ``_dist``, the type check cannot import ``DistState``; it asks
+    ``isinstance(first, Settings)`` instead of comparing class names.
+    """
+
+    __slots__ = ()
+
 _MISSING = object()  # an immutable sentinel: no dist given at all
 
 
@@ -42,7 +53,7 @@ def setup_checked(fn: F) -> F:
 
         # dist may come by position or by keyword (init_tracker(dist=dist, ...)).
         first = args[0] if args else kwargs.get("dist", _MISSING)
-        if takes_dist and type(first).__name__ != "DistState":
+        if takes_dist and not isinstance(first, Settings):
             # The usual slip of an Accelerate user: the state left out of the call, which
             # would otherwise surface as a missing argument or a type error further on.
             given = "nothing" if first is _MISSING else type(first).__name__

@@ -20,7 +20,7 @@ from faccel._choices import PRECISION, STRATEGY, Precision, Strategy
 from faccel._dist._launch import OPTION_VARIABLES, parse_launch, read_int
 from faccel._dist._layout import Layout, default_layout, layout_problem, parse_layout, strategy_for
 from faccel._dist._runtime import Runtime
-from faccel._typecheck import setup_checked
+from faccel._typecheck import Settings, setup_checked
 from faccel.errors import ArgumentValueError, LaunchError
 
 __all__ = ["DEFAULT_TIMEOUT", "PRECISIONS", "DistState", "state_from_env"]
@@ -66,7 +66,7 @@ def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # typ
 
 
 @attrs.frozen(kw_only=True)
-class DistState:
+class DistState(Settings):
     """The static facts of a run: where this process sits, what it computes on, how.
 
     A frozen record: update with ``attrs.evolve``. Two records with different
