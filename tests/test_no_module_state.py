@@ -164,7 +164,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("faccel/_dist/_signals.py", "signal.signal"): "stop_signal's handlers, restored",
 }
 
-_ENVIRON_METHODS = frozenset({"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"})
+_ENVIRON_METHODS = frozenset(
+    {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+)
+_PROCESS_CALLS = frozenset({"os.putenv", "os.unsetenv", "signal.signal"})
 
 
 def _dotted(node: ast.expr) -> str:
@@ -189,9 +192,11 @@ def process_state_calls(source: str) -> list[str]:
             name, dotted = node.func.attr, _dotted(node.func)
             if name.startswith("register_") and name.endswith("hook"):
                 found.append(name)
-            elif dotted.startswith("os.environ.") and name in _ENVIRON_METHODS:
-                found.append(dotted)
-            elif dotted in ("os.putenv", "os.unsetenv", "signal.signal") or dotted.startswith("atexit."):
+            elif (
+                (dotted.startswith("os.environ.") and name in _ENVIRON_METHODS)
+                or dotted in _PROCESS_CALLS
+                or dotted.startswith("atexit.")
+            ):
                 found.append(dotted)
         elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
             targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
@@ -249,3 +254,41 @@ def test_no_exit_handlers_or_signal_handlers_outside_the_allow_list() -> None:
 )
 def test_the_process_state_scan_finds_what_it_names(source: str, expected: list[str]) -> None:
     assert process_state_calls(source) == expected
+
+
+def test_each_closed_set_is_the_table_its_code_reads() -> None:
+    # Issue 31.6: the words of each option are spelled once, as a Literal type (faccel._choices);
+    # the tables that act on them have exactly those keys.
+    from typing import get_args
+
+    from faccel import _choices
+    from faccel._dist._state import PRECISIONS
+    from faccel._loop._model import _STRATEGIES
+    from faccel._report._tracking import _WRITERS
+    from faccel.errors import ArgumentValueError
+
+    assert set(PRECISIONS) == set(get_args(_choices.Precision))
+    assert set(_STRATEGIES) | {"deepspeed"} == set(get_args(_choices.Strategy))
+    assert set(_WRITERS) | {"all"} == set(get_args(_choices.TrackerKind))
+    for name, closed in _choices.CLOSED_SETS.items():
+        assert issubclass(closed.error, ArgumentValueError), name
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        ("faccel.detect({}, precision='fp32')", "PrecisionError"),
+        ("faccel.detect({}, strategy='zero')", "LaunchError"),
+        ("faccel.prepare(faccel.detect({}), worker_seeds='ranks')", "ArgumentValueError"),
+        ("faccel.prepare(faccel.detect({}), offload='disk')", "ArgumentValueError"),
+        ("faccel.prepare(faccel.detect({}), init='zeros')", "ArgumentValueError"),
+        ("faccel.init_tracker(faccel.detect({}), '.', kind='jsonlines')", "ArgumentValueError"),
+    ],
+)
+def test_a_word_outside_a_closed_set_is_a_bad_value(call: str, error: str) -> None:
+    import faccel
+
+    with pytest.raises(faccel.errors.ArgumentValueError) as raised:
+        eval(call)
+    assert type(raised.value).__name__ == error
+    assert " must be " in str(raised.value)
