@@ -1,4 +1,4 @@
-"""Two-process FSDP2 evaluation: a forward without gradients through faccel vs the same `fully_shard` model by hand.
+"""Two-process FSDP2 evaluation: a forward without gradients through faccel vs `fully_shard` by hand.
 
 Two gloo processes are spawned. Each rank builds a 4-block MLP (width 64, a ModuleList of
 Linear + Tanh blocks, batches of 8) three times: twice sharded by hand (``fully_shard`` on
@@ -86,7 +86,8 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
     models = {RAW: _by_hand(), AGAIN: _by_hand(), FACCEL: faccel.prepare(dist, _model())}
     for model in models.values():  # one training step each: evaluation follows training
         model(inputs).sum().backward()
-    samples = interleave({name: _block(model, inputs, calls) for name, model in models.items()}, rounds=rounds)
+    blocks = {name: _block(model, inputs, calls) for name, model in models.items()}
+    samples = interleave(blocks, rounds=rounds)
     if rank == 0:
         Path(out).write_text(json.dumps(samples))
     faccel.shutdown(dist)

@@ -72,7 +72,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "ddp_step": "ddp: time per step, 2 gloo processes / plain DDP's",
     "deepspeed_step": "deepspeed: time per ZeRO-2 step, 2 gloo processes / DeepSpeed's own loop's",
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
-    "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / `fully_shard` by hand",
+    "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / by hand",
 }
 
 

@@ -29,6 +29,7 @@ class Settings:
 
     __slots__ = ()
 
+
 _MISSING = object()  # an immutable sentinel: no dist given at all
 
 
