@@ -3,10 +3,15 @@
 Two gloo processes are spawned. Each rank builds a 4-block MLP (width 64, a ModuleList of
 Linear + Tanh blocks, batches of 8) three times: twice sharded by hand (``fully_shard`` on
 each block, then on the root, as faccel's default policy does) and once through
-``faccel.detect(strategy="fsdp")`` and ``faccel.prepare``. Each is trained one step, then
+``faccel.detect(strategy="fsdp")`` and ``faccel.prepare``; by hand with faccel's default
+``reshard_after_forward=True`` on every unit, the root too (torch's default keeps the root's
+parameters gathered after its forward: one all-gather fewer per forward, a setting, not a cost
+of faccel's). Each is trained one step, then
 blocks of forwards under ``torch.no_grad()`` (an evaluation, or generation token by token)
 alternate between the three, the order rotating, every rank starting each block together;
-rank 0 times them with the wall clock. The second hand-written model's ratio to the first is
+rank 0 times them with the wall clock (``run.py --clock cpu``: with rank 0's CPU time, all its
+threads, gloo's included, which leaves out the time spent descheduled on a loaded machine
+but not the work of a barrier). The second hand-written model's ratio to the first is
 the noise floor. faccel's evaluation check-in meets only when a model's forwards change kind
 (faccel/_loop/_check_in.py): in steady state, as here, it adds no collective; the first
 forward of each evaluation pays one gloo ``monitored_barrier``.
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +55,11 @@ def _by_hand() -> Any:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
+    # As faccel's prepare does by default (reshard_after_forward=True on every unit, the root too;
+    # torch's own default, None, would keep the root's parameters gathered after its forward).
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
     return model
 
 
@@ -67,7 +73,7 @@ def _block(model: Any, inputs: Any, calls: int) -> Any:
 
     def timed() -> float:
         tdist.barrier()
-        return per_call(forward, calls, now=time.perf_counter)
+        return per_call(forward, calls)  # run.py --clock cpu: rank 0's CPU time, steadier when loaded
 
     return timed
 
