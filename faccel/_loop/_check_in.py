@@ -46,19 +46,19 @@ __all__ = ["CheckIn", "add_check_in"]
 
 @attrs.define
 class CheckIn:
-    """One sharded model's check-in state: the kind of its last forward, the check-ins made.
+    """One sharded model's check-in state: the kind of its last forward, and how the model is sharded.
 
     Attributes:
+        sharding: How the model is spread (``'FSDP2'``, ``'tensor-parallel'``), for the message.
         grad: Whether the last forward ran with gradients (True before any, so
             that a first forward without gradients checks in).
-        made: Check-ins this rank has made for the model.
     """
 
+    sharding: str
     grad: bool = True
-    made: int = 0
 
 
-def add_check_in(dist: DistState, model: nn.Module) -> CheckIn:
+def add_check_in(dist: DistState, model: nn.Module, *, sharding: str) -> CheckIn:
     """Register the check-in on ``model`` (a forward pre-hook, first in line), held by ``dist.runtime``.
 
     Every rank calls it for the same models in the same order (it is part of
@@ -67,7 +67,7 @@ def add_check_in(dist: DistState, model: nn.Module) -> CheckIn:
     import torch.distributed as tdist
 
     group = dist.runtime.group(CHECK_IN_GROUP, lambda: tdist.new_group(backend="gloo", timeout=dist.timeout))
-    state = CheckIn()
+    state = CheckIn(sharding=sharding)
 
     def check_in(module: nn.Module, args: Any) -> None:
         grad = torch.is_grad_enabled()
@@ -88,7 +88,9 @@ def _meet(dist: DistState, module: nn.Module, group: Any, state: CheckIn, *, gra
     try:
         tdist.monitored_barrier(group=group, timeout=timeout)
     except RuntimeError as error:
-        name = type(module).__name__.removeprefix("FSDP")
+        name = type(module).__name__
+        if state.sharding == "FSDP2":
+            name = name.removeprefix("FSDP")  # FSDP2 names its classes FSDP<yours>
         if grad:
             waited = (
                 "for the other ranks to end their forwards without gradients too, and they did not: "
@@ -97,14 +99,13 @@ def _meet(dist: DistState, module: nn.Module, group: Any, state: CheckIn, *, gra
         else:
             waited = "for the other ranks to run one too, and they did not"
         msg = (
-            f"a forward of the sharded ({'FSDP2' if name != type(module).__name__ else 'tensor-parallel'}) "
-            f"{name} {kind} gradients on rank {dist.rank} of {dist.world_size} waited {timeout} "
-            f"{waited}: a sharded model gathers its parameters from every rank in every forward, so "
-            "every rank must run every forward, evaluation included. Evaluate on every rank (each on "
-            "its part of the data, the same number of batches: prepare the evaluation loader with "
-            "even_batches=True, the default; combine with faccel.reduce or faccel.gather_for_metrics) "
-            f"and print on the main process only. torch said: {error}"
+            f"a forward of the sharded ({state.sharding}) {name} {kind} gradients on rank {dist.rank} "
+            f"of {dist.world_size} waited {timeout} {waited}: a sharded model gathers its parameters "
+            "from every rank in every forward, so every rank must run every forward, evaluation "
+            "included. Evaluate on every rank (each on its part of the data, the same number of "
+            "batches: prepare the evaluation loader with even_batches=True, the default; combine "
+            "with faccel.reduce or faccel.gather_for_metrics) and print on the main process only. "
+            f"torch said: {error}"
         )
         raise DistributedError(msg) from error
     state.grad = grad
-    state.made += 1

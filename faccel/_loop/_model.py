@@ -257,7 +257,7 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
                 module, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard, offload_policy=offload
             )
     fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=reshard, offload_policy=offload)
-    add_check_in(dist, model)  # a forward on some ranks only: a named error (faccel._loop._check_in)
+    add_check_in(dist, model, sharding="FSDP2")  # a forward on some ranks only: a named error
     return model
 
 
@@ -274,7 +274,7 @@ def _wrap_layout(dist: DistState, model: nn.Module, options: PrepareOptions) -> 
         return _wrap_fsdp(dist, model, options, mesh=data_mesh(dist))
     # Tensor parallelism alone: no data-parallel ranks to shard over or average with.
     object.__setattr__(model, _TENSOR_PARALLEL, True)
-    add_check_in(dist, model)  # a forward on some ranks only: a named error (faccel._loop._check_in)
+    add_check_in(dist, model, sharding="tensor-parallel")  # as under FSDP2 (faccel._loop._check_in)
     if dist.autocast_dtype is not None:
         return Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
     return model
