@@ -9,7 +9,9 @@ the same facts are equal whatever they hold), shared by the states
 ``attrs.evolve`` derives from it, and closed by :func:`faccel.shutdown`:
 
 - the background checkpoint (``checkpoint(..., blocking=False)``) still being
-  written, and the host staging buffers it copies into, kept for reuse (a copy
+  written, on a :class:`CheckpointThread` that knows this handle (another
+  handle's checkpoint waits for it, found by type and owner, not by a thread
+  name), and the host staging buffers it copies into, kept for reuse (a copy
   into pages already mapped runs at memory speed) until
   :func:`faccel.free_memory` or ``shutdown`` releases them;
 - the DeviceMeshes and subgroups made for the layouts (a DTensor's mesh must be
