@@ -3,7 +3,9 @@
 The user's module's methods are never replaced: precision comes from a thin
 outer module whose forward runs the user's forward under autocast, and DDP
 wraps that. Two marks are set on a prepared module (the wrapper it got, and
-whether faccel split it for tensor parallelism), listed with why in
+whether faccel split it for tensor parallelism), one on a DDP wrapper (its
+process group, pinned past its reducer), and a sharded model gets the
+evaluation check-in hook (``faccel._loop._check_in``), all listed with why in
 ``faccel._marks``. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
 """
 
