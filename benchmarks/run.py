@@ -41,7 +41,18 @@ RESULTS = HERE / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Display order; modules not listed come after, by name.
-ORDER = ("step", "accumulation", "data", "import", "checkpoint", "functional", "ddp", "deepspeed", "parallel")
+ORDER = (
+    "step",
+    "accumulation",
+    "data",
+    "import",
+    "checkpoint",
+    "functional",
+    "ddp",
+    "deepspeed",
+    "parallel",
+    "eval_forward",
+)
 # Benchmarks other issues own: shown as pending until their module exists.
 PLANNED: Mapping[str, str] = {
     "accumulation": "step time with 4 micro-steps of accumulation vs manual accumulation "
@@ -62,6 +73,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "deepspeed_step": "deepspeed: time per ZeRO-2 step, 2 gloo processes / DeepSpeed's own loop's",
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
     "exact_step": "exact: time per step in exact mode (8 atoms), 2 and 4 gloo processes / ordinary DDP's",
+    "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / by hand",
 }
 
 

@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there. There are five.
+"""Every mark faccel sets on an object of yours, and why it must be there: six attributes, two hooks.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -22,6 +22,15 @@ itself, under these names, and nowhere else:
 - ``_faccel_deepspeed_engine`` (:data:`DEEPSPEED_ENGINE`), on each parameter of
   a DeepSpeed engine's module (``strategy='deepspeed'``): a weak reference to the
   engine, so ``backward`` finds the engine from the loss's graph.
+- ``_faccel_process_group`` (:data:`PROCESS_GROUP`), on each
+  ``DistributedDataParallel`` wrapper ``prepare`` made, set with
+  ``object.__setattr__`` after the wrapper is built: a pin holding the
+  wrapper's process group (its copies and pickles get an empty pin). Freeing
+  the wrapper then drops its C++ reducer's hold on the group before this
+  one, so the group's last holder is a Python object, whose release torch
+  makes without the interpreter lock: the gloo group's destructor joins its
+  worker threads, and one of them may need that lock to free the last
+  collective's tensors (issue 35.11: a rank that never exited).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
@@ -31,6 +40,27 @@ itself, under these names, and nowhere else:
   the one attribute faccel sets under a name of PyTorch's, because the module
   must stay where it is in your tree (a wrapper module in its place would rename
   every parameter under it).
+
+Two hooks, registered through torch's own ``register_*_hook`` and held (their
+``RemovableHandle``) in ``dist.runtime``, which removes them at
+:func:`faccel.shutdown`; no other hook is registered on your objects:
+
+- ``faccel: evaluation check-in`` (:data:`EVAL_CHECK_IN`), a forward pre-hook
+  on a model sharded over processes (FSDP2, or tensor parallelism): when the
+  model's forwards switch between with and without gradients (the first
+  evaluation forward after training, the first training forward after an
+  evaluation), the ranks check in on a gloo group of faccel's own
+  (:data:`CHECK_IN_GROUP`, one per ``dist.runtime``) before the forward
+  gathers parameters. A forward on some ranks only (evaluation under ``if
+  dist.is_main_process``) then ends in a named ``DistributedError`` instead of
+  a hang or gloo's abort; forwards in a row of the same kind (a whole
+  evaluation, generation token by token, training) pay one bool comparison
+  (``faccel._loop._check_in``).
+- ``faccel: rebind at first step`` (:data:`REBIND_AT_FIRST_STEP`), an optimizer
+  step pre-hook, only on an optimizer prepared before its FSDP2 or
+  tensor-parallel model in an earlier ``prepare`` call: just before the first
+  ``step()`` it points the optimizer at the parameters sharding made, then
+  removes itself.
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
@@ -42,9 +72,28 @@ the instance ``forward`` above, which calls the class's.
 
 from __future__ import annotations
 
-__all__ = ["DEEPSPEED_ENGINE", "REPLACED_BY", "TENSOR_PARALLEL", "WRAPPED_AS"]
+__all__ = [
+    "CHECK_IN_GROUP",
+    "DEEPSPEED_ENGINE",
+    "EVAL_CHECK_IN",
+    "HOOKS",
+    "PROCESS_GROUP",
+    "REBIND_AT_FIRST_STEP",
+    "REPLACED_BY",
+    "TENSOR_PARALLEL",
+    "WRAPPED_AS",
+]
 
 WRAPPED_AS = "_faccel_wrapped_as"
 TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
 DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"
+PROCESS_GROUP = "_faccel_process_group"
+
+EVAL_CHECK_IN = "faccel: evaluation check-in"
+REBIND_AT_FIRST_STEP = "faccel: rebind at first step"
+#: Every hook faccel registers on a user's object (tests/test_no_module_state.py allows
+#: ``register_*hook`` calls only where these are registered).
+HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP)
+#: The name of the one process group faccel makes for itself, kept in ``dist.runtime.groups``.
+CHECK_IN_GROUP = "evaluation check-in"

@@ -9,12 +9,27 @@ the wrapper. The per-step path (backward, loader iteration) is never checked.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+import re
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from faccel._choices import CLOSED_SETS, ClosedSet
 from faccel.errors import ArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Settings:
+    """What set-up functions take first: ``DistState`` derives from it.
+
+    A layer below ``_dist``, the type check cannot import ``DistState``; it asks
+    ``isinstance(first, Settings)`` instead of comparing class names.
+    """
+
+    __slots__ = ()
+
+
 _MISSING = object()  # an immutable sentinel: no dist given at all
 
 
@@ -31,9 +46,15 @@ def setup_checked(fn: F) -> F:
             wrapper.__dict__["_checked"] = checked
         from typeguard import TypeCheckError
 
+        closed = wrapper.__dict__.get("_closed")
+        if closed is None:
+            closed = wrapper.__dict__["_closed"] = _closed_parameters(fn)
+        if closed:
+            _check_words(fn, closed, args, kwargs)
+
         # dist may come by position or by keyword (init_tracker(dist=dist, ...)).
         first = args[0] if args else kwargs.get("dist", _MISSING)
-        if takes_dist and type(first).__name__ != "DistState":
+        if takes_dist and not isinstance(first, Settings):
             # The usual slip of an Accelerate user: the state left out of the call, which
             # would otherwise surface as a missing argument or a type error further on.
             given = "nothing" if first is _MISSING else type(first).__name__
@@ -51,3 +72,29 @@ def setup_checked(fn: F) -> F:
     takes_dist = fn.__code__.co_varnames[:1] == ("dist",)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _closed_parameters(fn: Callable[..., Any]) -> Mapping[str, ClosedSet]:
+    """``fn``'s parameters annotated with a closed set's ``Literal`` type (faccel._choices), by name."""
+    found = {}
+    for name, annotation in fn.__annotations__.items():
+        text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        for alias, closed in CLOSED_SETS.items():
+            if name != "return" and re.search(rf"\b{alias}\b", text):
+                found[name] = closed
+    return found
+
+
+def _check_words(fn: Callable[..., Any], closed: Mapping[str, ClosedSet], args: Any, kwargs: Any) -> None:
+    """A word given for a closed set's parameter is one of its words (a bad value), before the type check.
+
+    Only strings are checked here: another type is the type check's to name (an ``ArgumentError``).
+    """
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return  # a missing or unexpected argument: the call itself reports it
+    for name, check in closed.items():
+        value = bound.arguments.get(name)
+        if isinstance(value, str):
+            check.check(value)

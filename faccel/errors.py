@@ -52,12 +52,13 @@ class ArgumentValueError(FaccelError, ValueError):
     """
 
 
-class LaunchError(FaccelError, ValueError):
+class LaunchError(ArgumentValueError):
     """The launcher's environment is malformed or contradicts itself.
 
     Cause: a variable such as ``RANK`` or ``SLURM_NTASKS`` is not an integer,
     is out of range, is missing a partner (``WORLD_SIZE`` without ``RANK``),
-    or two launchers report different ranks for this process.
+    or two launchers report different ranks for this process; an unknown
+    ``strategy``. A bad value, so an :class:`ArgumentValueError` too.
     Fix: correct the variable the message names, or launch with ``torchrun``.
     """
 
@@ -98,11 +99,12 @@ class SetupMismatchError(PrepareError):
     """
 
 
-class PrecisionError(FaccelError, ValueError):
+class PrecisionError(ArgumentValueError):
     """A precision setting is unknown or a precision step is missing a piece.
 
     Cause: ``precision`` not one of ``'no'``, ``'bf16'``, ``'fp16'``, or fp16
-    training without a gradient scaler. Fix: as the message says.
+    training without a gradient scaler. An unknown precision is a bad value,
+    so an :class:`ArgumentValueError` too. Fix: as the message says.
     """
 
 

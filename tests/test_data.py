@@ -272,3 +272,32 @@ def test_set_seed_leaves_the_data_order_to_the_dist_seed() -> None:
     faccel.set_seed(dist, 2)
     assert order(dist) == first  # the global generators do not decide the order...
     assert order(faccel.DistState.simulated(seed=1)) != first  # ...detect(seed=) does
+
+
+def test_views_share_no_sampler_stream_or_generator() -> None:
+    # Issue 31.5: every view of a prepared loader pointed one shared sampler (or stream) and
+    # reseeded one shared generator. Two views of a stream read side by side (no workers) mixed
+    # their positions: the stream read its start lazily, after the second view had moved it.
+    import torch
+
+    import faccel
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(8))
+
+    dist = faccel.detect({})
+    stream = faccel.prepare(dist, torch.utils.data.DataLoader(Stream(), batch_size=2))
+    first, later = stream.at(epoch=0), stream.at(epoch=0, start=2)
+    pairs = list(zip(first, later, strict=False))
+    assert [(a.tolist(), b.tolist()) for a, b in pairs] == [([0, 1], [4, 5]), ([2, 3], [6, 7])]
+
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    loader = faccel.prepare(dist, torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    one, two = loader.at(epoch=1), loader.at(epoch=1, start=3)
+    assert one.dataloader is not two.dataloader
+    assert one.dataloader.batch_sampler is not two.dataloader.batch_sampler
+    assert one.dataloader.generator is not two.dataloader.generator
+    both = list(zip(one, two, strict=False))
+    assert [b.tolist() for (b,), _ in both] == [b.tolist() for (b,) in loader.at(epoch=1)][: len(both)]
+    assert [b.tolist() for _, (b,) in both] == [b.tolist() for (b,) in loader.at(epoch=1, start=3)]

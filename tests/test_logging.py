@@ -115,3 +115,26 @@ def test_print_writes_each_line_in_one_write_so_ranks_lines_never_merge() -> Non
     assert out.writes == ["rank 1 step 7\n", "a-b!\n"] and out.flushed == 1
     with pytest.raises(TypeError):
         faccel.print(dist, "x", main_process_only=False, colour="red")
+
+
+@pytest.mark.parametrize(
+    ("env", "where"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "1/2"),  # torchrun's
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, "3/4"),  # read before through RANK alone: 0/1
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "0/1"),  # malformed: detect() reports it, not a log line
+    ],
+)
+def test_a_logger_without_a_dist_state_reads_the_launcher_table(
+    stream: tuple[str, io.StringIO], monkeypatch: pytest.MonkeyPatch, env: dict[str, str], where: str
+) -> None:
+    # Issue 31.5: RANK / WORLD_SIZE were read here by name, beside faccel._dist._launch's table.
+    import faccel
+
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    name, out = stream
+    faccel.get_logger(name, main_process_only=False).info("here")
+    assert out.getvalue().split("|")[0].split()[1] == where

@@ -146,3 +146,149 @@ def test_every_mark_on_user_objects_is_named_in_one_module() -> None:
                 spelled.setdefault(text, set()).add(path.name)
     assert spelled and all(where == {"_marks.py"} for where in spelled.values()), spelled
     assert all(f"``{name}``" in (marks.__doc__ or "") for name in spelled)
+
+
+# ---- hidden process state: hooks on user objects, the environment, exit handlers, signals ----
+
+# Where faccel may touch process-wide state, and why; every other call is a finding. A hook on a
+# user's object must be one of faccel._marks.HOOKS, held by dist.runtime (shutdown removes it).
+ALLOWED: dict[tuple[str, str], str] = {
+    ("faccel/_loop/_check_in.py", "register_forward_pre_hook"): "faccel._marks.EVAL_CHECK_IN",
+    ("faccel/_loop/_prepare.py", "register_step_pre_hook"): "faccel._marks.REBIND_AT_FIRST_STEP",
+    # launch()'s children set the launcher's variables (of _dist/_launch's table) for themselves
+    ("faccel/_dist/_notebook.py", "os.environ.update"): "a launched child's own environment",
+    # a group detect() started is stopped at exit; shutdown() unregisters it
+    ("faccel/_dist/_process_group.py", "atexit.register"): "the group stopped at exit",
+    ("faccel/_dist/_process_group.py", "atexit.unregister"): "the group stopped at exit",
+    # stop_signal installs the handlers asked for and puts the previous ones back on exit
+    ("faccel/_dist/_signals.py", "signal.signal"): "stop_signal's handlers, restored",
+}
+
+_ENVIRON_METHODS = frozenset(
+    {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+)
+_PROCESS_CALLS = frozenset({"os.putenv", "os.unsetenv", "signal.signal"})
+
+
+def _dotted(node: ast.expr) -> str:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def process_state_calls(source: str) -> list[str]:
+    """Each call or write in ``source`` that changes process-wide state: what it is, as written.
+
+    ``obj.register_*hook(...)``; a write to ``os.environ`` (item assignment or deletion, a
+    mutating method) or ``os.putenv`` / ``os.unsetenv``; any ``atexit.*`` call; ``signal.signal``.
+    """
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name, dotted = node.func.attr, _dotted(node.func)
+            if name.startswith("register_") and name.endswith("hook"):
+                found.append(name)
+            elif (
+                (dotted.startswith("os.environ.") and name in _ENVIRON_METHODS)
+                or dotted in _PROCESS_CALLS
+                or dotted.startswith("atexit.")
+            ):
+                found.append(dotted)
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript) and _dotted(target.value) == "os.environ":
+                    found.append("os.environ[...] written")
+    return found
+
+
+def _findings(kind: str) -> list[str]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        where = str(path.relative_to(ROOT.parent))
+        for call in process_state_calls(path.read_text()):
+            if (where, call) not in ALLOWED and kind in call:
+                found.append(f"{where}: {call}")
+    return found
+
+
+def test_hooks_on_user_objects_only_where_marks_lists_them() -> None:
+    import faccel._marks as marks
+
+    assert _findings("hook") == []
+    assert sorted(v for (_, call), v in ALLOWED.items() if call.endswith("hook")) == sorted(
+        f"faccel._marks.{name}" for name in ("EVAL_CHECK_IN", "REBIND_AT_FIRST_STEP")
+    )
+    assert len(marks.HOOKS) == 2
+
+
+def test_no_environment_writes_outside_the_allow_list() -> None:
+    # faccel reads its environment through faccel._dist._launch's table and writes none of it.
+    # (faccel/_loop/_deepspeed.py's os.environ.setdefault("DS_ACCELERATOR", ...) is found here
+    # until it goes: it changes what every later DeepSpeed import in the process sees.)
+    assert _findings("environ") + _findings("putenv") + _findings("unsetenv") == []
+
+
+def test_no_exit_handlers_or_signal_handlers_outside_the_allow_list() -> None:
+    assert _findings("atexit") + _findings("signal") == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(m):\n    m.register_forward_pre_hook(g)\n", ["register_forward_pre_hook"]),
+        ("def f(o):\n    o.register_step_post_hook(g)\n", ["register_step_post_hook"]),
+        ("import os\nos.environ['X'] = '1'\n", ["os.environ[...] written"]),
+        ("import os\ndef f():\n    del os.environ['X']\n", ["os.environ[...] written"]),
+        ("import os\nos.environ.setdefault('X', '1')\n", ["os.environ.setdefault"]),
+        ("import os\nos.putenv('X', '1')\n", ["os.putenv"]),
+        ("import atexit\natexit.register(f)\n", ["atexit.register"]),
+        ("import signal\nsignal.signal(2, f)\n", ["signal.signal"]),
+        ("import os\nx = os.environ.get('X')\n", []),  # a read: the launcher table's test covers reads
+        ("import signal\nsignal.getsignal(2)\n", []),
+    ],
+)
+def test_the_process_state_scan_finds_what_it_names(source: str, expected: list[str]) -> None:
+    assert process_state_calls(source) == expected
+
+
+def test_each_closed_set_is_the_table_its_code_reads() -> None:
+    # Issue 31.6: the words of each option are spelled once, as a Literal type (faccel._choices);
+    # the tables that act on them have exactly those keys.
+    from typing import get_args
+
+    from faccel import _choices
+    from faccel._dist._state import PRECISIONS
+    from faccel._loop._model import _STRATEGIES
+    from faccel._report._tracking import _WRITERS
+    from faccel.errors import ArgumentValueError
+
+    assert set(PRECISIONS) == set(get_args(_choices.Precision))
+    assert set(_STRATEGIES) | {"deepspeed"} == set(get_args(_choices.Strategy))
+    assert set(_WRITERS) | {"all"} == set(get_args(_choices.TrackerKind))
+    for name, closed in _choices.CLOSED_SETS.items():
+        assert issubclass(closed.error, ArgumentValueError), name
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        ("faccel.detect({}, precision='fp32')", "PrecisionError"),
+        ("faccel.detect({}, strategy='zero')", "LaunchError"),
+        ("faccel.prepare(faccel.detect({}), worker_seeds='ranks')", "ArgumentValueError"),
+        ("faccel.prepare(faccel.detect({}), offload='disk')", "ArgumentValueError"),
+        ("faccel.prepare(faccel.detect({}), init='zeros')", "ArgumentValueError"),
+        ("faccel.init_tracker(faccel.detect({}), '.', kind='jsonlines')", "ArgumentValueError"),
+    ],
+)
+def test_a_word_outside_a_closed_set_is_a_bad_value(call: str, error: str) -> None:
+    import faccel
+
+    with pytest.raises(faccel.errors.ArgumentValueError) as raised:
+        eval(call)
+    assert type(raised.value).__name__ == error
+    assert " must be " in str(raised.value)

@@ -88,3 +88,36 @@ def test_the_train_timeout_is_read_beside_faccel_timeout() -> None:
     assert state_from_env({"FACCEL_TRAIN_TIMEOUT": "60"}, train_timeout=given).train_timeout == given
     with pytest.raises(faccel.errors.LaunchError, match="FACCEL_TRAIN_TIMEOUT must be a positive"):
         state_from_env({"FACCEL_TRAIN_TIMEOUT": "soon"})
+
+
+def test_another_handles_background_checkpoint_is_found_through_its_handle_not_a_thread_name() -> None:
+    # Issue 31.5: wait() found other handles' checkpoints among threads named "faccel-checkpoint".
+    import threading
+
+    first, second = Runtime(), Runtime()
+    release = threading.Event()
+    pending = first.background(3, release.wait)
+    decoy = threading.Thread(target=release.wait, name="faccel-checkpoint")  # a name alone is nobody's
+    pending.thread.start()
+    decoy.start()
+    try:
+        assert second.others_writing() == [pending.thread]
+        assert first.others_writing() == []
+    finally:
+        release.set()
+        pending.thread.join()
+        decoy.join()
+
+
+def test_shutdown_removes_the_hooks_and_groups_the_handle_holds() -> None:
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 1)
+    calls: list[int] = []
+    dist.runtime.hold(model.register_forward_pre_hook(lambda module, args: calls.append(1)))
+    dist.runtime.group("a group", lambda: "made once")
+    assert dist.runtime.group("a group", lambda: "made twice") == "made once"
+    model(torch.ones(1, 2))
+    faccel.shutdown(dist)
+    model(torch.ones(1, 2))
+    assert calls == [1] and not model._forward_pre_hooks
+    assert dist.runtime.handles == {} and dist.runtime.groups == {}

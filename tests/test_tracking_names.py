@@ -25,10 +25,11 @@ def test_a_metric_named_step_is_recorded_beside_the_records_own_step(tmp_path: P
     assert faccel._report._tracking.read_metrics(tmp_path)["step"] == [(7, 3.0)]
 
 
-def test_dist_by_keyword_is_accepted_and_a_missing_one_is_named() -> None:
+def test_dist_by_keyword_is_accepted_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    # It wrote into the repository (does-not-matter/, then tracked by git); tmp_path instead.
     dist = faccel.detect({})
     with faccel.init_tracker(
-        dist=dist, logdir=str(ROOT / "does-not-matter"), kind="jsonl", per_rank=False
+        dist=dist, logdir=str(tmp_path / "does-not-matter"), kind="jsonl", per_rank=False
     ) as t:
         assert t.folder is not None
     with pytest.raises(faccel.errors.ArgumentError, match="takes the DistState first, got str"):

@@ -23,14 +23,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import threading
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as tdist
 
 from faccel._dist._consensus import store_lost_message
-from faccel._dist._runtime import Pending, Runtime
+from faccel._dist._runtime import Runtime
 from faccel._dist._state import DistState
 from faccel._torch_compat import default_store
 from faccel._typecheck import setup_checked
@@ -194,9 +193,8 @@ def wait(runtime: Runtime, dist: DistState | None = None, *, call: str = "checkp
     if pending is not None:
         runtime.pending = None
         pending.thread.join()
-    for thread in threading.enumerate():
-        if thread.name == _THREAD and thread is not threading.current_thread():
-            thread.join()  # another handle's checkpoint: the ranks' files must be whole first
+    for thread in runtime.others_writing():
+        thread.join()  # another handle's checkpoint: the ranks' files must be whole first
     store = _group_store(dist)
     try:
         left = _unreported(store, _failed_key(dist)) if dist is not None else None
@@ -212,10 +210,6 @@ def wait(runtime: Runtime, dist: DistState | None = None, *, call: str = "checkp
             raise CheckpointError(msg) from pending.error
     elif left is not None:
         raise CheckpointError(left)
-
-
-# The name of a background checkpoint's thread (how another handle's wait finds it).
-_THREAD = "faccel-checkpoint"
 
 
 def start(runtime: Runtime, step: int, task: Callable[[], None], dist: DistState | None = None) -> None:
@@ -237,6 +231,5 @@ def start(runtime: Runtime, step: int, task: Callable[[], None], dist: DistState
                 with contextlib.suppress(RuntimeError):  # the store is gone: the owner still raises it
                     store.set(_failed_key(dist), msg)
 
-    pending = Pending(step=step, thread=threading.Thread(target=run, name=_THREAD, daemon=False))
-    runtime.pending = pending
+    pending = runtime.background(step, run)
     pending.thread.start()

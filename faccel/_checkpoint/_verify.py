@@ -92,25 +92,25 @@ def elementwise_optimizer(optimizer: Any) -> bool:
         >>> elementwise_optimizer(torch.optim.AdamW(p)), elementwise_optimizer(object())
         (True, False)
     """
-    return class_name(optimizer) in _ELEMENTWISE
+    return type(optimizer) in _ELEMENTWISE
 
 
-# Built-in optimizers whose non-scalar state tensors have their parameter's shape and dtype.
-_ELEMENTWISE = frozenset(
-    f"torch.optim.{name}"
-    for name in (
-        "sgd.SGD",
-        "adam.Adam",
-        "adamw.AdamW",
-        "adagrad.Adagrad",
-        "adadelta.Adadelta",
-        "adamax.Adamax",
-        "nadam.NAdam",
-        "radam.RAdam",
-        "rmsprop.RMSprop",
-        "rprop.Rprop",
-        "asgd.ASGD",
-    )
+# Built-in optimizers whose non-scalar state tensors have their parameter's shape and dtype: the
+# classes themselves (a subclass may keep other state, so only these exact types).
+_ELEMENTWISE: frozenset[type] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
 )
 
 
@@ -373,7 +373,7 @@ def _check_optimizer(
         problems.add(STATE, f"{len(groups)} optimizer param groups saved, the target has {len(live_groups)}")
         return saved
     params = _check_param_groups(groups, live_groups, problems)
-    elementwise = class_name(inner) in _ELEMENTWISE
+    elementwise = type(inner) in _ELEMENTWISE
     for pid, entry in entries.items():
         param = params.get(pid)
         if param is None or not isinstance(entry, dict):

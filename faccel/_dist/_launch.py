@@ -32,6 +32,7 @@ __all__ = [
     "OPTION_VARIABLES",
     "LaunchInfo",
     "parse_launch",
+    "rank_and_world",
     "read_int",
 ]
 
@@ -361,3 +362,24 @@ def parse_launch(env: Mapping[str, str]) -> LaunchInfo:
             external_store=False,
         )
     return _rendezvous(env, chosen)
+
+
+def rank_and_world(env: Mapping[str, str]) -> tuple[int, int]:
+    """The launcher's rank and world size in ``env`` (0 of 1 without one), as :func:`parse_launch` reads them.
+
+    For a reader that needs only where this process sits (a logger made
+    before any ``DistState``): no rendezvous address is required.
+
+    Raises:
+        LaunchError: As :func:`parse_launch`, for the launcher's own variables.
+
+    Example:
+        >>> rank_and_world({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"})
+        (3, 4)
+        >>> rank_and_world({})
+        (0, 1)
+    """
+    torchrun = _read(env, _TORCHRUN)
+    peers = [info for info in (_read(env, launcher) for launcher in _PEERS) if info is not None]
+    chosen = torchrun or (peers[0] if peers else None)
+    return (0, 1) if chosen is None else (chosen.rank, chosen.world_size)

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from faccel._choices import Precision, Strategy
 from faccel._dist._deepspeed_config import read_config
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
 from faccel._dist._state import DistState, state_from_env
+from faccel._marks import PROCESS_GROUP
 from faccel._torch_compat import default_store
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError, FaccelError
@@ -35,6 +37,7 @@ __all__ = [
     "last_calls",
     "main_process_first",
     "peers_answer",
+    "pin_process_group",
     "require_group",
     "require_peers",
     "shutdown",
@@ -52,10 +55,10 @@ def detect(
     env: Mapping[str, str] | None = None,
     *,
     device: str | torch.device | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     backend: str | None = None,
     accumulation_steps: int | None = None,
-    strategy: str | None = None,
+    strategy: Strategy | None = None,
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
@@ -208,8 +211,11 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     """Close ``dist.runtime`` and ``trackers``, then stop the default process group. Safe to call again.
 
     Closing the runtime handle waits for a background checkpoint (raising
-    its failure once the rest is closed) and releases its staging buffers and
-    the meshes made for the layouts.
+    its failure once the rest is closed), removes the hooks faccel registered
+    on your objects (``faccel._marks``), and releases its staging buffers, its
+    own process groups and the meshes made for the layouts. Wrappers
+    ``prepare`` returned may outlive it: freeing a DDP wrapper afterwards is
+    safe (its group is pinned past its reducer, ``pin_process_group``).
 
     Args:
         dist: The run's :class:`DistState`.
@@ -226,14 +232,60 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
         >>> dist = faccel.detect({})
         >>> faccel.shutdown(dist, trackers=[faccel.init_tracker(dist, tempfile.mkdtemp())])
     """
+    # In the order torch needs with wrappers still alive: faccel's own holds go first (its hooks
+    # leave your objects, its groups and meshes are dropped, a non-blocking checkpoint commits or
+    # raises), the device finishes its queued work, then the groups are destroyed. A DDP wrapper
+    # prepare made keeps its group pinned past its reducer (pin_process_group), so freeing it
+    # later never joins gloo's threads while holding the interpreter lock.
     try:
-        dist.runtime.close()  # a non-blocking checkpoint commits (or raises) first; buffers released
+        dist.runtime.close()
     finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
         if dist.distributed and tdist.is_initialized():
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)  # no kernel of a collective left in flight
             tdist.destroy_process_group()
             atexit.unregister(_stop_at_exit)
+
+
+class _Pin:
+    """Holds a process group; a copy or a pickle of what holds it gets an empty pin (groups do not travel)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def __reduce__(self) -> tuple[type[_Pin], tuple[()]]:
+        return (_Pin, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Pin:
+        return _Pin()
+
+
+def pin_process_group(wrapper: Any) -> None:
+    """Hold ``wrapper``'s process group in its last attribute (``faccel._marks.PROCESS_GROUP``).
+
+    A ``DistributedDataParallel`` wrapper holds its group twice: as the Python
+    object ``wrapper.process_group`` (set first) and from its C++ reducer (set
+    later). Freeing the wrapper releases its attributes in the order they were
+    set, so the reducer would drop the last hold on a group that
+    :func:`shutdown` destroyed, inside a release that keeps the interpreter
+    lock, and the gloo group's destructor joins its worker threads there. A
+    worker still freeing the tensors of the last collective needs that lock:
+    the process never exits (issue 35.11). Pinned after the reducer, the last
+    hold is this Python object, which torch releases without the lock.
+
+    Example:
+        >>> import torch
+        >>> wrapper = torch.nn.Linear(1, 1)
+        >>> object.__setattr__(wrapper, "process_group", "a group")
+        >>> pin_process_group(wrapper)
+        >>> list(vars(wrapper))[-1], vars(wrapper)["_faccel_process_group"].group
+        ('_faccel_process_group', 'a group')
+    """
+    object.__setattr__(wrapper, PROCESS_GROUP, _Pin(getattr(wrapper, "process_group", None)))
 
 
 def _crumb_key(rank: int) -> str:

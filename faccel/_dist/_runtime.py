@@ -9,12 +9,20 @@ the same facts are equal whatever they hold), shared by the states
 ``attrs.evolve`` derives from it, and closed by :func:`faccel.shutdown`:
 
 - the background checkpoint (``checkpoint(..., blocking=False)``) still being
-  written, and the host staging buffers it copies into, kept for reuse (a copy
+  written, on a :class:`CheckpointThread` that knows this handle (another
+  handle's checkpoint waits for it, found by type and owner, not by a thread
+  name), and the host staging buffers it copies into, kept for reuse (a copy
   into pages already mapped runs at memory speed) until
   :func:`faccel.free_memory` or ``shutdown`` releases them;
 - the DeviceMeshes and subgroups made for the layouts (a DTensor's mesh must be
   the very mesh the next call slices from);
 - the hooks ``shutdown`` runs first;
+- the hooks faccel registered on your objects (the evaluation check-in of a
+  sharded model, the optimizer's look at its parameters before its first
+  step; each listed, with why, in ``faccel._marks``), removed by ``shutdown``;
+- the process groups faccel made for itself (the evaluation check-in's gloo
+  group: one per handle, however many models are prepared), dropped by
+  ``shutdown`` before the process group stops;
 - the record of each prepared loader's iterations, weakly keyed by its
   ``DataLoader`` (:class:`LoaderRecord`: the guards against a second bare pass
   and against re-reading an epoch resumed at another world size; see
@@ -45,7 +53,7 @@ import torch
 
 from faccel._torch_compat import set_group_timeout
 
-__all__ = ["Crumb", "LoaderRecord", "Pending", "Runtime"]
+__all__ = ["CheckpointThread", "Crumb", "LoaderRecord", "Pending", "Runtime"]
 
 # How many of the last faccel calls a rank remembers (a hang report names the last one).
 CRUMBS = 8
@@ -98,6 +106,19 @@ class Pending:
     error: BaseException | None = None
 
 
+class CheckpointThread(threading.Thread):
+    """A background checkpoint's thread; it knows the runtime handle that started it.
+
+    Another handle of the same process (a second ``detect``) must let it finish
+    before it writes: :meth:`Runtime.others_writing` finds it by its type and
+    owner, not by a thread name.
+    """
+
+    def __init__(self, owner: Runtime, target: Callable[[], None]) -> None:
+        super().__init__(target=target, name="faccel-checkpoint", daemon=False)
+        self.owner: weakref.ReferenceType[Runtime] = weakref.ref(owner)
+
+
 @attrs.define
 class LoaderRecord:
     """What this process did with one prepared loader: the facts its guards need.
@@ -136,6 +157,10 @@ class Runtime:
         self.staging: dict[str, dict[str, torch.Tensor]] = {}
         self.meshes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.hooks: dict[str, Callable[[], None]] = {}
+        # Hooks on the user's objects (torch's RemovableHandle, by its id): removed by close.
+        self.handles: dict[int, Any] = {}
+        # Process groups faccel made for its own use, by name (faccel._marks.GROUPS): dropped by close.
+        self.groups: dict[str, Any] = {}
         self.crumbs: collections.deque[Crumb] = collections.deque(maxlen=CRUMBS)
         self.loaders: weakref.WeakKeyDictionary[Any, LoaderRecord] = weakref.WeakKeyDictionary()
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
@@ -189,6 +214,20 @@ class Runtime:
             record = self.loaders[key] = LoaderRecord()
         return record
 
+    def background(self, step: int, target: Callable[[], None]) -> Pending:
+        """The background checkpoint of ``step`` on a :class:`CheckpointThread` of this handle, unstarted."""
+        self.pending = Pending(step=step, thread=CheckpointThread(self, target))
+        return self.pending
+
+    def others_writing(self) -> list[threading.Thread]:
+        """The background checkpoints still running that other handles of this process started."""
+        here = threading.current_thread()
+        return [
+            thread
+            for thread in threading.enumerate()
+            if isinstance(thread, CheckpointThread) and thread.owner() is not self and thread is not here
+        ]
+
     def at_close(self, name: str, hook: Callable[[], None]) -> None:
         """Have :meth:`close` call ``hook`` first (once per ``name``, however often it is registered)."""
         self.hooks[name] = hook
@@ -197,19 +236,45 @@ class Runtime:
         """Forget the hook registered under ``name`` (nothing if there is none)."""
         self.hooks.pop(name, None)
 
+    def hold(self, handle: Any) -> Any:
+        """Keep ``handle`` (a hook on a user's object) until :meth:`release` or :meth:`close` removes it."""
+        self.handles[handle.id] = handle
+        return handle
+
+    def release(self, handle: Any) -> None:
+        """Remove the hook of ``handle`` from its object, and forget it."""
+        handle.remove()
+        self.handles.pop(handle.id, None)
+
+    def group(self, name: str, make: Callable[[], Any]) -> Any:
+        """The process group kept under ``name``, made by ``make()`` the first time it is asked for.
+
+        ``make`` is a collective (``torch.distributed.new_group``): every rank
+        asks for the same names in the same order, as every rank makes the same
+        ``prepare`` calls.
+        """
+        group = self.groups.get(name)
+        if group is None:
+            group = self.groups[name] = make()
+        return group
+
     def release_staging(self) -> None:
         """Drop the staging buffers (the background checkpoint must be done: see ``free_memory``)."""
         self.staging.clear()
 
     def close(self) -> None:
-        """Run the hooks, then drop the staging buffers and meshes. The handle stays usable.
+        """Run the hooks, remove faccel's hooks from your objects, drop the groups, buffers and meshes.
 
-        A hook's error is raised after the rest is released.
+        The handle stays usable. A hook's error is raised after the rest is released.
         """
         try:
             for hook in list(self.hooks.values()):
                 hook()
         finally:
             self.hooks.clear()
+            for handle in list(self.handles.values()):
+                handle.remove()
+            self.handles.clear()
+            self.groups.clear()
             self.staging.clear()
             self.meshes.clear()

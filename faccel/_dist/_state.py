@@ -11,15 +11,17 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 import torch
 
+from faccel._choices import PRECISION, STRATEGY, Precision, Strategy
 from faccel._dist._launch import OPTION_VARIABLES, parse_launch, read_int
 from faccel._dist._layout import Layout, default_layout, layout_problem, parse_layout, strategy_for
 from faccel._dist._runtime import Runtime
-from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, LaunchError, PrecisionError
+from faccel._typecheck import Settings, setup_checked
+from faccel.errors import ArgumentValueError, LaunchError
 
 __all__ = ["DEFAULT_TIMEOUT", "PRECISIONS", "DistState", "state_from_env"]
 
@@ -46,19 +48,15 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it, DeepSpeed's
 # ZeRO partitions it (faccel._loop._deepspeed).
-STRATEGIES = frozenset({"ddp", "fsdp", "deepspeed"})
+STRATEGIES = frozenset(STRATEGY.values)
 
 
 def _check_precision(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
-    if value not in PRECISIONS:
-        msg = f"precision must be one of {sorted(PRECISIONS)}, got {value!r}"
-        raise PrecisionError(msg)
+    PRECISION.check(value)  # a PrecisionError (an ArgumentValueError) naming the values
 
 
 def _check_strategy(_: object, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
-    if value not in STRATEGIES:
-        msg = f"strategy must be one of {sorted(STRATEGIES)}, got {value!r}"
-        raise LaunchError(msg)
+    STRATEGY.check(value)  # a LaunchError (an ArgumentValueError) naming the values
 
 
 def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
@@ -68,7 +66,7 @@ def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:  # typ
 
 
 @attrs.frozen(kw_only=True)
-class DistState:
+class DistState(Settings):
     """The static facts of a run: where this process sits, what it computes on, how.
 
     A frozen record: update with ``attrs.evolve``. Two records with different
@@ -129,9 +127,9 @@ class DistState:
     node_rank: int = 0
     device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
     backend: str = "gloo"
-    precision: str = attrs.field(default="no", validator=_check_precision)
+    precision: Precision = attrs.field(default="no", validator=_check_precision)
     accumulation_steps: int = attrs.field(default=1, validator=_positive)
-    strategy: str = attrs.field(default="ddp", validator=_check_strategy)
+    strategy: Strategy = attrs.field(default="ddp", validator=_check_strategy)
     seed: int = 0
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     train_timeout: datetime.timedelta | None = None
@@ -208,9 +206,9 @@ class DistState:
         world_size: int = 1,
         local_world_size: int | None = None,
         device: str | torch.device = "cpu",
-        precision: str = "no",
+        precision: Precision = "no",
         accumulation_steps: int = 1,
-        strategy: str | None = None,
+        strategy: Strategy | None = None,
         seed: int = 0,
         layout: Layout | None = None,
     ) -> DistState:
@@ -239,7 +237,7 @@ class DistState:
             backend=_BACKENDS.get(torch.device(device).type, "gloo"),
             precision=precision,
             accumulation_steps=accumulation_steps,
-            strategy=strategy if strategy is not None else (strategy_for(layout) if layout else "ddp"),
+            strategy=strategy if strategy is not None else _strategy_of(layout),
             seed=seed,
             launcher="simulated",
             layout=layout,
@@ -279,9 +277,14 @@ def _env_int(env: Mapping[str, str], name: str, given: int | None, default: int)
     return read_int(env, name, minimum=1) if name in env else default
 
 
+def _strategy_of(layout: Layout | None) -> Any:
+    """The strategy a layout implies (``'ddp'`` without one): one of :data:`Strategy`'s words."""
+    return strategy_for(layout) if layout else "ddp"
+
+
 def _env_choice(
     env: Mapping[str, str], name: str, given: str | None, default: str, choices: Iterable[str]
-) -> str:
+) -> Any:  # one of ``choices`` (a Literal type's words), or ``given`` for DistState's own check
     if given is not None:
         return given  # an argument: DistState's own check names it
     value = env.get(name, default)
@@ -331,10 +334,10 @@ def state_from_env(
     cuda_count: int = 0,
     mps_available: bool = False,
     device: str | torch.device | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     backend: str | None = None,
     accumulation_steps: int | None = None,
-    strategy: str | None = None,
+    strategy: Strategy | None = None,
     seed: int = 0,
     timeout: datetime.timedelta | None = None,
     layout: Layout | str | None = None,
@@ -386,7 +389,7 @@ def state_from_env(
     """
     info = parse_launch(env)
     chosen_layout = _env_layout(env, layout)
-    chosen_strategy = strategy
+    chosen_strategy: Any = strategy
     if chosen_strategy is None and OPTION_VARIABLES["strategy"] not in env and chosen_layout is not None:
         chosen_strategy = strategy_for(chosen_layout)
     chosen_strategy = _env_choice(env, OPTION_VARIABLES["strategy"], chosen_strategy, "ddp", STRATEGIES)

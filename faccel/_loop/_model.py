@@ -3,7 +3,9 @@
 The user's module's methods are never replaced: precision comes from a thin
 outer module whose forward runs the user's forward under autocast, and DDP
 wraps that. Two marks are set on a prepared module (the wrapper it got, and
-whether faccel split it for tensor parallelism), listed with why in
+whether faccel split it for tensor parallelism), one on a DDP wrapper (its
+process group, pinned past its reducer), and a sharded model gets the
+evaluation check-in hook (``faccel._loop._check_in``), all listed with why in
 ``faccel._marks``. ``unwrap_model`` peels every layer faccel (or torch.compile) added.
 """
 
@@ -18,8 +20,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._mesh import data_mesh
+from faccel._dist._process_group import pin_process_group
 from faccel._dist._state import DistState
 from faccel._loop._activation_checkpoint import checkpoint_activations
+from faccel._loop._check_in import add_check_in
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
@@ -28,7 +32,7 @@ from faccel._loop._ties import check_ties_in_plan, check_ties_in_units, ties_in_
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets
 from faccel._tree import map_tensors
-from faccel.errors import DistributedError, PrepareError
+from faccel.errors import PrepareError
 
 __all__ = [
     "Autocast",
@@ -217,6 +221,7 @@ def _wrap_ddp(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.
         ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.ddp_kwargs or {}))
         if dist.world_size > 2:
             _fix_bucket_layout(ddp)
+        pin_process_group(ddp)  # freeing it after shutdown must not join gloo's threads (faccel._marks)
         wrapped = ddp
     return wrapped
 
@@ -268,44 +273,8 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
                 module, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard, offload_policy=offload
             )
     fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=reshard, offload_policy=offload)
-    _check_in_before_eval_forwards(dist, model)
+    add_check_in(dist, model, sharding="FSDP2")  # a forward on some ranks only: a named error
     return model
-
-
-def _check_in_before_eval_forwards(dist: DistState, model: nn.Module) -> None:
-    """Before each forward without gradients, wait (bounded) until every rank runs one too.
-
-    A sharded model gathers its parameters from every rank in every forward; a
-    forward on some ranks only (evaluation under ``if dist.is_main_process``)
-    pairs its all-gathers with whatever the other ranks do next, which hangs or
-    aborts the process inside gloo. Evaluation is where that mistake is made,
-    so only forwards without gradients check in first: a ``monitored_barrier``
-    on a gloo group of its own, which raises a named error after ``dist.timeout``
-    instead. Training forwards pay nothing.
-    """
-    import torch.distributed as tdist
-
-    group = tdist.new_group(backend="gloo", timeout=dist.timeout)
-
-    @torch.compiler.disable
-    def check_in(module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            return
-        try:
-            tdist.monitored_barrier(group=group, timeout=dist.timeout)
-        except RuntimeError as error:
-            msg = (
-                f"a forward of the sharded (FSDP2) {type(module).__name__.removeprefix('FSDP')} without "
-                f"gradients on rank {dist.rank} of {dist.world_size} waited {dist.timeout} for the "
-                "other ranks to run one too, and they did not: a sharded model gathers its "
-                "parameters from every rank in every forward, so every rank must run every "
-                "forward, evaluation included. Evaluate on every rank (each on its part of the "
-                "data, combined with faccel.reduce or faccel.gather_for_metrics) and print on the "
-                f"main process only. torch said: {error}"
-            )
-            raise DistributedError(msg) from error
-
-    model.register_forward_pre_hook(check_in, prepend=True)
 
 
 def _wrap_layout(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.Module:
@@ -323,7 +292,7 @@ def _wrap_layout(dist: DistState, model: nn.Module, options: PrepareOptions) -> 
         return _wrap_fsdp(dist, model, options, mesh=data_mesh(dist))
     # Tensor parallelism alone: no data-parallel ranks to shard over or average with.
     object.__setattr__(model, _TENSOR_PARALLEL, True)
-    _check_in_before_eval_forwards(dist, model)
+    add_check_in(dist, model, sharding="tensor-parallel")  # as under FSDP2 (faccel._loop._check_in)
     if dist.autocast_dtype is not None:
         return Autocast(model, device_type=dist.device.type, dtype=dist.autocast_dtype)
     return model

@@ -15,13 +15,14 @@ from typing import Any
 import attrs
 from torch import nn
 
+from faccel._choices import INIT, OFFLOAD, WORKER_SEEDS, Init, Offload, WorkerSeeds
 from faccel._loop._activation_checkpoint import Selector, check_selector
 from faccel.errors import ArgumentValueError
 
 __all__ = ["OFFLOADS", "PrepareOptions"]
 
 # prepare's offload values: where FSDP2 keeps the sharded parameters between uses.
-OFFLOADS = (None, "cpu")
+OFFLOADS = OFFLOAD.values
 
 
 def _check_selector(options: Any, attribute: Any, value: Any) -> None:
@@ -30,12 +31,16 @@ def _check_selector(options: Any, attribute: Any, value: Any) -> None:
 
 
 def _check_offload(options: Any, attribute: Any, value: Any) -> None:
-    if value not in OFFLOADS:
-        msg = (
-            f"offload must be None (the sharded parameters stay on dist.device) or 'cpu' (FSDP2's "
-            f"CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU), got {value!r}"
-        )
-        raise ArgumentValueError(msg)
+    OFFLOAD.check(value)
+
+
+def _check_worker_seeds(options: Any, attribute: Any, value: Any) -> None:
+    WORKER_SEEDS.check(value)
+
+
+def _check_init(options: Any, attribute: Any, value: Any) -> None:
+    if not callable(value):
+        INIT.check(value)
 
 
 def _check_bool(options: Any, attribute: Any, value: Any) -> None:
@@ -59,11 +64,11 @@ class PrepareOptions:
     ddp_kwargs: Mapping[str, Any] | None = None
     shard_policy: Callable[[nn.Module], bool] | None = None
     split_batches: bool = False
-    worker_seeds: str = "rank"
+    worker_seeds: WorkerSeeds = attrs.field(default="rank", validator=_check_worker_seeds)
     tp_plan: Mapping[str, Any] | None = None
-    init: str | Callable[[nn.Module], None] = "reset"
+    init: Init | Callable[[nn.Module], None] = attrs.field(default="reset", validator=_check_init)
     activation_checkpointing: Selector | None = attrs.field(default=None, validator=_check_selector)
-    offload: str | None = attrs.field(default=None, validator=_check_offload)
+    offload: Offload | None = attrs.field(default=None, validator=_check_offload)
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
 
     @property

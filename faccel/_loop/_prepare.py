@@ -10,17 +10,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from faccel._choices import Init, Offload, WorkerSeeds
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._consistency import check_setup
 from faccel._loop._deepspeed import prepare_deepspeed
-from faccel._loop._materialize import INITS, prepare_meta
+from faccel._loop._materialize import prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
 from faccel._marks import REPLACED_BY
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, PrepareError
+from faccel.errors import PrepareError
 
 __all__ = ["prepare"]
 
@@ -94,11 +95,12 @@ def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
     if not _rebind(optimizer) and dist.distributed and (dist.strategy == "fsdp" or dist.parallel.tensor > 1):
         # Prepared before its model (an earlier prepare call): the model's sharding (or plan) will
         # replace these parameters, so look again just before the first step.
+        # The hook is held by dist.runtime (shutdown removes it) and listed in faccel._marks.
         def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             _rebind(opt)
-            handle.remove()
+            dist.runtime.release(handle)
 
-        handle = optimizer.register_step_pre_hook(first_step)
+        handle = dist.runtime.hold(optimizer.register_step_pre_hook(first_step))
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
@@ -198,11 +200,11 @@ def prepare(
     ddp_kwargs: Mapping[str, Any] | None = None,
     shard_policy: Callable[[nn.Module], bool] | None = None,
     split_batches: bool = False,
-    worker_seeds: str = "rank",
+    worker_seeds: WorkerSeeds = "rank",
     tp_plan: Mapping[str, Any] | None = None,
-    init: str | Callable[[nn.Module], None] = "reset",
+    init: Init | Callable[[nn.Module], None] = "reset",
     activation_checkpointing: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
-    offload: str | None = None,
+    offload: Offload | None = None,
     reshard_after_forward: bool = True,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
@@ -346,9 +348,6 @@ def prepare(
         (3, 4, 'tag')
     """
     breadcrumb(dist, "prepare")  # what this rank was last doing, should a peer's collective time out
-    if not callable(init) and init not in INITS:
-        msg = f"init must be 'reset', 'empty' or a callable init(module), got {init!r}"
-        raise ArgumentValueError(msg)
     options = PrepareOptions(
         init=init,
         even_batches=even_batches,

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from faccel._dist._launch import rank_and_world
 from faccel._dist._state import DistState
-from faccel.errors import ArgumentError
+from faccel.errors import ArgumentError, LaunchError
 
 __all__ = ["RankLogger", "get_logger", "print"]
 
@@ -49,16 +50,16 @@ class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     def _where(self) -> tuple[int, int]:
         # Without a DistState (a module-level logger), the process's rank is read at each call:
-        # the running process group's, else the launcher's RANK / WORLD_SIZE, else 0 of 1.
+        # the running process group's, else the launcher's (faccel._dist._launch's table), else 0 of 1.
         if self.dist is not None:
             return self.dist.rank, self.dist.world_size
         import torch.distributed as torch_dist
 
         if torch_dist.is_available() and torch_dist.is_initialized():
             return torch_dist.get_rank(), torch_dist.get_world_size()
-        try:
-            return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        except ValueError:  # a malformed launcher environment is detect()'s to report, not a log line's
+        try:  # through the launcher table: torchrun's RANK / WORLD_SIZE, SLURM's, Open MPI's
+            return rank_and_world(os.environ)
+        except LaunchError:  # a malformed launcher environment is detect()'s to report, not a log line's
             return 0, 1
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
@@ -93,7 +94,8 @@ def get_logger(
     At module level, before any ``DistState`` exists, write
     ``logger = faccel.get_logger(__name__)``: that logger reads the process's
     rank at each call (the running process group's, else the launcher's
-    ``RANK`` and ``WORLD_SIZE``), and keeps nothing but its name.
+    ``RANK`` and ``WORLD_SIZE``, or SLURM's or Open MPI's, as ``detect``
+    reads them), and keeps nothing but its name.
 
     Args:
         dist: The run's :class:`DistState` (its rank and world size), or the

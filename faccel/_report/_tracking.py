@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from faccel._choices import TRACKER_KIND, TrackerKind
 from faccel._dist._state import DistState
 from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
 from faccel._typecheck import setup_checked
@@ -311,7 +312,7 @@ def init_tracker(
     dist: DistState,
     logdir: str | os.PathLike[str],
     *,
-    kind: str = "jsonl",
+    kind: TrackerKind = "jsonl",
     config: Mapping[str, Any] | None = None,
     per_rank: bool = False,
     run_name: str | None = None,
@@ -355,9 +356,7 @@ def init_tracker(
         ...     tracker.folder.relative_to(run).as_posix()
         'clm/a'
     """
-    if kind != "all" and kind not in _WRITERS:
-        msg = f"kind must be one of {[*sorted(_WRITERS), 'all']}, got {kind!r}"
-        raise ArgumentValueError(msg)
+    TRACKER_KIND.check(kind)  # one of _WRITERS' back-ends or "all" (faccel._choices)
     # Every name and value is checked on every rank before any folder or file is made.
     for what, part in (("project", project), ("run_name", run_name)):
         if part is not None:

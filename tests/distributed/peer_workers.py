@@ -174,3 +174,72 @@ def peer_gone_at_the_agreement(timeout_s: float) -> dict[str, Any]:
         return {"error": None, "message": "left", "seconds": 0.0}
     what = "the checkpoint's agreement"
     return _outcome(lambda: agree_max(dist, [1], what=what, raises=faccel.errors.CheckpointError))
+
+
+def fsdp_eval_uneven(timeout_s: float) -> dict[str, Any]:
+    """Every rank evaluates, but rank 0 one batch more (an uneven evaluation loader), then trains."""
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp", timeout=datetime.timedelta(seconds=timeout_s))
+    x, y = seed_task(n=16)
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    shard = slice(dist.rank * 8, dist.rank * 8 + 8)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        faccel.backward(dist, torch.nn.functional.mse_loss(model(x[shard]), y[shard]))
+        optimizer.step()
+
+    def evaluate_then_train() -> None:
+        with torch.no_grad():
+            for _ in range(3 if dist.rank == 0 else 2):
+                model(x[shard])
+        train_step()
+
+    train_step()
+    return _outcome(evaluate_then_train)
+
+
+def fsdp_check_ins() -> dict[str, Any]:
+    """The collectives each phase of a loop enters, the hooks faccel holds, and what shutdown leaves."""
+    import faccel
+
+    dist = faccel.detect(strategy="fsdp")
+    x, y = seed_task(n=16)
+    torch.manual_seed(0)
+    model = Blocks()
+    # Prepared before its model, in its own call: the rebind hook waits for the first step.
+    optimizer = faccel.prepare(dist, torch.optim.SGD(model.parameters(), lr=0.01))
+    model = faccel.prepare(dist, model)
+    held = {"after prepare": len(dist.runtime.handles)}
+    shard = slice(dist.rank * 8, dist.rank * 8 + 8)
+    runtime = dist.runtime
+
+    def train(steps: int) -> int:
+        before = runtime.collectives
+        for _ in range(steps):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+            optimizer.step()
+        return runtime.collectives - before
+
+    def evaluate(batches: int) -> int:
+        before = runtime.collectives
+        with torch.no_grad():
+            for _ in range(batches):
+                model(x[shard])
+        return runtime.collectives - before
+
+    phases = [train(2), evaluate(3), train(2), evaluate(4), evaluate(1)]
+    held["after the first step"] = len(runtime.handles)
+    hooks = len(model._forward_pre_hooks)
+    faccel.shutdown(dist)
+    return {
+        "phases": phases,
+        "held": held,
+        "hooks removed": hooks - len(model._forward_pre_hooks),
+        "left": [len(runtime.handles), len(runtime.groups)],
+    }

@@ -159,3 +159,29 @@ def test_a_survivor_whose_store_host_died_gets_a_named_error(tmp_path: Path) -> 
     line = next((text for text in outputs[1].splitlines() if text.startswith("rank 1: ")), outputs[1])
     assert line.startswith("rank 1: CheckpointError: checkpoint() on rank 1: the rendezvous store at "), line
     assert "has probably died" in line and "Restart the job from the latest checkpoint" in line
+
+
+def test_a_longer_evaluation_on_one_rank_is_named_when_the_others_train_again() -> None:
+    # Both ranks evaluate, rank 0 one batch more: rank 1's first training forward checks in and
+    # waits for rank 0, which is still evaluating; before the check-in at this change of kind,
+    # rank 0's third evaluation all-gathers paired silently with rank 1's training ones.
+    main, other = harness.run(peer_workers.fsdp_eval_uneven, timeout=30, timeout_s=2.0)
+    assert other["error"] == "DistributedError", other
+    assert other["message"].startswith(
+        "a forward of the sharded (FSDP2) Blocks with gradients on rank 1 of 2 waited 0:00:02 for the "
+        "other ranks to end their forwards without gradients too, and they did not"
+    ), other
+    assert "even_batches=True" in other["message"]
+    assert main["error"] is not None  # its third evaluation forward waits for rank 1 in vain
+
+
+def test_forwards_of_one_kind_in_a_row_enter_no_collective_and_shutdown_removes_the_hooks() -> None:
+    # Issue 31.5: a check-in before every forward without gradients made an evaluation forward
+    # 52x the hand-written one; now the ranks meet only where the forwards change kind.
+    outcomes = harness.run(peer_workers.fsdp_check_ins, timeout=60)
+    for outcome in outcomes:
+        # train x2 (no check-in), evaluate x3 (one), train x2 (one), evaluate x4 (one), x1 more (none)
+        assert outcome["phases"] == [0, 1, 1, 1, 0], outcome
+        # the check-in and the optimizer's rebind-at-first-step; the rebind removed itself at the step
+        assert outcome["held"] == {"after prepare": 2, "after the first step": 1}, outcome
+        assert outcome["hooks removed"] == 1 and outcome["left"] == [0, 0], outcome
