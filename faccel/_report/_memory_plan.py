@@ -61,6 +61,7 @@ class ParamSpec:
         tensor_dim: The dim tensor parallelism splits (None: replicated over the tensor ranks).
         trainable: Whether it has gradients and optimizer state (``requires_grad``).
         unit: The FSDP2 unit it belongs to (the module path ``fully_shard`` is applied to; ``""``: the root).
+        stage: The pipeline stage that holds it (None: every stage, as without a pipeline).
     """
 
     name: str
@@ -69,6 +70,7 @@ class ParamSpec:
     tensor_dim: int | None = None
     trainable: bool = True
     unit: str = ""
+    stage: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -97,19 +99,31 @@ def shard_rows(rows: int, parts: int, index: int) -> int:
 def rank_bytes(spec: ParamSpec, layout: Layout, rank: int) -> int:
     """Bytes of ``spec`` that ``rank`` holds under ``layout``: its tensor-parallel piece, then its FSDP2 rows.
 
+    Read by dimension name: a spec placed on a pipeline stage (``spec.stage``)
+    is held by that stage's ranks only; FSDP2 cuts dim 0 over the shard ranks
+    (shard x context together when ``context > 1``, as ``fully_shard`` then
+    shards over both).
+
     Example:
         >>> spec = ParamSpec("w", (10, 4), 4, tensor_dim=1)
         >>> [rank_bytes(spec, Layout(shard=4), r) for r in range(4)]
         [48, 48, 48, 16]
         >>> [rank_bytes(spec, Layout(shard=2, tensor=2), r) for r in range(4)]
         [40, 40, 40, 40]
+        >>> staged = ParamSpec("w", (10, 4), 4, stage=1)
+        >>> [rank_bytes(staged, Layout(pipeline=2, shard=2), r) for r in range(4)]
+        [0, 0, 80, 80]
     """
-    _, s, t = layout.coordinates(rank)
+    if spec.stage is not None and layout.coordinate("pipeline", rank) != spec.stage % layout.pipeline:
+        return 0
     shape = list(spec.shape)
     if layout.tensor > 1 and spec.tensor_dim is not None and shape:
-        shape[spec.tensor_dim] = shard_rows(shape[spec.tensor_dim], layout.tensor, t)
-    if layout.shard > 1 and shape:
-        shape[0] = shard_rows(shape[0], layout.shard, s)
+        tensor = layout.coordinate("tensor", rank)
+        shape[spec.tensor_dim] = shard_rows(shape[spec.tensor_dim], layout.tensor, tensor)
+    shards = layout.shard * layout.context
+    if shards > 1 and shape:
+        piece = layout.coordinate("shard", rank) * layout.context + layout.coordinate("context", rank)
+        shape[0] = shard_rows(shape[0], shards, piece)
     return _numel(tuple(shape)) * spec.itemsize
 
 
@@ -198,9 +212,8 @@ def layout_plan(
     strategy = strategy_for(layout)
     best: tuple[int, int] = (0, 0)
     # Ranks that differ only in their replicate coordinate hold the same bytes.
-    for s in range(layout.shard):
-        for t in range(layout.tensor):
-            rank = layout.rank_of((0, s, t))
+    for rank in range(layout.world_size):
+        if layout.coordinate("replicate", rank) == 0:
             params = sum(rank_bytes(spec, layout, rank) for spec in specs)
             trained = sum(rank_bytes(spec, layout, rank) for spec in specs if spec.trainable)
             best = max(best, (params, trained))
