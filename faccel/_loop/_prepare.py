@@ -14,6 +14,7 @@ from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._consistency import check_setup
+from faccel._loop._context import check_context
 from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
 from faccel._loop._model import check_options, prepare_module
@@ -336,6 +337,7 @@ def prepare(
         reshard_after_forward=reshard_after_forward,
     )
     check_options(dist, options)
+    check_context(dist)  # context parallelism only where torch has ring attention (faccel._loop._context)
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
