@@ -66,6 +66,9 @@ if (
     from faccel._loop._micro_step import MicroStep as MicroStep
     from faccel._loop._micro_step import micro_step as micro_step
     from faccel._loop._model import unwrap_model as unwrap_model
+    from faccel._loop._pipeline import PipelinedModel as PipelinedModel
+    from faccel._loop._pipeline import Schedule as Schedule
+    from faccel._loop._pipeline import forward_backward as forward_backward
     from faccel._loop._precision import autocast as autocast
     from faccel._loop._precision import grad_scaler as grad_scaler
     from faccel._loop._precision import optimizer_step as optimizer_step

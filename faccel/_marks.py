@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there. There are five.
+"""Every mark faccel sets on an object of yours, and why it must be there. There are six.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -22,6 +22,10 @@ itself, under these names, and nowhere else:
 - ``_faccel_deepspeed_engine`` (:data:`DEEPSPEED_ENGINE`), on each parameter of
   a DeepSpeed engine's module (``strategy='deepspeed'``): a weak reference to the
   engine, so ``backward`` finds the engine from the loss's graph.
+- ``_faccel_other_stage`` (:data:`OTHER_STAGE`), on each parameter of a
+  pipelined model that another pipeline stage holds (``prepare(...,
+  split=...)`` under ``pipeline > 1``): ``True``, so an optimizer built over the
+  whole model drops it (this rank never computes its gradient).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
@@ -42,9 +46,10 @@ the instance ``forward`` above, which calls the class's.
 
 from __future__ import annotations
 
-__all__ = ["DEEPSPEED_ENGINE", "REPLACED_BY", "TENSOR_PARALLEL", "WRAPPED_AS"]
+__all__ = ["DEEPSPEED_ENGINE", "OTHER_STAGE", "REPLACED_BY", "TENSOR_PARALLEL", "WRAPPED_AS"]
 
 WRAPPED_AS = "_faccel_wrapped_as"
 TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
 DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"
+OTHER_STAGE = "_faccel_other_stage"

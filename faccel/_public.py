@@ -57,6 +57,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._loop._uneven": ("uneven_inputs",),
         "faccel._data._context": ("context_positions", "context_shard", "context_unshard"),
         "faccel._loop._context": ("context_attention",),
+        "faccel._loop._pipeline": ("PipelinedModel", "Schedule", "forward_backward"),
     },
     "faccel.func": {
         "faccel._func._functional": ("FunctionalState", "loss_and_grad", "model_params"),

@@ -80,6 +80,10 @@ PINNED: dict[str, list[str]] = {
         "context_positions",
         "context_shard",
         "context_unshard",
+        # pipeline stages: a model cut into stages, its schedule, one training step for every layout
+        "PipelinedModel",
+        "Schedule",
+        "forward_backward",
         # preemption: a stop signal as a flag, read with any_rank at a step boundary
         "StopSignal",
         "stop_signal",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,8 @@ from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
-from faccel._marks import REPLACED_BY
+from faccel._loop._pipeline import Schedule, pipelined
+from faccel._marks import OTHER_STAGE, REPLACED_BY
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, PrepareError
 
@@ -32,9 +33,12 @@ _Options = PrepareOptions
 # DTensor parameters; Module.to() for some devices): the one the optimizer must step.
 # Listed, with the other marks, in faccel._marks.
 _REPLACED_BY = REPLACED_BY
+_OTHER_STAGE = OTHER_STAGE
 
 
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
+    if dist.parallel.pipeline > 1:  # cut into stages, built at the first forward_backward
+        return pipelined(dist, obj, options)
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
@@ -52,6 +56,8 @@ def _rebind(optimizer: torch.optim.Optimizer) -> bool:
     settled = True
     for group in optimizer.param_groups:
         params = group["params"]
+        # Parameters another pipeline stage holds: never stepped here (faccel._loop._pipeline).
+        params[:] = [p for p in params if not getattr(p, _OTHER_STAGE, False)]
         for index, param in enumerate(params):
             new = getattr(param, _REPLACED_BY, None)
             if new is not None:
@@ -186,6 +192,8 @@ def prepare(
     activation_checkpointing: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
     offload: str | None = None,
     reshard_after_forward: bool = True,
+    split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
+    schedule: Schedule | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -281,6 +289,17 @@ def prepare(
             either way. FSDP2's mixed precision needs no option: it follows
             ``dist.precision`` (parameters gathered in bf16/fp16, gradients
             reduced in float32, the sharded parameters kept in float32).
+        split: Under a layout with pipeline stages (``dist.parallel.pipeline >
+            1``): where the model is cut, as module names where a new stage
+            begins (``("layers.4", "layers.8")``: torch's tracer
+            ``torch.distributed.pipelining.pipeline``, which keeps the original
+            parameter names), or a function ``build(stage, stages) -> nn.Module``
+            that builds one stage. The model comes back as a
+            ``PipelinedModel``; train it with :func:`forward_backward`
+            (docs/parallelism.md). Unused without pipeline stages, so one script
+            runs on any layout.
+        schedule: The pipeline schedule, a :class:`Schedule` (default: 1F1B,
+            one micro-batch per stage).
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -335,6 +354,8 @@ def prepare(
         activation_checkpointing=activation_checkpointing,
         offload=offload,
         reshard_after_forward=reshard_after_forward,
+        split=tuple(split) if isinstance(split, list | tuple) else split,
+        schedule=schedule,
     )
     check_options(dist, options)
     check_context(dist)  # context parallelism only where torch has ring attention (faccel._loop._context)

@@ -1,0 +1,85 @@
+"""Workers for tests/distributed/test_pipeline.py: a user's own model in pipeline stages on gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """A plain user's model: an input layer, four blocks in a ModuleList, a read-out."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+class Stage(nn.Module):
+    """One stage of :class:`Net` built by hand (torchtitan's way): the same names, only its layers."""
+
+    def __init__(self, stage: int, stages: int) -> None:
+        super().__init__()
+        whole = Net()  # same seed, same values: then keep this stage's part only
+        per = 4 // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed = whole.embed if self.first else None
+        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(stage * per, (stage + 1) * per)})
+        self.head = whole.head if self.last else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            h = self.embed(h)
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.head(h) if self.head is not None else h
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
+
+
+def train(layout: str | None, kind: str, split: str, steps: int = 3) -> dict[str, Any]:
+    """``steps`` steps of SGD with clipping through forward_backward; losses, norms, final weights by name."""
+    import faccel
+
+    dist = faccel.detect(layout=layout) if layout else faccel.detect({})
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec: Any = ("layers.2",) if split == "names" else _stage_builder()
+    schedule = faccel.Schedule(kind=kind, microbatches=4)
+    model, optimizer = faccel.prepare(dist, model, optimizer, split=spec, schedule=schedule)
+    losses, norms = [], []
+    for x, y in batches(steps):
+        optimizer.zero_grad()
+        loss = faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+        norms.append(float(faccel.clip_grad_norm(dist, model, 0.5)))
+        faccel.optimizer_step(dist, optimizer)
+        losses.append(float(loss))
+    weights = {}
+    modules = model.stages if isinstance(model, faccel.PipelinedModel) else [model]
+    for module in modules:
+        for name, param in faccel.unwrap_model(module).named_parameters():
+            value = param.full_tensor() if hasattr(param, "full_tensor") else param
+            weights[name] = value.detach().flatten().tolist()
+    stepped = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    return {"loss": losses, "norm": norms, "weights": weights, "stepped": stepped}
+
+
+def _stage_builder() -> Any:
+    def build(stage: int, stages: int) -> nn.Module:
+        torch.manual_seed(0)
+        return Stage(stage, stages)
+
+    return build
