@@ -242,6 +242,17 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
     from faccel._loop._parallel import apply_plan
 
     layout = dist.parallel
+    if isinstance(module, torch.fx.GraphModule):
+        # A traced stage calls aten ops on its parameters (get_attr), not its submodules' forwards,
+        # so per-submodule hooks (FSDP2 units, tensor parallelism's) would never run: one unit.
+        if layout.tensor > 1:
+            msg = (
+                "tensor parallelism splits modules by their forward hooks, which a stage cut by module "
+                "names (torch's tracer) never calls; give split= a function build(stage, stages) that "
+                "builds the stage from the model's own modules"
+            )
+            raise PrepareError(msg)
+        options = attrs.evolve(options, shard_policy=_root_only)
     if layout.tensor > 1:
         apply_plan(dist, module, options.tp_plan)
     if layout.data_size * layout.context > 1:
@@ -249,6 +260,10 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
     if dist.autocast_dtype is not None:
         return Autocast(module, device_type=dist.device.type, dtype=dist.autocast_dtype)
     return module
+
+
+def _root_only(module: nn.Module) -> bool:
+    return False
 
 
 def _stage_modules(
@@ -485,7 +500,9 @@ def clip_stages(
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     norms = [torch.zeros((), dtype=torch.float64)]
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, foreach=foreach)
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in group if p.grad is not None], norm_type, foreach=foreach
+        )
         full = getattr(norm, "full_tensor", None)
         norms.append((full() if full is not None else norm).double().cpu())
     local = torch.linalg.vector_norm(torch.stack(norms), norm_type)

@@ -49,21 +49,32 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
 
 
-def train(layout: str | None, kind: str, split: str, steps: int = 3) -> dict[str, Any]:
-    """``steps`` steps of SGD with clipping through forward_backward; losses, norms, final weights by name."""
+# Where a names split cuts Net for 2 and 4 stages.
+SPLITS = {2: ("layers.2",), 4: ("layers.1", "layers.2", "layers.3")}
+
+
+def train(layout: str | None, kind: str, split: str, steps: int = 3, stages: int = 2) -> dict[str, Any]:
+    """``steps`` steps of SGD with clipping through forward_backward; losses, norms, final weights by name.
+
+    Each data-parallel rank takes its contiguous part of every batch of 8 (a mean loss over
+    the part; FSDP2 averages the parts' gradients: the whole batch's mean).
+    """
     import faccel
 
     dist = faccel.detect(layout=layout) if layout else faccel.detect({})
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    spec: Any = ("layers.2",) if split == "names" else _stage_builder()
+    spec: Any = SPLITS[stages] if split == "names" else _stage_builder()
     schedule = faccel.Schedule(kind=kind, microbatches=4)
     model, optimizer = faccel.prepare(dist, model, optimizer, split=spec, schedule=schedule)
     losses, norms = [], []
     for x, y in batches(steps):
         optimizer.zero_grad()
+        part = dist.data_rank, dist.data_world_size
+        x, y = x.chunk(part[1])[part[0]], y.chunk(part[1])[part[0]]
         loss = faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+        loss = faccel.reduce(dist, loss, op="mean") if dist.data_world_size > 1 else loss
         norms.append(float(faccel.clip_grad_norm(dist, model, 0.5)))
         faccel.optimizer_step(dist, optimizer)
         losses.append(float(loss))
