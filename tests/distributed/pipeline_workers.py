@@ -94,3 +94,26 @@ def _stage_builder() -> Any:
         return Stage(stage, stages)
 
     return build
+
+
+def meta_stages() -> dict[str, Any]:
+    """A meta-built model cut by a function that builds each stage on meta: what gets allocated."""
+    import faccel
+
+    dist = faccel.detect(layout="pipeline=2")
+    with torch.device("meta"):
+        model = Net()
+
+    def build(stage: int, stages: int) -> nn.Module:
+        with torch.device("meta"):
+            return Stage(stage, stages)
+
+    model = faccel.prepare(dist, model, split=build)
+    x, y = batches(1)[0]
+    loss = faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+    local = {
+        name: param.device.type
+        for stage in model.stages
+        for name, param in faccel.unwrap_model(stage).named_parameters()
+    }
+    return {"loss": float(loss), "local": local}
