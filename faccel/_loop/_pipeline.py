@@ -136,6 +136,14 @@ class PipelinedModel(nn.Module):
     parameters keep the original model's names. Train it with
     :func:`forward_backward`; calling it directly is refused (a schedule runs
     forward and backward together).
+
+    Example:
+        >>> import torch, faccel
+        >>> dist = faccel.DistState.simulated(world_size=2, layout=faccel.Layout(pipeline=2))
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> model = faccel.prepare(dist, net, split=("1",))
+        >>> type(model).__name__, model.schedule.kind, model.built
+        ('PipelinedModel', '1f1b', False)
     """
 
     # Set with object.__setattr__ (nn.Module's own would register modules and check types).
