@@ -154,6 +154,7 @@ class PipelinedModel(nn.Module):
     _split: Split
     _options: Any
     _driver: Any
+    shapes: tuple[tuple[int, ...] | None, ...]
 
     def __init__(
         self, dist: DistState, source: nn.Module, split: Split, schedule: Schedule, options: Any
@@ -168,6 +169,7 @@ class PipelinedModel(nn.Module):
         object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "_driver", None)
         object.__setattr__(self, "stage_ids", ())
+        object.__setattr__(self, "shapes", ())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         msg = (
@@ -176,6 +178,14 @@ class PipelinedModel(nn.Module):
             "model(inputs) and faccel.backward (the same call works at every layout)"
         )
         raise UsageError(msg)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a stage holds some of the model's names only (checkpoints of stages: not yet)."""
+        raise UsageError(_NO_WHOLE_STATE)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as :meth:`state_dict`."""
+        raise UsageError(_NO_WHOLE_STATE)
 
     @property
     def built(self) -> bool:
@@ -229,6 +239,16 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
         raise PrepareError(msg)
     stage_indices(schedule, 0, dist.parallel.pipeline)  # a schedule that cannot place its stages
     return PipelinedModel(dist, model, split, schedule, options)
+
+
+# Loud, not a silent partial file: checkpoint, restore, save_model and load_model walk a model's
+# whole state on every rank (rank 0 writes it), and a stage holds only its own names.
+_NO_WHOLE_STATE = (
+    "a PipelinedModel holds this rank's pipeline stages only, and faccel's checkpoint, restore, "
+    "save_model and load_model do not yet read or write a model whose names are spread over stages "
+    "(they would save stage 0 alone); save the stages' weights yourself, per stage "
+    "(model.stages[i].state_dict() keeps the model's names), or train with pipeline=1 to checkpoint"
+)
 
 
 def _scaled_loss(
@@ -447,8 +467,17 @@ def forward_backward(
             "use precision='bf16' (no loss scaling), or no pipeline"
         )
         raise PrecisionError(msg)
+    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
     if not model.built:
         _build(model, args)
+        object.__setattr__(model, "shapes", shapes)
+    elif shapes != model.shapes:
+        msg = (
+            f"a pipeline's stages exchange activations of the shapes of its first batch, {model.shapes}; "
+            f"this batch has {shapes}. Give every step the same batch size (drop_last=True in the "
+            "DataLoader, or pad the last batch)"
+        )
+        raise UsageError(msg)
     layout = dist.parallel
     count = model.schedule.micro(pipeline=layout.pipeline)
     factor = _factor(dist, count, micro, items)

@@ -117,3 +117,67 @@ def meta_stages() -> dict[str, Any]:
         for name, param in faccel.unwrap_model(stage).named_parameters()
     }
     return {"loss": float(loss), "local": local}
+
+
+def accumulated(layout: str | None, by_items: bool, steps: int = 2) -> dict[str, Any]:
+    """Accumulation of 2 micro-steps per optimizer step, the loss a mean or (``by_items``) a sum over rows."""
+    import faccel
+
+    dist = (
+        faccel.detect(layout=layout, accumulation_steps=2)
+        if layout
+        else faccel.detect({}, accumulation_steps=2)
+    )
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = faccel.prepare(dist, model, optimizer, split=SPLITS[2])
+    data = batches(2 * steps)
+
+    def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output - target) ** 2).sum()
+
+    loss_fn = summed if by_items else nn.functional.mse_loss
+    count = (lambda batch: batch[0].shape[0]) if by_items else None
+    losses = []
+    for micro, (x, y) in faccel.micro_batches(dist, data, items=count):
+        items = x.shape[0] if by_items else None
+        loss = faccel.forward_backward(dist, model, loss_fn, x, y, micro=micro, items=items)
+        losses.append(float(loss))
+        if micro.sync:
+            faccel.optimizer_step(dist, optimizer)
+            optimizer.zero_grad()
+    weights = {}
+    modules = model.stages if isinstance(model, faccel.PipelinedModel) else [model]
+    for module in modules:
+        for name, param in faccel.unwrap_model(module).named_parameters():
+            weights[name] = param.detach().flatten().tolist()
+    return {"loss": losses, "weights": weights}
+
+
+def refusals(root: str) -> dict[str, str]:
+    """checkpoint and save_model of a pipelined model: each refused loudly, nothing written."""
+    import faccel
+
+    dist = faccel.detect(layout="pipeline=2")
+    torch.manual_seed(0)
+    net = Net()
+    model, optimizer = faccel.prepare(dist, net, torch.optim.SGD(net.parameters(), lr=0.1), split=SPLITS[2])
+    x, y = batches(1)[0]
+    faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+    out = {}
+    state = faccel.TrainState(model=model, optimizer=optimizer)
+    calls = {
+        "other_batch_size": lambda: faccel.forward_backward(
+            dist, model, nn.functional.mse_loss, x[:4], y[:4]
+        ),
+        "checkpoint": lambda: faccel.checkpoint(dist, state, root),
+        "save_model": lambda: faccel.save_model(dist, model, f"{root}/model"),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "written"
+        except faccel.errors.FaccelError as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out

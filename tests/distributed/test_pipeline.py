@@ -14,6 +14,7 @@ combined from the stages' norms; with shard=2 FSDP2 averages two halves' gradien
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,3 +65,28 @@ def test_pipelined_loop_matches_one_process(
         # the optimizer steps this rank's stages only (a DTensor's numel is its whole tensor's)
         assert r["stepped"] == sum(len(v) for v in r["weights"].values())
     assert names == set(reference["weights"])  # the stages together are the whole model
+
+
+@pytest.mark.parametrize("by_items", [False, True])
+def test_accumulation_and_items_mean_what_they_mean_without_stages(by_items: bool) -> None:
+    """2 micro-steps of 8 rows per optimizer step: a mean per micro-step, or a sum over the rows."""
+    with torch.random.fork_rng():
+        reference = pipeline_workers.accumulated(None, by_items)
+    ranks = harness.run(
+        pipeline_workers.accumulated, world_size=2, timeout=240, layout="pipeline=2", by_items=by_items
+    )
+    for r in ranks:
+        assert r["loss"] == pytest.approx(reference["loss"], **TOLERANCE)
+        for name, value in r["weights"].items():
+            assert value == pytest.approx(reference["weights"][name], **TOLERANCE), name
+
+
+def test_checkpoint_and_save_model_of_stages_are_refused_loudly(tmp_path: Path) -> None:
+    ranks = harness.run(pipeline_workers.refusals, world_size=2, timeout=120, root=str(tmp_path))
+    for r in ranks:
+        assert set(r.values()) != {"written"}
+    assert "PipelinedModel holds this rank's pipeline stages only" in ranks[0]["checkpoint"]
+    assert "PipelinedModel holds this rank's pipeline stages only" in ranks[0]["save_model"]
+    # torch's stages exchange activations of the first batch's shapes: another size is refused, not hung
+    assert all("drop_last=True" in r["other_batch_size"] for r in ranks)
+    assert not list(tmp_path.iterdir()) or not (tmp_path / "model" / "config.json").exists()
