@@ -72,6 +72,13 @@ def _hf_model(config_path: str) -> tuple[object, dict[str, object]]:
     }
 
 
+def _schedule(args: argparse.Namespace) -> object:
+    """The pipeline schedule the plan's ``pp:P`` candidates assume (``--schedule``, ``--microbatches``)."""
+    from faccel._loop._pipeline import Schedule
+
+    return Schedule(kind=args.schedule, microbatches=args.microbatches)
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
@@ -91,6 +98,8 @@ def _plan(args: argparse.Namespace) -> int:
         args.layouts.split(","),
         optimizer=args.optimizer,
         inputs=inputs,
+        split=args.split.split(",") if args.split else None,
+        schedule=_schedule(args),
     )
     if args.json:
         json.dump(plan.to_dict(), sys.stdout, indent=2)
@@ -175,8 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument(
         "--layouts",
         default="ddp,fsdp",
-        help="comma-separated candidates: ddp, fsdp, hsdp:RxS, tp:T, RxSxT (default ddp,fsdp)",
+        help="comma-separated candidates: ddp, fsdp, hsdp:RxS, tp:T, pp:P, RxSxT (default ddp,fsdp)",
     )
+    plan.add_argument(
+        "--split", default=None, help="pp:P: module names where a stage begins, comma-separated"
+    )
+    plan.add_argument(
+        "--schedule", default="1f1b", help="pp:P: gpipe, 1f1b, interleaved_1f1b, zero_bubble or zbv"
+    )
+    plan.add_argument("--microbatches", type=int, default=None, help="pp:P: micro-batches per batch")
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd (momentum) or none")
     plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank (--hf-config; default 1)")
     plan.add_argument(
