@@ -281,6 +281,8 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
             )
             raise PrepareError(msg)
         options = attrs.evolve(options, shard_policy=_root_only)
+    elif options.shard_policy is None:
+        options = attrs.evolve(options, shard_policy=_stage_policy(module))
     if layout.tensor > 1:
         apply_plan(dist, module, options.tp_plan)
     if layout.data_size * layout.context > 1:
@@ -292,6 +294,18 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
 
 def _root_only(module: nn.Module) -> bool:
     return False
+
+
+def _stage_policy(root: nn.Module) -> Callable[[nn.Module], bool]:
+    """FSDP2 units of a built stage: each block of its first ModuleList or ModuleDict (a stage keeps the
+    model's names, so its blocks often sit in a dict keyed by their global index), else each child."""
+    blocks = next((m for m in root.modules() if isinstance(m, nn.ModuleList | nn.ModuleDict)), None)
+    if blocks is None:
+        units = [m for m in root.children() if not isinstance(m, nn.ModuleList | nn.ModuleDict)]
+    else:
+        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    chosen = {id(m) for m in units}
+    return lambda module: id(module) in chosen and any(True for _ in module.parameters())
 
 
 def _stage_modules(

@@ -53,6 +53,14 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 SPLITS = {2: ("layers.2",), 4: ("layers.1", "layers.2", "layers.3")}
 
 
+def tp_plan() -> dict[str, Any]:
+    """Every block split over the tensor ranks, its output gathered (the same plan fits every stage)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {"layers.*": ColwiseParallel(output_layouts=Replicate())}
+
+
 def train(layout: str | None, kind: str, split: str, steps: int = 3, stages: int = 2) -> dict[str, Any]:
     """``steps`` steps of SGD with clipping through forward_backward; losses, norms, final weights by name.
 
@@ -67,7 +75,8 @@ def train(layout: str | None, kind: str, split: str, steps: int = 3, stages: int
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     spec: Any = SPLITS[stages] if split == "names" else _stage_builder()
     schedule = faccel.Schedule(kind=kind, microbatches=4)
-    model, optimizer = faccel.prepare(dist, model, optimizer, split=spec, schedule=schedule)
+    plan = tp_plan() if dist.parallel.tensor > 1 else None
+    model, optimizer = faccel.prepare(dist, model, optimizer, split=spec, schedule=schedule, tp_plan=plan)
     losses, norms = [], []
     for x, y in batches(steps):
         optimizer.zero_grad()
