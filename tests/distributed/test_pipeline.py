@@ -30,6 +30,7 @@ CASES = [
     ("pipeline=2", 2, "gpipe", "function", 2),
     ("pipeline=2", 2, "interleaved_1f1b", "names", 4),
     ("pipeline=2", 2, "zbv", "function", 4),
+    ("pipeline=2", 2, "zero_bubble", "names", 4),
     ("pipeline=2,shard=2", 4, "1f1b", "names", 2),
 ]
 
