@@ -61,7 +61,9 @@ def tp_plan() -> dict[str, Any]:
     return {"layers.*": ColwiseParallel(output_layouts=Replicate())}
 
 
-def train(layout: str | None, kind: str, split: str, steps: int = 3, stages: int = 2) -> dict[str, Any]:
+def train(
+    layout: str | None, kind: str, split: str, steps: int = 3, stages: int = 2, precision: str = "no"
+) -> dict[str, Any]:
     """``steps`` steps of SGD with clipping through forward_backward; losses, norms, final weights by name.
 
     Each data-parallel rank takes its contiguous part of every batch of 8 (a mean loss over
@@ -69,7 +71,7 @@ def train(layout: str | None, kind: str, split: str, steps: int = 3, stages: int
     """
     import faccel
 
-    dist = faccel.detect(layout=layout) if layout else faccel.detect({})
+    dist = faccel.detect(None if layout else {}, layout=layout, precision=precision)
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
