@@ -26,6 +26,9 @@ if (
     from faccel._checkpoint import free_memory as free_memory
     from faccel._checkpoint import latest_checkpoint as latest_checkpoint
     from faccel._checkpoint import restore as restore
+    from faccel._data._context import context_positions as context_positions
+    from faccel._data._context import context_shard as context_shard
+    from faccel._data._context import context_unshard as context_unshard
     from faccel._data._loader import PreparedLoader as PreparedLoader
     from faccel._data._loader import to_device as to_device
     from faccel._data._metrics import gather_for_metrics as gather_for_metrics
@@ -59,9 +62,13 @@ if (
     from faccel._loop._backward import backward as backward
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
+    from faccel._loop._context import context_attention as context_attention
     from faccel._loop._micro_step import MicroStep as MicroStep
     from faccel._loop._micro_step import micro_step as micro_step
     from faccel._loop._model import unwrap_model as unwrap_model
+    from faccel._loop._pipeline import PipelinedModel as PipelinedModel
+    from faccel._loop._pipeline import Schedule as Schedule
+    from faccel._loop._pipeline import forward_backward as forward_backward
     from faccel._loop._precision import autocast as autocast
     from faccel._loop._precision import grad_scaler as grad_scaler
     from faccel._loop._precision import optimizer_step as optimizer_step

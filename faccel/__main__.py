@@ -186,6 +186,13 @@ def _check_range(name: str, value: int | None, low: int, high: int, why: str = "
         _refuse(f"{name} must be at most {high}{why}, got {value}")
 
 
+def _schedule(args: argparse.Namespace) -> object:
+    """The pipeline schedule the plan's ``pp:P`` candidates assume (``--schedule``, ``--microbatches``)."""
+    from faccel._loop._pipeline import Schedule
+
+    return Schedule(kind=args.schedule, microbatches=args.microbatches)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from faccel._report._memory_plan import OPTIMIZER_STATES, estimate_memory
 
@@ -214,7 +221,21 @@ def _plan(args: argparse.Namespace) -> int:
             inputs = {"input_ids": ids}
     else:
         model = _model_function(args.model)
-    plan = estimate_memory(model, args.world_size, layouts, optimizer=args.optimizer, inputs=inputs)
+    _check_range("--microbatches", args.microbatches, 1, MAX_BATCH)
+    split = [part.strip() for part in args.split.split(",")] if args.split else None
+    try:
+        schedule = _schedule(args)
+    except (TypeError, ValueError) as error:
+        _refuse(f"--schedule/--microbatches: {error}")
+    plan = estimate_memory(
+        model,
+        args.world_size,
+        layouts,
+        optimizer=args.optimizer,
+        inputs=inputs,
+        split=split,
+        schedule=schedule,
+    )
     if args.json:
         json.dump(plan.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -304,8 +325,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--layouts",
         default="ddp,fsdp",
-        help="comma-separated candidates: ddp, fsdp, hsdp:RxS, tp:T, RxSxT (default ddp,fsdp)",
+        help="comma-separated candidates: ddp, fsdp, hsdp:RxS, tp:T, pp:P, RxSxT (default ddp,fsdp)",
     )
+    plan.add_argument(
+        "--split", default=None, help="pp:P: module names where a stage begins, comma-separated"
+    )
+    plan.add_argument(
+        "--schedule", default="1f1b", help="pp:P: gpipe, 1f1b, interleaved_1f1b, zero_bubble or zbv"
+    )
+    plan.add_argument("--microbatches", type=int, default=None, help="pp:P: micro-batches per batch")
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd (momentum) or none")
     plan.add_argument(
         "--batch-size",

@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there: six attributes, two hooks.
+"""Every mark faccel sets on an object of yours, and why it must be there: seven attributes, two hooks.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -31,6 +31,10 @@ itself, under these names, and nowhere else:
   makes without the interpreter lock: the gloo group's destructor joins its
   worker threads, and one of them may need that lock to free the last
   collective's tensors (issue 35.11: a rank that never exited).
+- ``_faccel_other_stage`` (:data:`OTHER_STAGE`), on each parameter of a
+  pipelined model that another pipeline stage holds (``prepare(...,
+  split=...)`` under ``pipeline > 1``): ``True``, so an optimizer built over the
+  whole model drops it (this rank never computes its gradient).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
@@ -77,6 +81,7 @@ __all__ = [
     "DEEPSPEED_ENGINE",
     "EVAL_CHECK_IN",
     "HOOKS",
+    "OTHER_STAGE",
     "PROCESS_GROUP",
     "REBIND_AT_FIRST_STEP",
     "REPLACED_BY",
@@ -97,3 +102,4 @@ REBIND_AT_FIRST_STEP = "faccel: rebind at first step"
 HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP)
 #: The name of the one process group faccel makes for itself, kept in ``dist.runtime.groups``.
 CHECK_IN_GROUP = "evaluation check-in"
+OTHER_STAGE = "_faccel_other_stage"

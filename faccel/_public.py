@@ -56,6 +56,9 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._train_state": ("TrainState",),
         "faccel._report._tracking": ("Tracker", "end_training", "init_tracker", "log"),
         "faccel._loop._uneven": ("uneven_inputs",),
+        "faccel._data._context": ("context_positions", "context_shard", "context_unshard"),
+        "faccel._loop._context": ("context_attention",),
+        "faccel._loop._pipeline": ("PipelinedModel", "Schedule", "forward_backward"),
     },
     "faccel.func": {
         "faccel._func._functional": ("FunctionalState", "loss_and_grad", "model_params"),

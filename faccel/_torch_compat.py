@@ -26,6 +26,7 @@ __all__ = [
     "compiled_original",
     "default_store",
     "fake_tensors",
+    "flatten_mesh",
     "is_dtensor",
     "local_box",
     "local_rows",
@@ -162,3 +163,13 @@ def fake_tensors() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh`` (a DeviceMesh slice) flattened into one dimension named ``name`` (``DeviceMesh._flatten``).
+
+    The flattened dimension is registered on the root mesh, so ``root[name]``
+    and ``root["replicate", name]`` slice it afterwards (torchtitan's
+    ``dp_shard_cp``). A collective the first time: every rank must call it.
+    """
+    return mesh._flatten(name)

@@ -365,6 +365,21 @@ def layout_sizes(draw: st.DrawFn, *, max_world: int = 96) -> tuple[int, int, int
     return (rest // shard, shard, tensor)
 
 
+@st.composite
+def layout_grids(draw: st.DrawFn, *, max_world: int = 96) -> dict[str, int]:
+    """Sizes by name, every dimension of faccel's Layout: any factorisation of up to ``max_world`` ranks."""
+    from faccel._dist._layout import DIMENSIONS
+
+    world = draw(st.integers(min_value=1, max_value=max_world))
+    sizes, rest = {}, world
+    for name in DIMENSIONS[:-1]:
+        sizes[name] = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
+        rest //= sizes[name]
+    sizes[DIMENSIONS[-1]] = rest
+    order = draw(st.permutations(list(DIMENSIONS)))  # no dimension favoured by drawing first
+    return {name: sizes[DIMENSIONS[order.index(name)]] for name in DIMENSIONS}
+
+
 # Writes of any sizes, empty ones included: what a writer is handed, one call each.
 byte_chunks = st.lists(st.binary(min_size=0, max_size=300), max_size=12)
 

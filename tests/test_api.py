@@ -75,6 +75,15 @@ PINNED: dict[str, list[str]] = {
         # N-D parallelism: the layout of the ranks and the DeviceMesh built from it
         "Layout",
         "device_mesh",
+        # context parallelism: each context rank's head-tail slice of every sequence, and back
+        "context_attention",
+        "context_positions",
+        "context_shard",
+        "context_unshard",
+        # pipeline stages: a model cut into stages, its schedule, one training step for every layout
+        "PipelinedModel",
+        "Schedule",
+        "forward_backward",
         # preemption: a stop signal as a flag, read with any_rank at a step boundary
         "StopSignal",
         "stop_signal",

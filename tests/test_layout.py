@@ -1,8 +1,10 @@
-"""Layout: the rank grid ``(replicate, shard, tensor)`` as pure arithmetic, checked against PyTorch's
-DeviceMesh convention for any world size and factorisation; validation in DistState and the environment."""
+"""Layout: the N-D rank grid ``(pipeline, replicate, shard, context, tensor)`` as pure arithmetic, checked
+against PyTorch's DeviceMesh convention for any world size and factorisation; validation in DistState and
+the environment."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -10,36 +12,103 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.strategies import layout_sizes
+from tests.strategies import layout_grids, layout_sizes
 
-DIMENSIONS = ("replicate", "shard", "tensor")
+DIMENSIONS = ("pipeline", "replicate", "shard", "context", "tensor")
 
 
-@settings(max_examples=100)
-@given(layout_sizes(max_world=48))
-def test_coordinates_and_groups_are_those_of_init_device_mesh(sizes: tuple[int, int, int]) -> None:
+def test_the_dimensions_are_torchtitans_order() -> None:
+    from faccel._dist._layout import DATA_DIMENSIONS
+    from faccel._dist._layout import DIMENSIONS as named
+
+    # pp, dp_replicate, dp_shard, cp, tp: pipeline outermost, tensor innermost
+    assert named == DIMENSIONS and DATA_DIMENSIONS == ("replicate", "shard")
+
+
+@settings(max_examples=60)
+@given(layout_grids(max_world=48))
+def test_coordinates_and_groups_are_those_of_init_device_mesh(sizes: dict[str, int]) -> None:
     import faccel
 
-    layout = faccel.Layout(*sizes)
+    layout = faccel.Layout(**sizes)
+    assert layout.sizes == sizes and layout.shape == tuple(sizes[d] for d in DIMENSIONS)
     # init_device_mesh lays the ranks out as arange(world).view(shape): row-major, tensor innermost
     grid = torch.arange(layout.world_size).view(*layout.shape)
-    assert layout.world_size == grid.numel() and layout.data_size == sizes[0] * sizes[1]
+    assert layout.world_size == grid.numel()
+    assert layout.data_size == sizes["replicate"] * sizes["shard"] == layout.size("data")
     for rank in range(layout.world_size):
-        r, s, t = layout.coordinates(rank)
-        assert grid[r, s, t].item() == rank and layout.rank_of((r, s, t)) == rank
+        point = layout.coordinates(rank)
+        assert grid[point].item() == rank and layout.rank_of(point) == rank
+        named = dict(zip(DIMENSIONS, point, strict=True))
+        assert layout.rank_of(named) == rank
+        assert all(layout.coordinate(d, rank) == named[d] for d in DIMENSIONS)
         # each dimension's group: the ranks along that axis of the grid through this rank
-        assert layout.members("replicate", rank) == tuple(grid[:, s, t].tolist())
-        assert layout.members("shard", rank) == tuple(grid[r, :, t].tolist())
-        assert layout.members("tensor", rank) == tuple(grid[r, s, :].tolist())
-        assert layout.members("data", rank) == tuple(grid[:, :, t].flatten().tolist())
-        # the data-parallel rank: position in the data group, the same for a whole tensor group
+        for axis, dimension in enumerate(DIMENSIONS):
+            line = grid[tuple(slice(None) if i == axis else c for i, c in enumerate(point))]
+            assert layout.members(dimension, rank) == tuple(line.tolist())
+        # the data group: replicate and shard free, every other coordinate this rank's
+        plane = grid[tuple(slice(None) if d in ("replicate", "shard") else named[d] for d in DIMENSIONS)]
+        assert layout.members("data", rank) == tuple(plane.flatten().tolist())
+        # the data-parallel rank: position in the data group, the same along every other dimension
         assert layout.data_rank(rank) == layout.members("data", rank).index(rank)
-        assert {layout.data_rank(peer) for peer in layout.members("tensor", rank)} == {layout.data_rank(rank)}
+        for other in ("pipeline", "context", "tensor"):
+            peers = layout.members(other, rank)
+            assert {layout.data_rank(peer) for peer in peers} == {layout.data_rank(rank)}
     for dimension in (*DIMENSIONS, "data"):
         groups = layout.groups(dimension)
         assert sorted(rank for group in groups for rank in group) == list(range(layout.world_size))
-        size = layout.data_size if dimension == "data" else layout.shape[DIMENSIONS.index(dimension)]
-        assert {len(group) for group in groups} == {size}
+        assert {len(group) for group in groups} == {layout.size(dimension)}
+
+
+@settings(max_examples=50)
+@given(layout_grids(max_world=24))
+def test_coordinates_are_a_bijection(sizes: dict[str, int]) -> None:
+    import faccel
+
+    layout = faccel.Layout(**sizes)
+    points = [layout.coordinates(rank) for rank in range(layout.world_size)]
+    every = list(itertools.product(*(range(sizes[d]) for d in DIMENSIONS)))
+    assert points == every  # row-major: each point once, in order
+    assert [layout.rank_of(p) for p in every] == list(range(layout.world_size))
+
+
+def test_the_pipeline_stages_are_contiguous_blocks() -> None:
+    import faccel
+
+    layout = faccel.Layout(pipeline=2, shard=2, tensor=2)
+    assert layout.groups("pipeline") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert [layout.coordinate("pipeline", r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert layout.groups("data") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert layout.data_size == 2 and [layout.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert repr(layout) == "Layout(replicate=1, shard=2, tensor=2, pipeline=2)"
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda layout: layout.coordinate("pipe", 0), "dimension must be one of"),
+        (lambda layout: layout.members("pipe", 0), "dimension must be one of"),
+        (lambda layout: layout.rank_of({"pipe": 0}), "dimension must be one of"),
+        (lambda layout: layout.rank_of((0, 0, 0)), "one per dimension"),
+        (lambda layout: layout.rank_of({"pipeline": 2}), r"pipeline coordinate must be in \[0, 2\)"),
+        (lambda layout: layout.coordinates(8), r"rank must be in \[0, 8\)"),
+    ],
+)
+def test_a_wrong_name_or_coordinate_is_refused_by_name(call: object, match: str) -> None:
+    import faccel
+
+    with pytest.raises(faccel.errors.ArgumentValueError, match=match):
+        call(faccel.Layout(pipeline=2, shard=2, tensor=2))  # type: ignore[operator]
+
+
+@given(layout_grids(max_world=64))
+def test_n_d_layout_text_round_trips(sizes: dict[str, int]) -> None:
+    import faccel
+    from faccel._dist._layout import parse_layout
+
+    layout = faccel.Layout(**sizes)
+    assert parse_layout(str(layout)) == layout
+    assert eval(repr(layout), {"Layout": faccel.Layout}) == layout
 
 
 @given(layout_sizes())
@@ -111,7 +180,7 @@ def test_the_layout_comes_from_the_argument_or_faccel_layout() -> None:
     assert faccel.state_from_env(_env(0, 4)).layout is None
 
 
-@pytest.mark.parametrize("text", ["shard=2,shard=2", "pipeline=2", "shard=0", "shard=two", ""])
+@pytest.mark.parametrize("text", ["shard=2,shard=2", "pipe=2", "shard=0", "shard=two", ""])
 def test_a_malformed_faccel_layout_names_the_variable(text: str) -> None:
     import faccel
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -280,3 +281,40 @@ def test_the_command_line_builds_a_model_from_a_function_path(capsys: pytest.Cap
         == 1
     )
     assert "optimizer must be one of" in capsys.readouterr().err
+
+
+def test_pipeline_layouts_hold_their_stage_only() -> None:
+    """pp:P: each rank holds its stage's parameters (cut at the split names), a share of the activations."""
+    import faccel
+    from faccel._report._memory_plan import layout_plan, param_specs, rank_bytes, stage_cuts
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+
+    plan = faccel.estimate_memory(
+        build, 4, ["fsdp", "pp:2", "pp:4"], inputs=(torch.zeros(8, 64),), split=None
+    )
+    fsdp, pp2, pp4 = plan.layouts
+    assert fsdp.note == "" and "1f1b, 2 micro-batches; stages cut by bytes" in pp2.note
+    assert pp2.layout.pipeline == 2 and pp2.layout.shard == 2 and pp4.layout.shard == 1
+    # the whole model is held once per replica of each stage: every rank together, shards and stages
+    with torch.device("meta"):
+        specs = param_specs(build())
+    for layout in (pp2.layout, pp4.layout):
+        cuts = stage_cuts(specs, layout.pipeline)
+        staged = [attrs.evolve(s, stage=c) for s, c in zip(specs, cuts, strict=True)]
+        held = sum(rank_bytes(s, layout, r) for s in staged for r in range(layout.world_size))
+        assert held == sum(s.nbytes for s in specs)
+    assert pp4.parameters == max(  # 4 stages of one Linear each
+        sum(s.nbytes for s, c in zip(specs, stage_cuts(specs, 4), strict=True) if c == k) for k in range(4)
+    )
+    # GPipe holds every micro-batch of its stage, 1F1B at most one per stage of the pipeline
+    gpipe = layout_plan(
+        specs, pp4.layout, activations=8000, schedule=faccel.Schedule(kind="gpipe", microbatches=8)
+    )
+    one = layout_plan(
+        specs, pp4.layout, activations=8000, schedule=faccel.Schedule(kind="1f1b", microbatches=8)
+    )
+    assert (gpipe.activations, one.activations) == (2000, 1000)
+    named = stage_cuts(specs, 2, ["3"])
+    assert named == [0, 0, 0, 0, 0, 0, 1, 1]

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from faccel._data._loader import PreparedLoader
 from faccel._data._sharding import Sharding
 from faccel._dist._collectives import _exchange, gather_sizes
+from faccel._dist._layout import DATA_DIMENSIONS, DIMENSIONS
 from faccel._dist._state import DistState
 from faccel._tree import children, flatten_with_paths, rebuild
 from faccel.errors import ArgumentError, ArgumentValueError
@@ -250,9 +251,10 @@ def _one_per_data_rank(dist: DistState, gathered: Any, sizes: list[list[int]]) -
 
 
 def _data_ranks(dist: DistState) -> list[int]:
-    """The first rank of each tensor-parallel group (tensor coordinate 0), in data-parallel order."""
+    """One rank per data-parallel rank (coordinate 0 outside the data dimensions), in data-parallel order."""
     layout = dist.parallel
-    return [rank for rank in range(dist.world_size) if layout.coordinates(rank)[2] == 0]
+    others = [name for name in DIMENSIONS if name not in DATA_DIMENSIONS]
+    return [rank for rank in range(dist.world_size) if not any(layout.coordinate(d, rank) for d in others)]
 
 
 def gather_for_metrics(

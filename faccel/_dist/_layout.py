@@ -1,28 +1,55 @@
-"""The parallel layout: how the ranks of a job split into replicas, shards and tensor-parallel groups. Pure.
+"""The parallel layout: how the ranks of a job split along named dimensions. Pure.
 
-A :class:`Layout` names three sizes whose product is the world size. The
-ranks form a 3-D grid ``(replicate, shard, tensor)`` in row-major order, the
-order of PyTorch's ``init_device_mesh``: ``rank = (r * shard + s) * tensor + t``.
-The tensor dimension is innermost, so a tensor-parallel group is a run of
-consecutive ranks (one node's GPUs, where its per-layer collectives are
-cheapest), and the data-parallel rank of a process is ``rank // tensor``.
+A :class:`Layout` names one size per dimension of :data:`DIMENSIONS`
+(``pipeline``, ``replicate``, ``shard``, ``context``, ``tensor``); their
+product is the world size. The ranks form an N-D grid in row-major order over
+the dimensions in that order, PyTorch's ``init_device_mesh`` order and
+torchtitan's (``pp, dp_replicate, dp_shard, cp, tp``): a rank's coordinate
+along a dimension is ``rank // stride % size``, its stride the product of the
+sizes after it. The tensor dimension is innermost, so a tensor-parallel group
+is a run of consecutive ranks (one node's GPUs, where its per-layer
+collectives are cheapest); the pipeline dimension is outermost, so each
+pipeline stage is a contiguous block of ranks and only activations cross
+between blocks.
 
-Everything here is arithmetic on integers; ``faccel._dist._mesh`` builds the
+The data-parallel ranks are the ``replicate`` x ``shard`` part: the ranks
+that differ only there read different batches. Ranks along ``context`` read
+the same batch (each its slice of every sequence), ranks along ``tensor`` the
+same batch whole, ranks along ``pipeline`` the same batch at another stage.
+
+Nothing here unpacks a fixed number of dimensions: every function walks
+:data:`DIMENSIONS` by name, so a new dimension is one more name there.
+Everything is arithmetic on integers; ``faccel._dist._mesh`` builds the
 DeviceMesh and process groups these functions describe.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 
 import attrs
 
 from faccel.errors import ArgumentValueError
 
-__all__ = ["DIMENSIONS", "Layout", "default_layout", "layout_problem", "parse_layout", "strategy_for"]
+__all__ = [
+    "DATA_DIMENSIONS",
+    "DIMENSIONS",
+    "Layout",
+    "default_layout",
+    "layout_problem",
+    "parse_layout",
+    "strategy_for",
+]
 
 #: The dimensions of a layout, outermost first: the names of the DeviceMesh's dimensions.
-DIMENSIONS: tuple[str, ...] = ("replicate", "shard", "tensor")
+DIMENSIONS: tuple[str, ...] = ("pipeline", "replicate", "shard", "context", "tensor")
+
+#: The dimensions the data is dealt over: ranks that differ only here read different batches.
+DATA_DIMENSIONS: tuple[str, ...] = ("replicate", "shard")
+
+# Always written out by str() and repr() (the layouts that existed before pipeline and context).
+_ALWAYS_SHOWN = ("replicate", "shard", "tensor")
 
 
 def _size(_: object, attribute: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
@@ -31,18 +58,24 @@ def _size(_: object, attribute: attrs.Attribute, value: object) -> None:  # type
         raise ArgumentValueError(msg)
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class Layout:
-    """How the ranks split: ``replicate`` x ``shard`` data-parallel ranks, each batch on ``tensor`` ranks.
+    """How the ranks split: pipeline stages x replicas x shards x context ranks x tensor ranks.
 
-    * ``replicate``: groups that each hold a whole copy of the model (DDP; with
-      ``shard > 1``, HSDP: each replica sharded over its own ranks).
+    * ``pipeline``: stages the model is cut into (``torch.distributed.pipelining``);
+      each stage is held by ``world_size / pipeline`` ranks (outermost).
+    * ``replicate``: groups that each hold a whole copy of (their stage of) the
+      model (DDP; with ``shard > 1``, HSDP: each replica sharded over its own ranks).
     * ``shard``: ranks a model's parameters are sharded over (FSDP2's ``fully_shard``).
+    * ``context``: ranks that split each sequence (context parallelism: each
+      holds a load-balanced slice of every sequence, attention by torch's
+      ``context_parallel``) and see the same batches.
     * ``tensor``: ranks that split each layer's weights (tensor parallelism from
-      a ``parallelize_module`` plan) and see the same batches.
+      a ``parallelize_module`` plan) and see the same batches (innermost).
 
     The data-parallel ranks are ``replicate * shard``; the loaders deal the
-    data over them only.
+    data over them only. ``replicate``, ``shard`` and ``tensor`` are also
+    positional, in that order, as they were before the other dimensions.
 
     Raises:
         ArgumentValueError: A size that is not an int >= 1.
@@ -50,58 +83,116 @@ class Layout:
     Example:
         >>> layout = Layout(shard=2, tensor=2)
         >>> layout.world_size, layout.data_size, layout.coordinates(3), layout.data_rank(3)
-        (4, 2, (0, 1, 1), 1)
+        (4, 2, (0, 0, 1, 0, 1), 1)
         >>> layout.members("tensor", 3), layout.members("shard", 3)
         ((2, 3), (1, 3))
-        >>> str(layout)
-        'replicate=1,shard=2,tensor=2'
+        >>> str(layout), str(Layout(pipeline=2, shard=2, tensor=2))
+        ('replicate=1,shard=2,tensor=2', 'pipeline=2,replicate=1,shard=2,tensor=2')
+        >>> Layout(pipeline=2, shard=2).coordinate("pipeline", 3)
+        1
     """
 
     replicate: int = attrs.field(default=1, validator=_size)
     shard: int = attrs.field(default=1, validator=_size)
     tensor: int = attrs.field(default=1, validator=_size)
+    pipeline: int = attrs.field(default=1, validator=_size, kw_only=True)
+    context: int = attrs.field(default=1, validator=_size, kw_only=True)
+
+    def _shown(self) -> list[tuple[str, int]]:
+        sizes = self.sizes
+        return [(name, sizes[name]) for name in DIMENSIONS if name in _ALWAYS_SHOWN or sizes[name] != 1]
 
     def __str__(self) -> str:
-        return f"replicate={self.replicate},shard={self.shard},tensor={self.tensor}"
+        return ",".join(f"{name}={size}" for name, size in self._shown())
+
+    def __repr__(self) -> str:
+        # The dimensions that existed first always, the others when used: the repr of every
+        # earlier layout reads as it did.
+        fields = dict(self._shown())
+        order = [*_ALWAYS_SHOWN, *(name for name in DIMENSIONS if name not in _ALWAYS_SHOWN)]
+        return "Layout(" + ", ".join(f"{name}={fields[name]}" for name in order if name in fields) + ")"
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size by name, in :data:`DIMENSIONS` order."""
+        return {name: getattr(self, name) for name in DIMENSIONS}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         """The sizes in :data:`DIMENSIONS` order: the DeviceMesh's shape."""
-        return (self.replicate, self.shard, self.tensor)
+        return tuple(getattr(self, name) for name in DIMENSIONS)
+
+    def size(self, dimension: str) -> int:
+        """The size of ``dimension``, by name (``"data"``: :attr:`data_size`).
+
+        Raises:
+            ArgumentValueError: An unknown dimension.
+        """
+        if dimension == "data":
+            return self.data_size
+        self._check_dimension(dimension)
+        return int(getattr(self, dimension))
 
     @property
     def world_size(self) -> int:
         """Ranks the layout spans: the product of the sizes."""
-        return self.replicate * self.shard * self.tensor
+        return _product(self.shape)
 
     @property
     def data_size(self) -> int:
         """Data-parallel ranks (``replicate * shard``): how many ways each batch of the epoch is dealt."""
-        return self.replicate * self.shard
+        return _product(getattr(self, name) for name in DATA_DIMENSIONS)
 
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(replicate, shard, tensor)`` coordinates of ``rank``.
+    def _stride(self, dimension: str) -> int:
+        after = DIMENSIONS[DIMENSIONS.index(dimension) + 1 :]
+        return _product(getattr(self, name) for name in after)
+
+    def coordinate(self, dimension: str, rank: int) -> int:
+        """``rank``'s coordinate along ``dimension`` (named).
+
+        Raises:
+            ArgumentValueError: An unknown dimension, or ``rank`` not in ``[0, world_size)``.
+        """
+        self._check_dimension(dimension)
+        self._check_rank(rank)
+        return rank // self._stride(dimension) % int(getattr(self, dimension))
+
+    def coordinates(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s coordinates, one per dimension in :data:`DIMENSIONS` order.
 
         Raises:
             ArgumentValueError: ``rank`` is not in ``[0, world_size)``.
         """
         self._check_rank(rank)
-        t = rank % self.tensor
-        s = (rank // self.tensor) % self.shard
-        return (rank // (self.tensor * self.shard), s, t)
+        return tuple(rank // self._stride(name) % getattr(self, name) for name in DIMENSIONS)
 
-    def rank_of(self, coordinates: tuple[int, int, int]) -> int:
+    def rank_of(self, coordinates: Sequence[int] | Mapping[str, int]) -> int:
         """The rank at ``coordinates``: the inverse of :meth:`coordinates`.
 
+        ``coordinates`` is a sequence in :data:`DIMENSIONS` order, or a mapping
+        from dimension names to coordinates (a missing name is 0).
+
         Raises:
-            ArgumentValueError: A coordinate outside its dimension.
+            ArgumentValueError: A coordinate outside its dimension, an unknown
+                name, or a sequence of another length.
         """
-        for name, value, size in zip(DIMENSIONS, coordinates, self.shape, strict=True):
-            if not 0 <= value < size:
+        if isinstance(coordinates, Mapping):
+            for name in coordinates:
+                self._check_dimension(name)
+            point = [coordinates.get(name, 0) for name in DIMENSIONS]
+        else:
+            point = list(coordinates)
+            if len(point) != len(DIMENSIONS):
+                msg = f"coordinates are one per dimension {list(DIMENSIONS)}, got {coordinates!r}"
+                raise ArgumentValueError(msg)
+        rank = 0
+        for name, value in zip(DIMENSIONS, point, strict=True):
+            size = getattr(self, name)
+            if type(value) is not int or not 0 <= value < size:
                 msg = f"{name} coordinate must be in [0, {size}), got {value!r}"
                 raise ArgumentValueError(msg)
-        r, s, t = coordinates
-        return (r * self.shard + s) * self.tensor + t
+            rank = rank * size + value
+        return rank
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel rank of ``rank`` (in ``[0, data_size)``): which share of the data it reads.
@@ -109,34 +200,30 @@ class Layout:
         Raises:
             ArgumentValueError: ``rank`` is not in ``[0, world_size)``.
         """
-        self._check_rank(rank)
-        return rank // self.tensor
+        here = self.coordinates(rank)
+        out = 0
+        for name in DATA_DIMENSIONS:
+            out = out * getattr(self, name) + here[DIMENSIONS.index(name)]
+        return out
 
     def members(self, dimension: str, rank: int) -> tuple[int, ...]:
         """The ranks of ``rank``'s group along ``dimension``, ascending.
 
         ``dimension`` is one of :data:`DIMENSIONS`, or ``"data"`` for the
-        data-parallel group (replicate and shard together): the ranks that
-        share ``rank``'s tensor coordinate.
+        data-parallel group (:data:`DATA_DIMENSIONS` together): the ranks that
+        share every other coordinate of ``rank``.
 
         Raises:
             ArgumentValueError: An unknown dimension, or a rank outside the layout.
         """
-        here = self.coordinates(rank)
-        if dimension == "data":
-            return tuple(
-                self.rank_of((r, s, here[2])) for r in range(self.replicate) for s in range(self.shard)
-            )
-        if dimension not in DIMENSIONS:
-            msg = f"dimension must be one of {[*DIMENSIONS, 'data']}, got {dimension!r}"
-            raise ArgumentValueError(msg)
-        axis = DIMENSIONS.index(dimension)
-        out = []
-        for value in range(self.shape[axis]):
-            point = list(here)
-            point[axis] = value
-            out.append(self.rank_of((point[0], point[1], point[2])))
-        return tuple(out)
+        along = DATA_DIMENSIONS if dimension == "data" else (dimension,)
+        for name in along:
+            self._check_dimension(name)
+        here = dict(zip(DIMENSIONS, self.coordinates(rank), strict=True))
+        points = [here]
+        for name in along:
+            points = [{**p, name: value} for p in points for value in range(getattr(self, name))]
+        return tuple(sorted(self.rank_of(p) for p in points))
 
     def groups(self, dimension: str) -> tuple[tuple[int, ...], ...]:
         """Every group along ``dimension`` (or ``"data"``), each ascending, ordered by first rank.
@@ -153,12 +240,25 @@ class Layout:
         return tuple(seen)
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
+        if type(rank) is not int or not 0 <= rank < self.world_size:
             msg = f"rank must be in [0, {self.world_size}) for layout {self}, got {rank!r}"
             raise ArgumentValueError(msg)
 
+    @staticmethod
+    def _check_dimension(dimension: str) -> None:
+        if dimension not in DIMENSIONS:
+            msg = f"dimension must be one of {[*DIMENSIONS, 'data']}, got {dimension!r}"
+            raise ArgumentValueError(msg)
 
-_ITEM = re.compile(r"\s*(replicate|shard|tensor)\s*=\s*([0-9]{1,6})\s*")
+
+def _product(values: object) -> int:
+    out = 1
+    for value in values:  # type: ignore[attr-defined]
+        out *= value
+    return out
+
+
+_ITEM = re.compile(r"\s*(" + "|".join(DIMENSIONS) + r")\s*=\s*([0-9]{1,6})\s*")
 
 
 def parse_layout(text: str) -> Layout:
@@ -173,14 +273,17 @@ def parse_layout(text: str) -> Layout:
         Layout(replicate=1, shard=2, tensor=2)
         >>> parse_layout(str(Layout(replicate=2, shard=4))) == Layout(2, 4)
         True
+        >>> parse_layout("pipeline=2,shard=2,tensor=2").pipeline
+        2
     """
     sizes: dict[str, int] = {}
     for item in text.split(","):
         match = _ITEM.fullmatch(item)
         if match is None or match.group(1) in sizes:
             msg = (
-                f"a layout is written 'replicate=R,shard=S,tensor=T' (sizes >= 1, each name at most "
-                f"once, missing ones are 1), got {text!r}"
+                f"a layout is written 'name=size' items, comma-separated, names from {list(DIMENSIONS)} "
+                f"(e.g. 'pipeline=2,shard=2,tensor=2'; sizes >= 1, each name at most once, missing ones "
+                f"are 1), got {text!r}"
             )
             raise ArgumentValueError(msg)
         sizes[match.group(1)] = int(match.group(2))
@@ -207,33 +310,37 @@ def layout_problem(layout: Layout, world_size: int, strategy: str) -> str:
         'layout replicate=1,shard=2,tensor=1 spans '
     """
     if layout.world_size != world_size:
+        spelled = " x ".join(DIMENSIONS)
         return (
-            f"layout {layout} spans {layout.world_size} ranks (replicate x shard x tensor), but the "
+            f"layout {layout} spans {layout.world_size} ranks ({spelled}), but the "
             f"job has {world_size}; choose sizes whose product is the world size"
         )
     if strategy == "deepspeed" and layout.replicate != world_size:
         return (
-            f"layout {layout} asks for shards or tensor parallelism, but strategy 'deepspeed' "
-            "partitions over every rank itself (ZeRO); drop the layout, or use strategy='fsdp'"
+            f"layout {layout} asks for shards, pipeline stages, context or tensor parallelism, but "
+            "strategy 'deepspeed' partitions over every rank itself (ZeRO); drop the layout, or use "
+            "strategy='fsdp'"
         )
     if strategy == "ddp" and layout.shard > 1:
         return (
             f"layout {layout} shards parameters over {layout.shard} ranks, which strategy 'ddp' "
             "never does; use strategy='fsdp' (or shard=1)"
         )
-    if strategy == "ddp" and layout.tensor > 1 and layout.replicate > 1:
+    if strategy == "ddp" and layout.replicate > 1 and layout.replicate != world_size:
         return (
-            f"layout {layout} replicates tensor-parallel weights, which faccel does with FSDP2 "
-            "(HSDP with shard=1), not DDP; use strategy='fsdp'"
+            f"layout {layout} replicates stages or tensor-parallel or context-parallel weights, "
+            "which faccel does with FSDP2 (HSDP with shard=1), not DDP; use strategy='fsdp'"
         )
     return ""
 
 
 def strategy_for(layout: Layout) -> str:
-    """The strategy a layout asks for when none is given: FSDP2 for shards and tensor parallelism.
+    """The strategy a layout asks for when none is given: FSDP2 unless every dimension but replicate is 1.
 
     Example:
         >>> strategy_for(Layout(replicate=4)), strategy_for(Layout(tensor=4))
         ('ddp', 'fsdp')
+        >>> strategy_for(Layout(pipeline=2, replicate=2))
+        'fsdp'
     """
-    return "fsdp" if layout.shard > 1 or layout.tensor > 1 else "ddp"
+    return "ddp" if layout.replicate == layout.world_size else "fsdp"

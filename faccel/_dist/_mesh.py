@@ -1,9 +1,11 @@
 """The DeviceMesh and process groups a :class:`~faccel.Layout` describes, made once per process group.
 
-The mesh is always 3-D, ``("replicate", "shard", "tensor")``, sizes of 1
-included: ``device_mesh(dist)["tensor"]`` and ``["replicate", "shard"]``
-exist whatever the layout, so code written for one layout runs on every
-other. (A dimension of size 1 costs one trivial group per rank, made once.)
+The mesh has every dimension of ``faccel._dist._layout.DIMENSIONS``, named,
+sizes of 1 included (``("pipeline", "replicate", "shard", "context",
+"tensor")``): ``device_mesh(dist)["tensor"]``, ``["pipeline"]`` and
+``["replicate", "shard"]`` exist whatever the layout, so code written for one
+layout runs on every other. (A dimension of size 1 costs one trivial group per
+rank, made once.) Everything here reads the layout by dimension name.
 Made lazily, because ``init_device_mesh`` is a collective every rank must
 join and it costs a process group per dimension; kept in ``dist.runtime``
 (the run's handle, see ``faccel._dist._runtime``) for the life of the default
@@ -22,10 +24,11 @@ import torch.distributed as tdist
 from faccel._dist._layout import DIMENSIONS
 from faccel._dist._process_group import require_group
 from faccel._dist._state import DistState
+from faccel._torch_compat import flatten_mesh
 from faccel._typecheck import setup_checked
 from faccel.errors import DistributedError
 
-__all__ = ["data_group", "data_mesh", "device_mesh"]
+__all__ = ["data_group", "data_mesh", "device_mesh", "dimension_group"]
 
 
 def _cached(dist: DistState, key: tuple[Any, ...], make: Any) -> Any:
@@ -46,12 +49,13 @@ def _cached(dist: DistState, key: tuple[Any, ...], make: Any) -> Any:
 
 @setup_checked
 def device_mesh(dist: DistState) -> Any:
-    """The 3-D DeviceMesh ``("replicate", "shard", "tensor")`` of ``dist.parallel``, made once.
+    """The N-D DeviceMesh of ``dist.parallel``, one named dimension per layout dimension, made once.
 
     A collective the first time for each layout: every rank must call it.
     Slice it by name for PyTorch's own APIs: ``mesh["tensor"]`` for
     ``parallelize_module``, ``mesh["replicate", "shard"]`` for
-    ``fully_shard`` (HSDP). Rank ``r`` sits at ``dist.parallel.coordinates(r)``.
+    ``fully_shard`` (HSDP), ``mesh["pipeline"]`` for the pipeline stages.
+    Rank ``r`` sits at ``dist.parallel.coordinates(r)``.
 
     Args:
         dist: The run's :class:`DistState`, with peer processes.
@@ -89,9 +93,27 @@ def data_mesh(dist: DistState) -> Any:
 
     ``["shard"]`` (1-D, flat FSDP2) without replicas; ``["replicate", "shard"]``
     (2-D, HSDP: all-gather within a replica, all-reduce across replicas) with them.
+    Context-parallel ranks hold the same parameters and their gradients sum, so
+    with ``context > 1`` the shards run over shard x context flattened into one
+    dimension (``"shard_context"``, torchtitan's ``dp_shard_cp``).
     """
     mesh = device_mesh(dist)
-    return mesh["replicate", "shard"] if dist.parallel.replicate > 1 else mesh["shard"]
+    layout = dist.parallel
+    shard_name = "shard"
+    if layout.context > 1:
+        shard_name = "shard_context"
+        flatten_mesh(mesh["shard", "context"], shard_name)  # registered on the root mesh, sliced below
+    return mesh["replicate", shard_name] if layout.replicate > 1 else mesh[shard_name]
+
+
+def dimension_group(dist: DistState, dimension: str) -> Any:
+    """The process group of this rank's peers along one named dimension (``"pipeline"``, ``"tensor"`` ...).
+
+    From the mesh (a collective the first time: every rank must ask).
+    """
+    layout = dist.parallel
+    layout.size(dimension)  # an unknown name is refused by name
+    return device_mesh(dist).get_group(dimension)
 
 
 def data_group(dist: DistState) -> Any:
@@ -102,7 +124,7 @@ def data_group(dist: DistState) -> Any:
     the first time any rank asks (a collective: every rank must ask).
     """
     layout = dist.parallel
-    if layout.tensor == 1:
+    if layout.data_size == layout.world_size:
         return None
     require_group(dist, "data_group")
 

@@ -99,8 +99,8 @@ class DistState(Settings):
         attempt: Which attempt of the job this is (torchrun's
             ``TORCHELASTIC_RESTART_COUNT``: 0, then 1 after the agent's first
             restart ...); each attempt meets under its own keys of the store.
-        layout: How the ranks split into replicas, shards and tensor-parallel
-            groups (:class:`Layout`); None: as ``strategy`` says (DDP
+        layout: How the ranks split into pipeline stages, replicas, shards,
+            context and tensor-parallel groups (:class:`Layout`); None: as ``strategy`` says (DDP
             replicates over every rank, FSDP shards over them). The one in
             effect is :attr:`parallel`.
         runtime: The process's resources for this run (:class:`faccel._dist._runtime.Runtime`:

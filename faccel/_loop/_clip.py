@@ -11,6 +11,7 @@ from torch import nn
 from faccel._dist._state import DistState
 from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._model import unwrap_model
+from faccel._loop._pipeline import PipelinedModel, clip_stages
 from faccel._marks import DEEPSPEED_ENGINE
 from faccel.errors import PrecisionError, UsageError
 
@@ -69,7 +70,9 @@ def clip_grad_norm(
     :func:`optimizer_step`. Under DDP the gradients are already averaged, so
     every rank computes the same norm; under FSDP2 and tensor parallelism the
     norm of the sharded (DTensor) gradients is reduced across ranks, mesh by
-    mesh, and returned as a plain tensor, the same on every rank. With an active fp16 ``scaler`` the
+    mesh, and returned as a plain tensor, the same on every rank; under pipeline
+    stages (a ``PipelinedModel``) the stages' norms are combined over the
+    pipeline group, so every stage clips by the whole model's norm. With an active fp16 ``scaler`` the
     gradients of ``optimizer`` are unscaled first (once per step; the scaler
     remembers, and ``optimizer_step`` does not unscale again).
 
@@ -103,6 +106,15 @@ def clip_grad_norm(
     """
     _unscale(scaler, optimizer)
     params = _params(model_or_params)
+    if isinstance(model_or_params, PipelinedModel):  # the norm over every stage of the pipeline
+        return clip_stages(
+            dist,
+            params,
+            max_norm,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
     by_mesh = _by_mesh(params)
     if len(by_mesh) > 1:
         return _clip_across_meshes(by_mesh, max_norm, norm_type, error_if_nonfinite, foreach)

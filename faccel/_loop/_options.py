@@ -9,7 +9,7 @@ deep in a wrapper.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -70,6 +70,9 @@ class PrepareOptions:
     activation_checkpointing: Selector | None = attrs.field(default=None, validator=_check_selector)
     offload: Offload | None = attrs.field(default=None, validator=_check_offload)
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
+    # Pipeline stages (faccel._loop._pipeline): where the model is cut, and the schedule (a Schedule).
+    split: Sequence[str] | Callable[[int, int], nn.Module] | None = None
+    schedule: Any = None
 
     @property
     def asks_fsdp(self) -> bool:

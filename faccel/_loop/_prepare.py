@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,11 +15,13 @@ from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
 from faccel._loop._consistency import check_setup
+from faccel._loop._context import check_context
 from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
-from faccel._marks import REPLACED_BY
+from faccel._loop._pipeline import Schedule, pipelined
+from faccel._marks import OTHER_STAGE, REPLACED_BY
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
 
@@ -32,9 +34,12 @@ _Options = PrepareOptions
 # DTensor parameters; Module.to() for some devices): the one the optimizer must step.
 # Listed, with the other marks, in faccel._marks.
 _REPLACED_BY = REPLACED_BY
+_OTHER_STAGE = OTHER_STAGE
 
 
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
+    if dist.parallel.pipeline > 1:  # cut into stages, built at the first forward_backward
+        return pipelined(dist, obj, options)
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
@@ -71,6 +76,8 @@ def _rebind(optimizer: torch.optim.Optimizer) -> bool:
     settled = True
     for group in optimizer.param_groups:
         params = group["params"]
+        # Parameters another pipeline stage holds: never stepped here (faccel._loop._pipeline).
+        params[:] = [p for p in params if not getattr(p, _OTHER_STAGE, False)]
         for index, param in enumerate(params):
             new = getattr(param, _REPLACED_BY, None)
             if new is not None:
@@ -206,6 +213,8 @@ def prepare(
     activation_checkpointing: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
     offload: Offload | None = None,
     reshard_after_forward: bool = True,
+    split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
+    schedule: Schedule | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -305,6 +314,17 @@ def prepare(
             either way. FSDP2's mixed precision needs no option: it follows
             ``dist.precision`` (parameters gathered in bf16/fp16, gradients
             reduced in float32, the sharded parameters kept in float32).
+        split: Under a layout with pipeline stages (``dist.parallel.pipeline >
+            1``): where the model is cut, as module names where a new stage
+            begins (``("layers.4", "layers.8")``: torch's tracer
+            ``torch.distributed.pipelining.pipeline``, which keeps the original
+            parameter names), or a function ``build(stage, stages) -> nn.Module``
+            that builds one stage. The model comes back as a
+            ``PipelinedModel``; train it with :func:`forward_backward`
+            (docs/parallelism.md). Unused without pipeline stages, so one script
+            runs on any layout.
+        schedule: The pipeline schedule, a :class:`Schedule` (default: 1F1B,
+            one micro-batch per stage).
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -359,8 +379,11 @@ def prepare(
         activation_checkpointing=activation_checkpointing,
         offload=offload,
         reshard_after_forward=reshard_after_forward,
+        split=tuple(split) if isinstance(split, list | tuple) else split,
+        schedule=schedule,
     )
     check_options(dist, options)
+    check_context(dist)  # context parallelism only where torch has ring attention (faccel._loop._context)
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)

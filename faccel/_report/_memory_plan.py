@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -61,6 +61,8 @@ class ParamSpec:
         tensor_dim: The dim tensor parallelism splits (None: replicated over the tensor ranks).
         trainable: Whether it has gradients and optimizer state (``requires_grad``).
         unit: The FSDP2 unit it belongs to (the module path ``fully_shard`` is applied to; ``""``: the root).
+        stage: The pipeline coordinate (``layout.coordinate("pipeline", rank)``) of the
+            ranks that hold it: its stage's place (None: every rank, as without a pipeline).
     """
 
     name: str
@@ -69,6 +71,7 @@ class ParamSpec:
     tensor_dim: int | None = None
     trainable: bool = True
     unit: str = ""
+    stage: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -97,19 +100,31 @@ def shard_rows(rows: int, parts: int, index: int) -> int:
 def rank_bytes(spec: ParamSpec, layout: Layout, rank: int) -> int:
     """Bytes of ``spec`` that ``rank`` holds under ``layout``: its tensor-parallel piece, then its FSDP2 rows.
 
+    Read by dimension name: a spec placed on a pipeline coordinate (``spec.stage``)
+    is held by those ranks only; FSDP2 cuts dim 0 over the shard ranks
+    (shard x context together when ``context > 1``, as ``fully_shard`` then
+    shards over both).
+
     Example:
         >>> spec = ParamSpec("w", (10, 4), 4, tensor_dim=1)
         >>> [rank_bytes(spec, Layout(shard=4), r) for r in range(4)]
         [48, 48, 48, 16]
         >>> [rank_bytes(spec, Layout(shard=2, tensor=2), r) for r in range(4)]
         [40, 40, 40, 40]
+        >>> staged = ParamSpec("w", (10, 4), 4, stage=1)
+        >>> [rank_bytes(staged, Layout(pipeline=2, shard=2), r) for r in range(4)]
+        [0, 0, 80, 80]
     """
-    _, s, t = layout.coordinates(rank)
+    if spec.stage is not None and layout.coordinate("pipeline", rank) != spec.stage:
+        return 0
     shape = list(spec.shape)
     if layout.tensor > 1 and spec.tensor_dim is not None and shape:
-        shape[spec.tensor_dim] = shard_rows(shape[spec.tensor_dim], layout.tensor, t)
-    if layout.shard > 1 and shape:
-        shape[0] = shard_rows(shape[0], layout.shard, s)
+        tensor = layout.coordinate("tensor", rank)
+        shape[spec.tensor_dim] = shard_rows(shape[spec.tensor_dim], layout.tensor, tensor)
+    shards = layout.shard * layout.context
+    if shards > 1 and shape:
+        piece = layout.coordinate("shard", rank) * layout.context + layout.coordinate("context", rank)
+        shape[0] = shard_rows(shape[0], shards, piece)
     return _numel(tuple(shape)) * spec.itemsize
 
 
@@ -167,6 +182,57 @@ class LayoutPlan:
         return self.states + self.in_flight + (self.activations or 0)
 
 
+def stage_cuts(specs: Sequence[ParamSpec], stages: int, split: Sequence[str] | None = None) -> list[int]:
+    """The stage (in ``[0, stages)``) of each spec, in order: cut where ``split`` names, else by bytes.
+
+    With ``split`` (module names where a stage begins, as ``prepare(split=...)``
+    takes them) a new stage begins at the first parameter under each name;
+    without it the parameters, in registration order, are cut into ``stages``
+    contiguous runs of about equal bytes (a pipeline's usual balance).
+
+    Example:
+        >>> specs = [ParamSpec(f"layers.{i}.w", (4,), 4) for i in range(4)]
+        >>> stage_cuts(specs, 2), stage_cuts(specs, 2, ["layers.3"])
+        ([0, 0, 1, 1], [0, 0, 0, 1])
+    """
+    if split:
+        out, stage, starts = [], 0, list(split)
+        for spec in specs:
+            if starts and spec.name.startswith(starts[0] + "."):
+                starts.pop(0)
+                stage += 1
+            out.append(min(stage, stages - 1))
+        return out
+    total = sum(spec.nbytes for spec in specs) or 1
+    out, seen = [], 0
+    for spec in specs:
+        out.append(min(stages - 1, seen * stages // total))
+        seen += spec.nbytes
+    return out
+
+
+def in_flight_microbatches(kind: str, pipeline: int, microbatches: int, per_rank: int) -> int:
+    """Micro-batches whose activations the busiest rank (pipeline rank 0) holds at once, per stage it holds.
+
+    GPipe runs every forward before any backward (all ``microbatches``);
+    1F1B holds at most ``pipeline`` (its warm-up); the interleaved and
+    zero-bubble schedules warm up ``(per_rank - 1) * pipeline + 2 * (pipeline
+    - 1)`` forwards over their ``per_rank`` stages before the first backward
+    (torch's schedules), spread over those stages.
+
+    Example:
+        >>> kinds = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+        >>> [in_flight_microbatches(kind, 4, 8, per_rank) for kind, per_rank in kinds]
+        [8, 4, 6]
+    """
+    if kind == "gpipe":
+        return microbatches
+    if per_rank == 1:
+        return min(microbatches, pipeline)
+    warm_up = (per_rank - 1) * pipeline + 2 * (pipeline - 1) + 1
+    return min(microbatches, -(-warm_up // per_rank))
+
+
 def layout_plan(
     specs: Iterable[ParamSpec],
     layout: Layout,
@@ -174,6 +240,8 @@ def layout_plan(
     optimizer: str = "adamw",
     buffers: int = 0,
     activations: int | None = None,
+    split: Sequence[str] | None = None,
+    schedule: Any = None,
 ) -> LayoutPlan:
     """The :class:`LayoutPlan` of parameters ``specs`` under ``layout``: pure arithmetic.
 
@@ -196,11 +264,28 @@ def layout_plan(
     specs = list(specs)
     states = OPTIMIZER_STATES[optimizer]
     strategy = strategy_for(layout)
+    notes = []
+    if layout.pipeline > 1:
+        from faccel._loop._pipeline import Schedule, stage_indices
+
+        schedule = schedule if schedule is not None else Schedule()
+        per, count = schedule.per_rank, schedule.micro(pipeline=layout.pipeline)
+        where = {s: r for r in range(layout.pipeline) for s in stage_indices(schedule, r, layout.pipeline)}
+        cuts = stage_cuts(specs, layout.pipeline * per, split)
+        specs = [attrs.evolve(spec, stage=where[cut]) for spec, cut in zip(specs, cuts, strict=True)]
+        if activations is not None:
+            # One stage's share of a forward's activations, per micro-batch, times those held at once.
+            held = in_flight_microbatches(schedule.kind, layout.pipeline, count, per)
+            activations = -(-activations * held * per // (layout.pipeline * per * count))
+        notes.append(
+            f"{schedule.kind}, {count} micro-batches; stages cut "
+            + ("at " + ",".join(split) if split else "by bytes")
+            + "; activations: an even share per stage"
+        )
     best: tuple[int, int] = (0, 0)
     # Ranks that differ only in their replicate coordinate hold the same bytes.
-    for s in range(layout.shard):
-        for t in range(layout.tensor):
-            rank = layout.rank_of((0, s, t))
+    for rank in range(layout.world_size):
+        if layout.coordinate("replicate", rank) == 0:
             params = sum(rank_bytes(spec, layout, rank) for spec in specs)
             trained = sum(rank_bytes(spec, layout, rank) for spec in specs if spec.trainable)
             best = max(best, (params, trained))
@@ -215,7 +300,6 @@ def layout_plan(
             sums[0] += local
             sums[1] += local if spec.trainable else 0
         in_flight = max((p + g for p, g in whole.values()), default=0)
-    notes = []
     if layout.tensor > 1 and not any(spec.tensor_dim is not None for spec in specs):
         notes.append("no tensor-parallel plan: every parameter replicated over the tensor ranks")
     return LayoutPlan(
@@ -348,7 +432,7 @@ def activation_bytes(model: nn.Module, inputs: Any, fake: Any = None) -> int:
 
 
 def parse_candidate(text: str, world_size: int) -> Layout:
-    """The layout a candidate names: ``ddp``, ``fsdp``, ``hsdp:RxS``, ``tp:T`` (FSDP2 over the rest), a grid.
+    """The layout a candidate names: ``ddp``, ``fsdp``, ``hsdp:RxS``, ``tp:T``, ``pp:P`` (FSDP2 then), a grid.
 
     A grid is ``RxSxT`` (replicate x shard x tensor: ``2x2x2``) or a layout as
     ``str(Layout)`` writes it (``replicate=2,shard=4``).
@@ -361,6 +445,8 @@ def parse_candidate(text: str, world_size: int) -> Layout:
         (Layout(replicate=8, shard=1, tensor=1), Layout(replicate=2, shard=4, tensor=1))
         >>> parse_candidate("tp:2", 8), parse_candidate("2x2x2", 8)
         (Layout(replicate=1, shard=4, tensor=2), Layout(replicate=2, shard=2, tensor=2))
+        >>> parse_candidate("pp:2", 8)
+        Layout(replicate=1, shard=4, tensor=1, pipeline=2)
     """
     name, _, sizes = text.strip().partition(":")
     try:
@@ -371,6 +457,9 @@ def parse_candidate(text: str, world_size: int) -> Layout:
         elif name == "hsdp" and sizes:
             replicate, shard = (int(x) for x in sizes.split("x"))
             layout = Layout(replicate=replicate, shard=shard)
+        elif name == "pp" and sizes:
+            pipeline = int(sizes)
+            layout = Layout(pipeline=pipeline, shard=max(world_size // pipeline, 1))
         elif name == "tp" and sizes:
             tensor = int(sizes)
             layout = Layout(shard=max(world_size // tensor, 1), tensor=tensor)
@@ -381,7 +470,7 @@ def parse_candidate(text: str, world_size: int) -> Layout:
             layout = parse_layout(text)
     except (ValueError, ArgumentValueError) as error:
         msg = (
-            "a candidate layout is 'ddp', 'fsdp', 'hsdp:RxS', 'tp:T', 'RxSxT' or "
+            "a candidate layout is 'ddp', 'fsdp', 'hsdp:RxS', 'tp:T', 'pp:P', 'RxSxT' or "
             f"'replicate=R,shard=S,tensor=T', "
             f"got {text!r} ({error})"
         )
@@ -516,6 +605,8 @@ def estimate_memory(
     optimizer: str = "adamw",
     inputs: Any = None,
     tp_plan: Mapping[str, Any] | None = None,
+    split: Sequence[str] | None = None,
+    schedule: Any = None,
 ) -> MemoryPlan:
     """The bytes each rank needs under each candidate layout, from a model built with no storage.
 
@@ -537,6 +628,11 @@ def estimate_memory(
         tp_plan: The ``parallelize_module`` plan ``prepare`` would get: which
             ``nn.Linear`` / ``nn.Embedding`` tensors ``ColwiseParallel`` and
             ``RowwiseParallel`` split over the tensor ranks.
+        split: Under pipeline layouts (``pp:P``): the module names where a stage
+            begins, as ``prepare(split=...)``; default: stages of about equal bytes.
+        schedule: Under pipeline layouts: the ``faccel.Schedule`` (default 1F1B,
+            one micro-batch per stage); it sets the stages per rank and how many
+            micro-batches' activations a rank holds at once.
 
     Returns:
         A :class:`MemoryPlan`; ``str()`` of it is the table ``python -m faccel plan`` prints.
@@ -594,7 +690,15 @@ def estimate_memory(
         activations=activations,
         activations_note=note,
         layouts=tuple(
-            layout_plan(specs, layout, optimizer=optimizer, buffers=buffers, activations=activations)
+            layout_plan(
+                specs,
+                layout,
+                optimizer=optimizer,
+                buffers=buffers,
+                activations=activations,
+                split=split,
+                schedule=schedule,
+            )
             for layout in candidates
         ),
     )

@@ -32,6 +32,11 @@ def private_apis() -> dict[str, Any]:
     report["is_dtensor"] = [compat.is_dtensor(sharded), compat.is_dtensor(sharded.to_local())]
     report["local_rows"] = list(compat.local_rows(sharded))
 
+    # a 2-D mesh's two dimensions flattened into one named dimension, sliced from the root by name
+    grid = init_device_mesh("cpu", (world, 1), mesh_dim_names=("shard", "context"))
+    flat = compat.flatten_mesh(grid["shard", "context"], "shard_context")
+    report["flatten_mesh"] = [flat.mesh.tolist(), grid["shard_context"].mesh.tolist()]
+
     from datetime import timedelta
 
     compat.set_group_timeout(tdist.group.WORLD, timedelta(seconds=20))

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
+from faccel._dist._layout import DIMENSIONS
 from tests.distributed import harness, parallel_workers, save_model_workers
 
-DIMENSIONS = ("replicate", "shard", "tensor")
 TOLERANCE = {"rel": 1e-5, "abs": 1e-6}
 # layout -> (the layout its checkpoint is also restored into, accumulation steps). Each layout
 # accumulates 2 micro-steps (FSDP2's set_requires_gradient_sync, HSDP's too; nothing to defer

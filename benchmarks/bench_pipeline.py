@@ -1,0 +1,162 @@
+"""Two-process pipeline stages over gloo: faccel's pipelined step vs the same schedule by hand.
+
+Two processes are spawned (``pipeline=2``). For each schedule (GPipe, 1F1B; 4 micro-batches of a
+batch of 16) each rank trains a model of an input layer, four blocks of width 64 and a read-out,
+cut after block 2, three ways: twice by hand with ``torch.distributed.pipelining`` (the stage built
+the way torchtitan builds one, a ``PipelineStage`` over the default group, the schedule's ``step``
+with the batch on the first stage and the targets on the last, ``optimizer.step()``), and once
+through ``faccel.prepare(..., split=build, schedule=faccel.Schedule(...))`` and
+``faccel.forward_backward``, which adds its loss scaling and the loss broadcast to every rank.
+Blocks of steps alternate between them (order rotating); rank 0 times them with the wall clock. The
+second hand-written model's ratio to the first is the noise floor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows, run_ranks
+
+RAW = "torch.distributed.pipelining by hand"
+AGAIN = "by hand, again"
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+WORLD, WIDTH, BATCH, MICRO = 2, 64, 16, 4
+
+
+def _stage(stage: int, stages: int) -> Any:
+    import torch
+    from torch import nn
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(stage)
+            self.embed = nn.Linear(8, WIDTH) if stage == 0 else None
+            first = stage * 4 // stages
+            self.layers = nn.ModuleDict(
+                {str(i): nn.Linear(WIDTH, WIDTH) for i in range(first, first + 4 // stages)}
+            )
+            self.head = nn.Linear(WIDTH, 1) if stage == stages - 1 else None
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            if self.embed is not None:
+                h = self.embed(h)
+            for layer in self.layers.values():
+                h = torch.tanh(layer(h))
+            return self.head(h) if self.head is not None else h
+
+    return Stage()
+
+
+class _Whole:
+    """The whole model's names, for faccel's prepare (a stage keeps the model's names)."""
+
+    @staticmethod
+    def build() -> Any:
+        from torch import nn
+
+        whole = nn.Module()
+        parts = [_stage(s, WORLD) for s in range(WORLD)]
+        whole.embed = parts[0].embed
+        whole.layers = nn.ModuleDict({k: v for p in parts for k, v in p.layers.items()})
+        whole.head = parts[-1].head
+        return whole
+
+
+def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
+    os.environ.update(rank_env(rank, port, world_size=WORLD))
+    import torch
+    from torch.distributed import pipelining
+
+    import faccel
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    rounds, steps = plan
+    dist = faccel.detect(layout=f"pipeline={WORLD}")
+    generator = torch.Generator().manual_seed(1)
+    pool = [
+        (torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 1, generator=generator))
+        for _ in range(4)
+    ]
+    mse = torch.nn.functional.mse_loss
+    results: dict[str, dict[str, list[float]]] = {}
+    for kind, cls in SCHEDULES.items():
+        blocks = {}
+        for name in (RAW, AGAIN):
+            module = _stage(rank, WORLD)
+            optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+            stage = pipelining.PipelineStage(module, rank, WORLD, dist.device)
+            schedule = getattr(pipelining, cls)(stage, n_microbatches=MICRO, loss_fn=mse)
+            blocks[name] = _timed(lambda b, s=schedule, o=optimizer: _by_hand(rank, s, o, b), pool, steps)
+        model, optimizer = faccel.prepare(
+            dist,
+            _Whole.build(),
+            torch.optim.SGD(_Whole.build().parameters(), lr=0.01),
+            split=_stage,
+            schedule=faccel.Schedule(kind=kind, microbatches=MICRO),
+        )
+
+        def through_faccel(batch: Any, model: Any = model, optimizer: Any = optimizer) -> None:
+            optimizer.zero_grad()
+            faccel.forward_backward(dist, model, mse, *batch)
+            optimizer.step()
+
+        blocks[FACCEL] = _timed(through_faccel, pool, steps)
+        results[kind] = interleave(blocks, rounds=rounds)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    faccel.shutdown(dist)
+
+
+def _by_hand(rank: int, schedule: Any, optimizer: Any, batch: Any) -> None:
+    inputs, targets = batch
+    optimizer.zero_grad()
+    losses: list[Any] = []
+    if rank == 0:
+        schedule.step(inputs)
+    else:
+        schedule.step(target=targets, losses=losses)
+    optimizer.step()
+
+
+def _timed(step: Any, pool: list[Any], steps: int) -> Any:
+    import torch.distributed as tdist
+
+    data = itertools.cycle(pool)
+
+    def timed() -> float:
+        tdist.barrier()
+        return per_call(lambda: step(next(data)), steps, now=time.perf_counter)
+
+    return timed
+
+
+def run(quick: bool) -> list[Row]:
+    plan = (4, 8) if quick else (15, 30)
+    samples: Any = run_ranks(_worker, plan, what="pipeline benchmark", world_size=WORLD)
+    out: list[Row] = []
+    for kind in SCHEDULES:
+        out += rows(
+            f"pipeline=2, {kind}, {MICRO} micro-batches of {BATCH // MICRO}, width {WIDTH}, "
+            f"{WORLD} gloo processes ({plan[1]} steps a block)",
+            samples[kind],
+            baseline=RAW,
+            unit="ms/step",
+            scale=1e3,
+            goals="parallel_step",
+            notes={AGAIN: "the noise floor: the same step as the baseline, another model"},
+        )
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    for row in run(quick="--quick" in sys.argv):
+        print(row)

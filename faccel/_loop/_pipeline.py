@@ -1,0 +1,570 @@
+"""Pipeline stages: a user's model cut by ``torch.distributed.pipelining``, and one step for any layout.
+
+A layout with ``pipeline = p > 1`` gives each block of ranks along the
+outermost dimension one stage of the model (or several: interleaved and
+zero-bubble schedules give each rank ``v`` stages). ``prepare(dist, model,
+split=..., schedule=...)`` returns a :class:`PipelinedModel`: the stages of
+this rank, each a submodule of the user's model (by module names, through
+torch's tracer ``pipeline(..., split_spec=...)``, which keeps the original
+parameter names and objects; or built by the user's function
+``build(stage, stages)``), each wrapped by the other dimensions as a whole
+model would be (tensor parallelism from the plan, then FSDP2/HSDP over the
+data-parallel ranks of its block), each a torch ``PipelineStage`` over the
+mesh's ``"pipeline"`` group, driven by one of torch's schedules.
+
+A schedule owns forward and backward together, so the seed loop's ``loss =
+f(model(x)); backward(dist, loss)`` cannot drive it: :func:`forward_backward`
+is that step for every layout. For a plain (or DDP, FSDP2...) model it is
+exactly those two lines; for a :class:`PipelinedModel` it is the schedule's
+step over the micro-batches, with each micro-batch's loss scaled as
+``backward`` would scale the whole batch's (accumulation, ``items=``), and the
+loss comes back on every rank. The stages are built on the first call,
+because torch's tracer and stages need a micro-batch's shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from faccel._dist._state import DistState
+from faccel._loop._backward import backward
+from faccel._loop._micro_step import MicroStep
+from faccel._marks import OTHER_STAGE, REPLACED_BY
+from faccel.errors import ArgumentValueError, PrecisionError, PrepareError, UsageError
+
+__all__ = ["SCHEDULES", "PipelinedModel", "Schedule", "forward_backward", "pipelined", "stage_indices"]
+
+# kind -> (torch's schedule class in torch.distributed.pipelining, how stages sit on ranks, stages per rank)
+# "loop": rank r holds stages r, r + p, r + 2p ...; "v": rank r holds r and 2p - 1 - r (a V).
+SCHEDULES: dict[str, tuple[str, str, int]] = {
+    "gpipe": ("ScheduleGPipe", "loop", 1),
+    "1f1b": ("Schedule1F1B", "loop", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", "loop", 2),
+    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
+}
+
+
+def _kind(_: object, attribute: object, value: object) -> None:
+    if value not in SCHEDULES:
+        msg = f"Schedule.kind must be one of {sorted(SCHEDULES)}, got {value!r}"
+        raise ArgumentValueError(msg)
+
+
+def _positive_or_none(_: object, attribute: Any, value: object) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        msg = f"Schedule.{attribute.name} must be an int >= 1 or None, got {value!r}"
+        raise ArgumentValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class Schedule:
+    """A pipeline schedule as a value: which of torch's schedules, over how many micro-batches.
+
+    Attributes:
+        kind: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one
+            forward, one backward), ``"interleaved_1f1b"`` (several stages per
+            rank, looped), ``"zero_bubble"`` (interleaved, the weight gradients
+            deferred into the bubble) or ``"zbv"`` (zero bubble, two stages per
+            rank in a V): torch's ``ScheduleGPipe``, ``Schedule1F1B``,
+            ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+            ``ScheduleZBVZeroBubble``.
+        microbatches: Micro-batches each batch is split into (along dim 0);
+            None: one per stage of the whole pipeline.
+        stages_per_rank: Stages each rank holds; None: the kind's own (1 for
+            GPipe and 1F1B, 2 for the others).
+
+    Example:
+        >>> s = Schedule(kind="interleaved_1f1b", microbatches=8)
+        >>> s.per_rank, s.micro(pipeline=2)
+        (2, 8)
+        >>> Schedule().micro(pipeline=4)
+        4
+    """
+
+    kind: str = attrs.field(default="1f1b", validator=_kind)
+    microbatches: int | None = attrs.field(default=None, validator=_positive_or_none)
+    stages_per_rank: int | None = attrs.field(default=None, validator=_positive_or_none)
+
+    @property
+    def per_rank(self) -> int:
+        """Stages each rank holds."""
+        return self.stages_per_rank if self.stages_per_rank is not None else SCHEDULES[self.kind][2]
+
+    def micro(self, *, pipeline: int) -> int:
+        """Micro-batches per batch for a pipeline of ``pipeline`` ranks."""
+        return self.microbatches if self.microbatches is not None else pipeline * self.per_rank
+
+
+def stage_indices(schedule: Schedule, pipeline_rank: int, pipeline: int) -> tuple[int, ...]:
+    """The stages (of ``pipeline * schedule.per_rank``) that pipeline rank ``pipeline_rank`` holds.
+
+    Example:
+        >>> [stage_indices(Schedule(kind="interleaved_1f1b"), r, 2) for r in range(2)]
+        [(0, 2), (1, 3)]
+        >>> [stage_indices(Schedule(kind="zbv"), r, 2) for r in range(2)]
+        [(0, 3), (1, 2)]
+    """
+    per, style = schedule.per_rank, SCHEDULES[schedule.kind][1]
+    if style == "v":
+        if per != 2:
+            msg = f"schedule {schedule.kind!r} holds 2 stages per rank (a V), got stages_per_rank={per}"
+            raise ArgumentValueError(msg)
+        return (pipeline_rank, 2 * pipeline - 1 - pipeline_rank)
+    if per > 1 and schedule.kind in ("gpipe", "1f1b"):
+        msg = (
+            f"schedule {schedule.kind!r} drives one stage per rank, got stages_per_rank={per}; "
+            "use 'interleaved_1f1b' or 'zero_bubble' for several"
+        )
+        raise ArgumentValueError(msg)
+    return tuple(pipeline_rank + k * pipeline for k in range(per))
+
+
+Split = Sequence[str] | Callable[[int, int], nn.Module]
+
+
+class PipelinedModel(nn.Module):
+    """This rank's pipeline stages of a model, and the schedule that drives them (from ``prepare``).
+
+    ``stages`` holds this rank's stage modules (each wrapped by the other
+    dimensions), filled by the first :func:`forward_backward`; their
+    parameters keep the original model's names. Train it with
+    :func:`forward_backward`; calling it directly is refused (a schedule runs
+    forward and backward together).
+
+    Example:
+        >>> import torch, faccel
+        >>> dist = faccel.DistState.simulated(world_size=2, layout=faccel.Layout(pipeline=2))
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> model = faccel.prepare(dist, net, split=("1",))
+        >>> type(model).__name__, model.schedule.kind, model.built
+        ('PipelinedModel', '1f1b', False)
+    """
+
+    # Set with object.__setattr__ (nn.Module's own would register modules and check types).
+    schedule: Schedule
+    stage_ids: tuple[int, ...]
+    _dist: DistState
+    _source: nn.Module
+    _split: Split
+    _options: Any
+    _driver: Any
+    shapes: tuple[tuple[int, ...] | None, ...]
+
+    def __init__(
+        self, dist: DistState, source: nn.Module, split: Split, schedule: Schedule, options: Any
+    ) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList()
+        # Not submodules: the source's other stages must not count as this rank's parameters.
+        object.__setattr__(self, "_dist", dist)
+        object.__setattr__(self, "_source", source)
+        object.__setattr__(self, "_split", split)
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "_driver", None)
+        object.__setattr__(self, "stage_ids", ())
+        object.__setattr__(self, "shapes", ())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        msg = (
+            "a pipelined model runs forward and backward together, in its schedule: call "
+            "loss = faccel.forward_backward(dist, model, loss_fn, inputs, targets) instead of "
+            "model(inputs) and faccel.backward (the same call works at every layout)"
+        )
+        raise UsageError(msg)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a stage holds some of the model's names only (checkpoints of stages: not yet)."""
+        raise UsageError(_NO_WHOLE_STATE)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as :meth:`state_dict`."""
+        raise UsageError(_NO_WHOLE_STATE)
+
+    @property
+    def built(self) -> bool:
+        """Whether the stages exist (after the first :func:`forward_backward`)."""
+        return self._driver is not None
+
+    def holds_last_stage(self) -> bool:
+        """Whether this rank holds the pipeline's last stage (where the loss is computed)."""
+        total = self._dist.parallel.pipeline * self.schedule.per_rank
+        return total - 1 in self.stage_ids
+
+
+def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel:
+    """``prepare``'s handler for a model under a layout with pipeline stages: a :class:`PipelinedModel`.
+
+    Raises:
+        PrepareError: No ``split``, a ``split`` of the wrong kind, or a
+            strategy other than FSDP2 (the stages' data-parallel wrapping).
+    """
+    split = options.split
+    if split is None:
+        msg = (
+            f"layout {dist.parallel} cuts the model into {dist.parallel.pipeline} pipeline stages, but "
+            "prepare got no split=: name the modules where a stage begins, split=('layers.4',), or give a "
+            "function build(stage, stages) -> nn.Module"
+        )
+        raise PrepareError(msg)
+    if not callable(split) and not (
+        isinstance(split, tuple) and split and all(isinstance(name, str) for name in split)
+    ):
+        msg = (
+            "split must be a non-empty tuple of module names or a function build(stage, stages), "
+            f"got {split!r:.80}"
+        )
+        raise PrepareError(msg)
+    if isinstance(split, tuple):
+        known = {name for name, _ in model.named_modules()}
+        unknown = [name for name in split if name not in known]
+        if unknown:
+            msg = f"split names {unknown}, which are not submodules of the {type(model).__name__}"
+            raise PrepareError(msg)
+    if dist.strategy != "fsdp":
+        msg = (
+            f"pipeline stages are wrapped by FSDP2 over their data-parallel ranks; strategy "
+            f"{dist.strategy!r} is not supported with pipeline={dist.parallel.pipeline}: use strategy='fsdp'"
+        )
+        raise PrepareError(msg)
+    schedule = options.schedule if options.schedule is not None else Schedule()
+    if not isinstance(schedule, Schedule):
+        msg = f"schedule must be a faccel.Schedule, got {schedule!r}"
+        raise PrepareError(msg)
+    stage_indices(schedule, 0, dist.parallel.pipeline)  # a schedule that cannot place its stages
+    return PipelinedModel(dist, model, split, schedule, options)
+
+
+# Loud, not a silent partial file: checkpoint, restore, save_model and load_model walk a model's
+# whole state on every rank (rank 0 writes it), and a stage holds only its own names.
+_NO_WHOLE_STATE = (
+    "a PipelinedModel holds this rank's pipeline stages only, and faccel's checkpoint, restore, "
+    "save_model and load_model do not yet read or write a model whose names are spread over stages "
+    "(they would save stage 0 alone); save the stages' weights yourself, per stage "
+    "(model.stages[i].state_dict() keeps the model's names), or train with pipeline=1 to checkpoint"
+)
+
+
+def _scaled_loss(
+    output: Any, target: Any, *, fn: Callable[..., torch.Tensor], factor: float, scaler: Any
+) -> torch.Tensor:
+    """One micro-batch's loss scaled as ``backward`` scales a whole batch's (torch's schedules call it)."""
+    loss = fn(output, target) * factor
+    return scaler.scale(loss) if scaler is not None else loss
+
+
+def _micro_inputs(inputs: tuple[Any, ...], count: int) -> tuple[Any, ...]:
+    return tuple(x.tensor_split(count)[0] if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
+    """One stage wrapped as a whole model would be: the TP plan, then FSDP2 over the block's data ranks."""
+    from faccel._dist._mesh import data_mesh
+    from faccel._loop._model import Autocast, _wrap_fsdp
+    from faccel._loop._parallel import apply_plan
+
+    layout = dist.parallel
+    if isinstance(module, torch.fx.GraphModule):
+        # A traced stage calls aten ops on its parameters (get_attr), not its submodules' forwards,
+        # so per-submodule hooks (FSDP2 units, tensor parallelism's) would never run: one unit.
+        if layout.tensor > 1:
+            msg = (
+                "tensor parallelism splits modules by their forward hooks, which a stage cut by module "
+                "names (torch's tracer) never calls; give split= a function build(stage, stages) that "
+                "builds the stage from the model's own modules"
+            )
+            raise PrepareError(msg)
+        options = attrs.evolve(options, shard_policy=_root_only)
+    elif options.shard_policy is None:
+        options = attrs.evolve(options, shard_policy=_stage_policy(module))
+    if layout.tensor > 1:
+        apply_plan(dist, module, options.tp_plan)
+    if layout.data_size * layout.context > 1:
+        return _wrap_fsdp(dist, module, options, mesh=data_mesh(dist))
+    if dist.autocast_dtype is not None:
+        return Autocast(module, device_type=dist.device.type, dtype=dist.autocast_dtype)
+    return module
+
+
+def _root_only(module: nn.Module) -> bool:
+    return False
+
+
+def _stage_policy(root: nn.Module) -> Callable[[nn.Module], bool]:
+    """FSDP2 units of a built stage: each block of its first ModuleList or ModuleDict (a stage keeps the
+    model's names, so its blocks often sit in a dict keyed by their global index), else each child."""
+    blocks = next((m for m in root.modules() if isinstance(m, nn.ModuleList | nn.ModuleDict)), None)
+    if blocks is None:
+        units = [m for m in root.children() if not isinstance(m, nn.ModuleList | nn.ModuleDict)]
+    else:
+        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    chosen = {id(m) for m in units}
+    return lambda module: id(module) in chosen and any(True for _ in module.parameters())
+
+
+def _stage_modules(
+    model: PipelinedModel, ids: tuple[int, ...], total: int, inputs: tuple[Any, ...]
+) -> list[nn.Module]:
+    split, source = model._split, model._source
+    if callable(split):
+        built = [split(i, total) for i in ids]
+        for i, module in zip(ids, built, strict=True):
+            if not isinstance(module, nn.Module):
+                msg = f"the split function returned a {type(module).__name__} for stage {i}, not an nn.Module"
+                raise PrepareError(msg)
+        return built
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    device = next(source.parameters()).device
+    micro = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    pipe = pipeline(source, mb_args=micro, split_spec={name: SplitPoint.BEGINNING for name in split})
+    if pipe.num_stages != total:
+        msg = (
+            f"split={tuple(split)!r} cuts the model into {pipe.num_stages} stages, but the layout's "
+            f"pipeline={model._dist.parallel.pipeline} x {model.schedule.per_rank} stage(s) per rank "
+            f"needs {total}; name {total - 1} module(s) where a new stage begins"
+        )
+        raise PrepareError(msg)
+    return [pipe.get_stage_module(i) for i in ids]
+
+
+def _build(model: PipelinedModel, inputs: tuple[Any, ...]) -> None:
+    """Make this rank's stages, their wrappers, torch's PipelineStages and the schedule, once."""
+    from torch.distributed import pipelining
+
+    from faccel._dist._mesh import dimension_group
+    from faccel._loop._materialize import materialize, prepare_meta
+
+    dist, schedule, options = model._dist, model.schedule, model._options
+    layout = dist.parallel
+    pipeline_rank = layout.coordinate("pipeline", dist.rank)
+    ids = stage_indices(schedule, pipeline_rank, layout.pipeline)
+    total = layout.pipeline * schedule.per_rank
+    count = schedule.micro(pipeline=layout.pipeline)
+    modules = _stage_modules(model, ids, total, _micro_inputs(inputs, count))
+    source = dict(model._source.named_parameters())
+    mine: set[int] = set()
+    group = dimension_group(dist, "pipeline")
+    sharded = layout.data_size * layout.context > 1 or layout.tensor > 1
+    stages = []
+    for stage_id, module in zip(ids, modules, strict=True):
+        before = dict(module.named_parameters())
+        foreign = sorted(set(before) - set(source))
+        if foreign:
+            msg = (
+                f"stage {stage_id}'s parameters {foreign[:3]} are not parameters of the model given to "
+                "prepare: a stage keeps the model's names (build it from the model's own modules), so "
+                "the optimizer and checkpoints find them"
+            )
+            raise PrepareError(msg)
+        # Only this stage is allocated, from a meta-built one: after its sharding when it is sharded.
+        meta = prepare_meta(module, dist.device, options.init, shards_first=sharded)
+        if not meta:
+            module.to(dist.device)
+        wrapped = _wrap_stage(dist, module, options)
+        if meta and sharded:
+            materialize(module, dist.device, options.init)
+        # The optimizer holds the model's parameters: point each at what this stage trains instead.
+        for name, new in module.named_parameters():
+            for old in (before[name], source[name]):
+                if old is not new:
+                    setattr(old, REPLACED_BY, new)
+            mine.add(id(source[name]))
+        model.stages.append(wrapped)
+        stages.append(pipelining.PipelineStage(wrapped, stage_id, total, dist.device, group=group))
+    for param in model._source.parameters():
+        if id(param) not in mine:
+            setattr(param, OTHER_STAGE, True)  # held by another pipeline stage: the optimizer drops it
+    kind = getattr(pipelining, SCHEDULES[schedule.kind][0])
+    first = stages[0] if len(stages) == 1 and schedule.per_rank == 1 else stages
+    # scale_grads=False: _scaled_loss scales each micro-batch's loss as backward() would.
+    driver = kind(first, n_microbatches=count, loss_fn=_scaled_loss, scale_grads=False)
+    object.__setattr__(model, "stage_ids", ids)
+    object.__setattr__(model, "_driver", driver)
+
+
+def _factor(dist: DistState, count: int, micro: MicroStep | None, items: int | None) -> float:
+    """What each micro-batch's loss is multiplied by: ``backward``'s scaling, spread over ``count``."""
+    if items is not None or (micro is not None and micro.items is not None):
+        if micro is None or micro.items is None or items is None:
+            msg = (
+                "forward_backward(..., items=n) needs the group's item count: iterate "
+                "faccel.micro_batches(dist, loader, items=count) and pass micro= and items= together"
+            )
+            raise UsageError(msg)
+        # the loss is a sum over items; FSDP2 averages over the data-parallel ranks: multiply that back
+        return (dist.data_world_size if dist.distributed else 1) / max(micro.items, 1)
+    group = micro.group_size if micro is not None else 1
+    if micro is None and dist.accumulation_steps != 1:
+        msg = (
+            f"accumulation_steps is {dist.accumulation_steps} but forward_backward() got no micro-step; "
+            "iterate faccel.micro_batches(dist, loader) and pass micro="
+        )
+        raise UsageError(msg)
+    return 1.0 / (count * group)
+
+
+def forward_backward(
+    dist: DistState,
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    *,
+    micro: MicroStep | None = None,
+    items: int | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """A training step's forward and backward, for any layout; the loss (detached), on every rank.
+
+    For a model that is not pipelined (one process, DDP, FSDP2, tensor
+    parallelism) it is exactly::
+
+        loss = loss_fn(model(*inputs), targets)
+        faccel.backward(dist, loss, micro=micro, items=items, scaler=scaler)
+
+    For a :class:`PipelinedModel` (``prepare(..., split=...)`` under a layout
+    with ``pipeline > 1``) it is the schedule's step: the batch is split into
+    ``schedule.microbatches`` micro-batches along dim 0, each runs through the
+    stages, its loss ``loss_fn(output, target)`` is scaled as ``backward``
+    would scale the batch's (the mean over micro-batches, over the
+    accumulation group; or, with ``items=``, a sum over the group's items), and
+    its backward runs where the schedule puts it. The loss returned is the
+    batch's, as the plain call returns it (the mean of the micro-batch means;
+    with ``items=``, their sum), broadcast from the last stage to every rank.
+    So one loop runs unchanged at every layout.
+
+    Args:
+        dist: The run's :class:`DistState`.
+        model: A prepared model.
+        loss_fn: ``loss_fn(output, targets) -> scalar``: a mean over the batch
+            (or, with ``items=``, the sum over its items).
+        inputs: The model's input: a tensor or a tuple of positional arguments.
+        targets: What ``loss_fn`` compares the output with.
+        micro: The :class:`MicroStep` under gradient accumulation.
+        items: This batch's item count when ``loss_fn`` returns a sum (see ``backward``).
+        scaler: The fp16 gradient scaler (not under a pipeline).
+
+    Returns:
+        The loss of this batch, detached: the same value on every rank of a pipeline.
+
+    Raises:
+        UsageError: Accumulation without ``micro``, or ``items`` without a counted micro-step.
+        PrecisionError: fp16 under a pipeline (its loss scale would have to agree across stages).
+
+    Example:
+        >>> import torch, faccel
+        >>> dist = faccel.detect({})
+        >>> model = faccel.prepare(dist, torch.nn.Linear(2, 1, bias=False))
+        >>> torch.nn.init.ones_(model.weight)
+        Parameter containing:
+        tensor([[1., 1.]], requires_grad=True)
+        >>> x, y = torch.ones(4, 2), torch.zeros(4, 1)
+        >>> loss = faccel.forward_backward(dist, model, torch.nn.functional.mse_loss, x, y)
+        >>> loss.item(), model.weight.grad.tolist()  # d/dw mean((2 - 0)^2) = 2 * 2 * 1
+        (4.0, [[4.0, 4.0]])
+    """
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not isinstance(model, PipelinedModel):
+        loss = loss_fn(model(*args), targets)
+        backward(dist, loss, micro=micro, items=items, scaler=scaler)
+        return loss.detach()
+    if dist.precision == "fp16":
+        msg = (
+            "fp16 under a pipeline needs one loss scale agreed by every stage, which faccel does not do; "
+            "use precision='bf16' (no loss scaling), or no pipeline"
+        )
+        raise PrecisionError(msg)
+    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
+    if not model.built:
+        _build(model, args)
+        object.__setattr__(model, "shapes", shapes)
+    elif shapes != model.shapes:
+        msg = (
+            f"a pipeline's stages exchange activations of the shapes of its first batch, {model.shapes}; "
+            f"this batch has {shapes}. Give every step the same batch size (drop_last=True in the "
+            "DataLoader, or pad the last batch)"
+        )
+        raise UsageError(msg)
+    layout = dist.parallel
+    count = model.schedule.micro(pipeline=layout.pipeline)
+    factor = _factor(dist, count, micro, items)
+    losses: list[torch.Tensor] = []
+    first = 0 in model.stage_ids
+    model._driver.step(
+        *(args if first else ()),
+        target=targets if model.holds_last_stage() else None,
+        losses=losses,
+        loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None},
+    )
+    total = torch.zeros((), dtype=torch.float32, device=dist.device)
+    if losses:  # the last stage: each micro-batch's loss unscaled, then as the plain call returns it
+        raw = torch.stack([loss.detach().float() for loss in losses]).sum() / factor
+        total = raw if items is not None else raw / count
+    return _from_last_stage(dist, model, total)
+
+
+def _from_last_stage(dist: DistState, model: PipelinedModel, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` as the rank holding the last stage has it, on every rank of its pipeline group."""
+    import torch.distributed as tdist
+
+    from faccel._dist._mesh import dimension_group
+
+    layout = dist.parallel
+    last = layout.pipeline * model.schedule.per_rank - 1
+    holder = next(
+        r for r in range(layout.pipeline) if last in stage_indices(model.schedule, r, layout.pipeline)
+    )
+    tdist.broadcast(loss, group=dimension_group(dist, "pipeline"), group_src=holder)
+    return loss
+
+
+def clip_stages(
+    dist: DistState,
+    params: list[torch.Tensor],
+    max_norm: float,
+    *,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """Clip this rank's stage gradients by the norm over every stage of the pipeline; return that norm.
+
+    Each stage's norm is made whole over its own meshes (``full_tensor``: the
+    data-parallel and tensor ranks of its block), then the stages' norms are
+    combined over the pipeline group (a sum of p-th powers, a max for ``inf``):
+    the same number on every rank, the norm of the whole model's gradients.
+    """
+    import torch.distributed as tdist
+
+    from faccel._dist._mesh import dimension_group
+
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    norms = [torch.zeros((), dtype=torch.float64)]
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in group if p.grad is not None], norm_type, foreach=foreach
+        )
+        full = getattr(norm, "full_tensor", None)
+        norms.append((full() if full is not None else norm).double().cpu())
+    local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    inf = norm_type == float("inf")
+    value = (local if inf else local**norm_type).to(dist.device)
+    op = tdist.ReduceOp.MAX if inf else tdist.ReduceOp.SUM
+    tdist.all_reduce(value, op=op, group=dimension_group(dist, "pipeline"))
+    total = (value if inf else value ** (1.0 / norm_type)).float().cpu()
+    if error_if_nonfinite and not torch.isfinite(total):
+        msg = f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})"
+        raise RuntimeError(msg)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    return total

@@ -1,0 +1,194 @@
+"""Workers for tests/distributed/test_pipeline.py: a user's own model in pipeline stages on gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """A plain user's model: an input layer, four blocks in a ModuleList, a read-out."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+class Stage(nn.Module):
+    """One stage of :class:`Net` built by hand (torchtitan's way): the same names, only its layers."""
+
+    def __init__(self, stage: int, stages: int) -> None:
+        super().__init__()
+        whole = Net()  # same seed, same values: then keep this stage's part only
+        per = 4 // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed = whole.embed if self.first else None
+        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(stage * per, (stage + 1) * per)})
+        self.head = whole.head if self.last else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            h = self.embed(h)
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.head(h) if self.head is not None else h
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
+
+
+# Where a names split cuts Net for 2 and 4 stages.
+SPLITS = {2: ("layers.2",), 4: ("layers.1", "layers.2", "layers.3")}
+
+
+def tp_plan() -> dict[str, Any]:
+    """Every block split over the tensor ranks, its output gathered (the same plan fits every stage)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {"layers.*": ColwiseParallel(output_layouts=Replicate())}
+
+
+def train(
+    layout: str | None, kind: str, split: str, steps: int = 3, stages: int = 2, precision: str = "no"
+) -> dict[str, Any]:
+    """``steps`` steps of SGD with clipping through forward_backward; losses, norms, final weights by name.
+
+    Each data-parallel rank takes its contiguous part of every batch of 8 (a mean loss over
+    the part; FSDP2 averages the parts' gradients: the whole batch's mean).
+    """
+    import faccel
+
+    dist = faccel.detect(None if layout else {}, layout=layout, precision=precision)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec: Any = SPLITS[stages] if split == "names" else _stage_builder()
+    schedule = faccel.Schedule(kind=kind, microbatches=4)
+    plan = tp_plan() if dist.parallel.tensor > 1 else None
+    model, optimizer = faccel.prepare(dist, model, optimizer, split=spec, schedule=schedule, tp_plan=plan)
+    losses, norms = [], []
+    for x, y in batches(steps):
+        optimizer.zero_grad()
+        part = dist.data_rank, dist.data_world_size
+        x, y = x.chunk(part[1])[part[0]], y.chunk(part[1])[part[0]]
+        loss = faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+        loss = faccel.reduce(dist, loss, op="mean") if dist.data_world_size > 1 else loss
+        norms.append(float(faccel.clip_grad_norm(dist, model, 0.5)))
+        faccel.optimizer_step(dist, optimizer)
+        losses.append(float(loss))
+    weights = {}
+    modules = model.stages if isinstance(model, faccel.PipelinedModel) else [model]
+    for module in modules:
+        for name, param in faccel.unwrap_model(module).named_parameters():
+            value = param.full_tensor() if hasattr(param, "full_tensor") else param
+            weights[name] = value.detach().flatten().tolist()
+    stepped = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    return {"loss": losses, "norm": norms, "weights": weights, "stepped": stepped}
+
+
+def _stage_builder() -> Any:
+    def build(stage: int, stages: int) -> nn.Module:
+        torch.manual_seed(0)
+        return Stage(stage, stages)
+
+    return build
+
+
+def meta_stages() -> dict[str, Any]:
+    """A meta-built model cut by a function that builds each stage on meta: what gets allocated."""
+    import faccel
+
+    dist = faccel.detect(layout="pipeline=2")
+    with torch.device("meta"):
+        model = Net()
+
+    def build(stage: int, stages: int) -> nn.Module:
+        with torch.device("meta"):
+            return Stage(stage, stages)
+
+    model = faccel.prepare(dist, model, split=build)
+    x, y = batches(1)[0]
+    loss = faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+    local = {
+        name: param.device.type
+        for stage in model.stages
+        for name, param in faccel.unwrap_model(stage).named_parameters()
+    }
+    return {"loss": float(loss), "local": local}
+
+
+def accumulated(layout: str | None, by_items: bool, steps: int = 2) -> dict[str, Any]:
+    """Accumulation of 2 micro-steps per optimizer step, the loss a mean or (``by_items``) a sum over rows."""
+    import faccel
+
+    dist = (
+        faccel.detect(layout=layout, accumulation_steps=2)
+        if layout
+        else faccel.detect({}, accumulation_steps=2)
+    )
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = faccel.prepare(dist, model, optimizer, split=SPLITS[2])
+    data = batches(2 * steps)
+
+    def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output - target) ** 2).sum()
+
+    loss_fn = summed if by_items else nn.functional.mse_loss
+    count = (lambda batch: batch[0].shape[0]) if by_items else None
+    losses = []
+    for micro, (x, y) in faccel.micro_batches(dist, data, items=count):
+        items = x.shape[0] if by_items else None
+        loss = faccel.forward_backward(dist, model, loss_fn, x, y, micro=micro, items=items)
+        losses.append(float(loss))
+        if micro.sync:
+            faccel.optimizer_step(dist, optimizer)
+            optimizer.zero_grad()
+    weights = {}
+    modules = model.stages if isinstance(model, faccel.PipelinedModel) else [model]
+    for module in modules:
+        for name, param in faccel.unwrap_model(module).named_parameters():
+            weights[name] = param.detach().flatten().tolist()
+    return {"loss": losses, "weights": weights}
+
+
+def refusals(root: str) -> dict[str, str]:
+    """checkpoint and save_model of a pipelined model: each refused loudly, nothing written."""
+    import faccel
+
+    dist = faccel.detect(layout="pipeline=2")
+    torch.manual_seed(0)
+    net = Net()
+    model, optimizer = faccel.prepare(dist, net, torch.optim.SGD(net.parameters(), lr=0.1), split=SPLITS[2])
+    x, y = batches(1)[0]
+    faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+    out = {}
+    state = faccel.TrainState(model=model, optimizer=optimizer)
+    calls = {
+        "other_batch_size": lambda: faccel.forward_backward(
+            dist, model, nn.functional.mse_loss, x[:4], y[:4]
+        ),
+        "checkpoint": lambda: faccel.checkpoint(dist, state, root),
+        "save_model": lambda: faccel.save_model(dist, model, f"{root}/model"),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "written"
+        except faccel.errors.FaccelError as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
