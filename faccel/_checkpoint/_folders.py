@@ -106,7 +106,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if (match or aside) and entry.is_dir() and manifest_step(Path(entry.path)) is not None:
             if match:
                 found[int(match.group(1))] = Path(entry.path)
-            elif aside:
+            elif aside and aside.group(2) is not None:  # a named one is never a root's latest
                 replaced[int(aside.group(2))] = Path(entry.path)
     # A checkpoint being replaced stands for its step until the replacement is in place.
     return sorted({**replaced, **found}.items())

@@ -39,6 +39,7 @@ from faccel._checkpoint._format import (
     WHOLE_VERSIONS,
     rng_name,
 )
+from faccel._checkpoint._history import Rollback, check_restore_choice, refuse_later, set_aside
 from faccel._checkpoint._load import load
 from faccel._checkpoint._save import _resolve
 from faccel._checkpoint._sharded._flow import (
@@ -215,6 +216,8 @@ def restore(
     path: str | os.PathLike[str],
     *,
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
+    into: str | os.PathLike[str] | None = None,
+    rollback: Rollback | None = None,
 ) -> TrainState:
     """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
 
@@ -252,6 +255,18 @@ def restore(
         path: A checkpoint folder, or a root folder of checkpoints.
         arrival_timeout: How long the ranks that called ``restore`` wait for
             the others to call it too, before raising.
+        into: The root this run checkpoints into, when not ``path``'s own:
+            then ``path`` may be any committed checkpoint (an older step of a
+            root that holds later ones, a named one, a folder of an archived or
+            read-only root), which is only read; ``into`` must hold no
+            checkpoint after the restored step.
+        rollback: Go back to the checkpoint folder ``path`` within its root:
+            ``"move"`` moves the root's later numbered checkpoints into
+            ``root/abandoned-after-step-N/`` (a loss spike's way back, kept for
+            a look), ``"delete"`` deletes them; done by the writing rank under
+            the root's lock, after the checkpoint passed its checks and before
+            anything is loaded. Without ``into`` or ``rollback``, a folder of a
+            root that holds later checkpoints is refused.
 
     Returns:
         A new TrainState: the same objects, with the saved step, epoch,
@@ -260,7 +275,9 @@ def restore(
     Raises:
         CheckpointError: No checkpoint at ``path``, or one that is corrupted,
             truncated, foreign, of another version, or does not fit the
-            objects; at another world size: a position inside an epoch that
+            objects; a folder of a root that holds later checkpoints (without
+            ``into`` or ``rollback``), an ``into`` root that does; at
+            another world size: a position inside an epoch that
             the checkpoint does not record globally (saved without
             ``TrainState.loader``), a target without ``loader``, or
             ``rank_extras``; every checkpoint of a root is broken; a rank did not
@@ -280,6 +297,7 @@ def restore(
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
+    check_restore_choice(into, rollback)
     breadcrumb(dist, "restore", step=train_state.step)
     # A non-blocking checkpoint still being written is committed first.
     wait_for_background(dist.runtime, dist, call="restore")
@@ -290,8 +308,12 @@ def restore(
     step = manifest_step(directory) or 0
     # Restoring one folder of a root that holds later checkpoints: the run would collide with them
     # at its first later checkpoint, hours in, or leave them as a "latest" that is not this run's.
+    aim = None if into is None else Path(into)
     together(
-        dist, lambda: _refuse_an_abandoned_future(Path(path), step), what="restore", raises=CheckpointError
+        dist,
+        lambda: refuse_later(Path(path), step, into=aim, rollback=rollback),
+        what="restore",
+        raises=CheckpointError,
     )
     _agree_on_step(dist, path, step, "latest checkpoints")
     # A root: when the latest checkpoint's files fail their check, the newest complete one before it.
@@ -324,6 +346,8 @@ def restore(
                     CheckpointWarning,
                     stacklevel=3,
                 )
+            if rollback is not None:
+                _roll_back(dist, candidate, step, rollback)
             return load(train_state, *found)
         passed.append((candidate, found.why if isinstance(found, _Broken) else "broken on another rank"))
     # The latest one's own error first (alone when it is the only one), then the older ones'.
@@ -334,29 +358,14 @@ def restore(
     raise CheckpointError(msg)
 
 
-def _refuse_an_abandoned_future(path: Path, step: int) -> None:
-    """Raise when ``path`` is one checkpoint folder of a root that also holds later step folders.
+def _roll_back(dist: DistState, folder: Path, step: int, how: Rollback) -> None:
+    """The writing rank sets the later checkpoints of ``folder``'s root aside; every rank waits for it."""
 
-    A run resumed from step ``step`` would reach those steps and find them taken
-    (checkpoints never overwrite unasked), or, with ``replace=True``, leave the
-    later ones as the root's "latest" for the next restore. Refused here, at the
-    start, with the choices, not at the first colliding checkpoint.
-    """
-    if manifest_step(path) is None:
-        return  # a root: restore takes its latest, so nothing later is there
-    root = path.parent
-    later = [folder.name for s, folder in complete_checkpoints(root) if s > step]
-    later += [folder.name for folder, _ in damaged_checkpoints(root, after=step)]
-    if later:
-        msg = (
-            f"{path}: restoring step {step}, but its root {root} also holds later checkpoints "
-            f"({', '.join(sorted(later)[:5])}{' ...' if len(later) > 5 else ''}). The resumed run "
-            "would meet them at its first later checkpoint and stop there (checkpoints never "
-            "overwrite unasked), or leave them as the root's latest for the next restore. Choose "
-            "before training: checkpoint this run into a new root (copy this folder there and "
-            "restore from it), or delete or move the later folders if that future is abandoned"
-        )
-        raise CheckpointError(msg)
+    def work() -> None:
+        if dist.is_main_process:
+            set_aside(folder, step, how)
+
+    together(dist, work, what=f"the rollback to {folder.name}", raises=CheckpointError)
 
 
 def _agree_on_step(dist: DistState, path: str | os.PathLike[str], step: int, what: str) -> None:

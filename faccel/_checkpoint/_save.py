@@ -63,6 +63,7 @@ from faccel._checkpoint._format import (
     VERSION_SHARDED,
     checkpoint_name,
     expected_files,
+    named_temporary_name,
     page_name,
     replaced_name,
     rng_name,
@@ -70,6 +71,7 @@ from faccel._checkpoint._format import (
     temporary_name,
     trash_name,
 )
+from faccel._checkpoint._history import check_checkpoint_name
 from faccel._checkpoint._sharded._flow import (
     exchange_records,
     page_content,
@@ -240,6 +242,7 @@ def checkpoint(
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
     sharded: bool | None = None,
     blocking: bool = True,
+    name: str | None = None,
 ) -> Path:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
@@ -291,12 +294,21 @@ def checkpoint(
             :func:`faccel.shutdown` waits for it, and raises its failure as a
             ``CheckpointError`` (nothing of a failed one is committed). Costs
             a host copy of the state (this rank's shards, when sharded).
+        name: Write ``path/NAME`` (``"best"``, ``"epoch_0"``) instead of the
+            step's folder: a named checkpoint beside the numbered ones, with
+            the same files, checks and atomic commit. ``restore(dist, state,
+            path / NAME)`` reads it; ``restore(dist, state, path)`` never takes
+            it as the latest and ``keep`` never rotates it. An existing name is
+            refused unless ``replace`` (``replace=True`` for a ``best`` you
+            overwrite). Letters, digits, ``_``, ``.`` and ``-``, starting with
+            a letter or digit, not of a step folder's form.
 
     Returns:
         The new checkpoint's folder.
 
     Raises:
-        ArgumentValueError: ``keep`` < 1, a simulated DistState of several
+        ArgumentValueError: ``keep`` < 1, ``keep`` with ``name``, a ``name``
+            that is not one plain folder name, a simulated DistState of several
             ranks, or ``sharded=True`` for a model sharded otherwise than by
             rows over all ranks (HSDP, tensor parallelism).
         CheckpointError: A checkpoint of this step exists (and not
@@ -330,6 +342,8 @@ def checkpoint(
     if keep is not None and keep < 1:
         msg = f"keep must be at least 1 (the new checkpoint), or None to keep all; got {keep!r}"
         raise ArgumentValueError(msg)
+    if name is not None:
+        check_checkpoint_name(name, keep=keep)
     if dist.world_size > 1 and not dist.distributed:
         msg = (
             f"a simulated DistState of {dist.world_size} ranks has no peers to write their "
@@ -342,8 +356,8 @@ def checkpoint(
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = Path(path)
     step = train_state.step
-    final = root / checkpoint_name(step)
-    temporary = root / temporary_name(step)
+    final = root / (checkpoint_name(step) if name is None else name)
+    temporary = root / (temporary_name(step) if name is None else named_temporary_name(name))
     # A value one rank cannot store fails every rank alike, before they agree (issue 26, item 7).
     rng = together(
         dist,
@@ -351,8 +365,9 @@ def checkpoint(
         what="capturing the generators and rank_extras",
         raises=CheckpointError,
     )
-    _agree(dist, root, train_state, replace=replace)
-    dist.runtime.roots.add(os.fspath(root.absolute()))
+    _agree(dist, root, train_state, replace=replace, final=final)
+    if name is None:  # a named checkpoint meets no numbered one: the next numbered one still checks
+        dist.runtime.roots.add(os.fspath(root.absolute()))
 
     model = unwrap_model(train_state.model)
     fsdp = is_sharded(model)
@@ -625,17 +640,16 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(value).encode()).digest()[:8], "little") >> 2
 
 
-def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool) -> None:
+def _agree(dist: DistState, root: Path, state: TrainState, *, replace: bool, final: Path) -> None:
     """Every rank learns, in one collective, whether any rank objects to writing this checkpoint."""
     step = state.step
     blocked = blocking_file(root)
-    final = root / checkpoint_name(step)
     exists = not replace and (
         os.path.exists(final) or manifest_step(root / replaced_name(final.name)) is not None
     )
     # The first checkpoint of this process into a root that already holds later steps: the run
     # would meet them at its first colliding step, hours in (issue 25), so it stops here.
-    first = os.fspath(root.absolute()) not in dist.runtime.roots
+    first = os.fspath(root.absolute()) not in dist.runtime.roots and final.name == checkpoint_name(step)
     ahead = _later_checkpoints(root, step) if first and not replace else []
     digests = extras_digests(state.extras)
     values = [step, _digest(sorted(digests)), _digest(digests)]
@@ -703,6 +717,12 @@ def _ahead_message(root: Path, step: int, ahead: list[str]) -> str:
 
 
 def _exists_message(final: Path, step: int) -> str:
+    if final.name != checkpoint_name(step):
+        return (
+            f"{final}: a checkpoint named {final.name!r} already exists, and a checkpoint never "
+            "overwrites another unasked; pass checkpoint(..., name=..., replace=True) to write it "
+            "again (a crash while replacing leaves the old one or the new one, whole), or another name"
+        )
     return (
         f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
         "overwrites another unasked. The step names the checkpoint, and faccel does not count "
