@@ -43,6 +43,7 @@ if (
     from faccel._dist._mesh import device_mesh as device_mesh
     from faccel._dist._notebook import launch as launch
     from faccel._dist._process_group import detect as detect
+    from faccel._dist._process_group import local_main_process_first as local_main_process_first
     from faccel._dist._process_group import main_process_first as main_process_first
     from faccel._dist._process_group import shutdown as shutdown
     from faccel._dist._process_group import wait_for_everyone as wait_for_everyone
@@ -66,6 +67,7 @@ if (
     from faccel._loop._precision import grad_scaler as grad_scaler
     from faccel._loop._precision import optimizer_step as optimizer_step
     from faccel._loop._prepare import prepare as prepare
+    from faccel._loop._schedule import accelerate_scheduler_steps as accelerate_scheduler_steps
     from faccel._loop._uneven import uneven_inputs as uneven_inputs
     from faccel._report._logging import RankLogger as RankLogger
     from faccel._report._logging import get_logger as get_logger

@@ -81,6 +81,9 @@ PINNED: dict[str, list[str]] = {
         # large models: the memory plan before launch (python -m faccel plan)
         "MemoryPlan",
         "estimate_memory",
+        # porting from Accelerate (docs/from-accelerate.md)
+        "accelerate_scheduler_steps",
+        "local_main_process_first",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers
     "faccel.func": [

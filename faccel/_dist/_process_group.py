@@ -30,6 +30,7 @@ from faccel.errors import DistributedError, FaccelError
 
 __all__ = [
     "breadcrumb",
+    "local_main_process_first",
     "comm_device",
     "detect",
     "last_calls",
@@ -487,3 +488,28 @@ def main_process_first(dist: DistState) -> Iterator[None]:
     yield
     if dist.distributed and dist.is_main_process:
         _barrier(dist, "main_process_first")
+
+
+@contextlib.contextmanager
+def local_main_process_first(dist: DistState) -> Iterator[None]:
+    """Run the block on each node's main process first (``local_rank`` 0), then on the others.
+
+    For a cache on each node's own disk (a download into local storage, a
+    tokenised dataset under ``/tmp``): one process per node fills it, the
+    node's others then read it. Every process must enter the block
+    (Accelerate's ``accelerator.local_main_process_first()``).
+
+    Raises:
+        DistributedError: As :func:`main_process_first`, naming ``local_main_process_first``.
+
+    Example:
+        >>> import faccel
+        >>> with local_main_process_first(faccel.detect({})):
+        ...     print("built this node's cache")
+        built this node's cache
+    """
+    if dist.distributed and not dist.is_local_main_process:
+        _barrier(dist, "local_main_process_first")
+    yield
+    if dist.distributed and dist.is_local_main_process:
+        _barrier(dist, "local_main_process_first")
