@@ -58,6 +58,7 @@ if (
     from faccel._loop._accumulate import micro_batches as micro_batches
     from faccel._loop._accumulate import steps_per_epoch as steps_per_epoch
     from faccel._loop._backward import backward as backward
+    from faccel._loop._batch_size import find_executable_batch_size as find_executable_batch_size
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
     from faccel._loop._micro_step import MicroStep as MicroStep

@@ -51,6 +51,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
             "wait_for_everyone",
         ),
         "faccel._loop._schedule": ("accelerate_scheduler_steps",),
+        "faccel._loop._batch_size": ("find_executable_batch_size",),
         "faccel._report._memory_plan": ("MemoryPlan", "estimate_memory"),
         "faccel._report._progress": ("progress",),
         "faccel._dist._random": ("set_seed",),

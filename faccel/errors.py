@@ -11,6 +11,7 @@ __all__ = [
     "AccumulationError",
     "ArgumentError",
     "ArgumentValueError",
+    "BatchSizeError",
     "CheckpointError",
     "CheckpointWarning",
     "DistributedError",
@@ -175,6 +176,16 @@ class StorageError(FaccelError, OSError):
     the rank that wrote (the message names it and keeps the ``OSError`` as its
     cause), or such a failure on another rank. Raised by :func:`faccel.save_model`.
     Fix: free space or correct the path or permissions, then save again.
+    """
+
+
+class BatchSizeError(FaccelError, RuntimeError):
+    """No batch size fits: :func:`faccel.find_executable_batch_size` shrank it to zero.
+
+    Cause: the function raised an out-of-memory error at every batch size down
+    to 1 (or at the only one tried). Fix: a smaller model or sequence, another
+    precision, sharding (``strategy="fsdp"``), or a larger device; the message
+    lists the sizes tried.
     """
 
 

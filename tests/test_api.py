@@ -83,6 +83,7 @@ PINNED: dict[str, list[str]] = {
         "estimate_memory",
         # porting from Accelerate (docs/from-accelerate.md)
         "accelerate_scheduler_steps",
+        "find_executable_batch_size",
         "local_main_process_first",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers

@@ -1,4 +1,4 @@
-"""What a port from Accelerate needs to keep its meaning (issue 36, items 1 and 8; docs/from-accelerate.md)."""
+"""What a port from Accelerate needs to keep its meaning (issue 36, items 1 and 8)."""
 
 from __future__ import annotations
 

@@ -30,10 +30,10 @@ from faccel.errors import DistributedError, FaccelError
 
 __all__ = [
     "breadcrumb",
-    "local_main_process_first",
     "comm_device",
     "detect",
     "last_calls",
+    "local_main_process_first",
     "main_process_first",
     "peers_answer",
     "require_group",

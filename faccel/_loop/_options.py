@@ -65,6 +65,8 @@ class PrepareOptions:
     activation_checkpointing: Selector | None = attrs.field(default=None, validator=_check_selector)
     offload: str | None = attrs.field(default=None, validator=_check_offload)
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
+    comm_hook: str | None = None
+    comm_hook_options: Mapping[str, Any] | None = None
 
     @property
     def asks_fsdp(self) -> bool:

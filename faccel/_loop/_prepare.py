@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._comm_hooks import check_comm_hook, register_comm_hook
 from faccel._loop._consistency import check_setup
 from faccel._loop._deepspeed import prepare_deepspeed
 from faccel._loop._materialize import INITS
@@ -36,6 +37,8 @@ _REPLACED_BY = REPLACED_BY
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
+    if options.comm_hook is not None:
+        register_comm_hook(prepared, options.comm_hook, options.comm_hook_options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
     # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
     # object is left behind, untrained; it says what replaced it, so an optimizer that
@@ -185,6 +188,8 @@ def prepare(
     activation_checkpointing: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
     offload: str | None = None,
     reshard_after_forward: bool = True,
+    comm_hook: str | None = None,
+    comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -280,6 +285,16 @@ def prepare(
             either way. FSDP2's mixed precision needs no option: it follows
             ``dist.precision`` (parameters gathered in bf16/fp16, gradients
             reduced in float32, the sharded parameters kept in float32).
+        comm_hook: Under DDP: compress the gradients DDP all-reduces with one
+            of torch's communication hooks, ``'fp16'``, ``'bf16'``,
+            ``'powersgd'`` or ``'batched_powersgd'`` (Accelerate's
+            ``DistributedDataParallelKwargs(comm_hook=...)``). In one process
+            (no DDP wrapper) nothing is registered. ``'bf16'`` needs NCCL
+            (torch's rule; refused by name on gloo). Default: none.
+        comm_hook_options: For the PowerSGD hooks: ``PowerSGDState``'s keywords
+            (``matrix_approximation_rank``, ``start_powerSGD_iter``, ...) and
+            ``wrapper='fp16'`` or ``'bf16'`` to compress PowerSGD's own traffic
+            (Accelerate's ``comm_state_option`` and ``comm_wrapper``).
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -334,8 +349,11 @@ def prepare(
         activation_checkpointing=activation_checkpointing,
         offload=offload,
         reshard_after_forward=reshard_after_forward,
+        comm_hook=comm_hook,
+        comm_hook_options=comm_hook_options,
     )
     check_options(dist, options)
+    check_comm_hook(dist, comm_hook, comm_hook_options)
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)

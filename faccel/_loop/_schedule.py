@@ -42,10 +42,10 @@ def accelerate_scheduler_steps(dist: DistState, *, split_batches: bool = False) 
 
     Example:
         >>> import faccel
-        >>> faccel.accelerate_scheduler_steps(faccel.DistState.simulated(rank=0, world_size=4))
-        4
-        >>> faccel.accelerate_scheduler_steps(faccel.DistState.simulated(rank=0, world_size=4), split_batches=True)
-        1
+        >>> four = faccel.DistState.simulated(rank=0, world_size=4)
+        >>> steps = faccel.accelerate_scheduler_steps
+        >>> steps(four), steps(four, split_batches=True)
+        (4, 1)
     """
     return 1 if split_batches else dist.world_size
 

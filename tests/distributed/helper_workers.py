@@ -1,0 +1,40 @@
+"""What the two-rank tests of Accelerate's helpers run on every rank."""
+
+from __future__ import annotations
+
+import torch
+
+import faccel
+
+
+def batch_size_one_rank_oom() -> dict:
+    """Rank 1 alone runs out of memory above 40: both ranks settle on the same size."""
+    dist = faccel.detect()
+    sizes = []
+
+    @faccel.find_executable_batch_size(dist, starting_batch_size=64)
+    def train(batch_size: int) -> int:
+        sizes.append(batch_size)
+        if dist.rank == 1 and batch_size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size
+
+    return {"rank": dist.rank, "result": train(), "tried": sizes}
+
+
+def comm_hook_step(hook: str | None) -> dict:
+    """One DDP step with ``hook``; the hook DDP reports and the weights after it."""
+    dist = faccel.detect()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    options = {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1} if hook == "powersgd" else None
+    model = faccel.prepare(dist, model, comm_hook=hook, comm_hook_options=options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + dist.rank)
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).square().sum()
+        faccel.backward(dist, loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    logged = model._get_ddp_logging_data().get("comm_hook", "")
+    return {"rank": dist.rank, "hook": logged, "weight": faccel.unwrap_model(model).weight.flatten().tolist()}
