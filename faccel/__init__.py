@@ -61,6 +61,8 @@ if (
     from faccel._loop._batch_size import find_executable_batch_size as find_executable_batch_size
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
+    from faccel._loop._local_sgd import LocalSGD as LocalSGD
+    from faccel._loop._local_sgd import local_sgd as local_sgd
     from faccel._loop._micro_step import MicroStep as MicroStep
     from faccel._loop._micro_step import micro_step as micro_step
     from faccel._loop._model import unwrap_model as unwrap_model
@@ -75,6 +77,7 @@ if (
     from faccel._report._logging import print as print
     from faccel._report._memory_plan import MemoryPlan as MemoryPlan
     from faccel._report._memory_plan import estimate_memory as estimate_memory
+    from faccel._report._profile import profile as profile
     from faccel._report._progress import progress as progress
     from faccel._report._tracking import Tracker as Tracker
     from faccel._report._tracking import end_training as end_training

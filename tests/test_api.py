@@ -84,6 +84,9 @@ PINNED: dict[str, list[str]] = {
         # porting from Accelerate (docs/from-accelerate.md)
         "accelerate_scheduler_steps",
         "find_executable_batch_size",
+        "LocalSGD",
+        "local_sgd",
+        "profile",
         "local_main_process_first",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers

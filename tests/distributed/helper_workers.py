@@ -38,3 +38,39 @@ def comm_hook_step(hook: str | None) -> dict:
         optimizer.zero_grad()
     logged = model._get_ddp_logging_data().get("comm_hook", "")
     return {"rank": dist.rank, "hook": logged, "weight": faccel.unwrap_model(model).weight.flatten().tolist()}
+
+
+def local_sgd_run(every: int, steps: int) -> dict:
+    """LocalSGD on 2 ranks, other data on each: they differ between averages, agree after the block."""
+    dist = faccel.detect()
+    torch.manual_seed(0)
+    model = faccel.prepare(dist, torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(10 + dist.rank)
+    weights, averaged = [], []
+    with faccel.local_sgd(dist, model, every=every) as local:
+        for step in range(1, steps + 1):
+            loss = model(torch.randn(8, 4)).square().mean()
+            faccel.backward(dist, loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            averaged.append(local.step(step))
+            weights.append(faccel.unwrap_model(model).weight.flatten().tolist())
+    final = faccel.unwrap_model(model).weight.flatten().tolist()
+    return {"rank": dist.rank, "weights": weights, "averaged": averaged, "final": final}
+
+
+def profile_run(root: str) -> dict:
+    """Each rank writes its own trace; a scheduled run writes one per active cycle."""
+    import os
+
+    dist = faccel.detect()
+    with faccel.profile(dist, os.path.join(root, "plain")):
+        torch.ones(16, 16) @ torch.ones(16, 16)
+    with faccel.profile(
+        dist, os.path.join(root, "scheduled"), schedule={"wait": 1, "active": 1, "repeat": 2}
+    ) as p:
+        for _ in range(4):
+            torch.ones(16, 16) @ torch.ones(16, 16)
+            p.step()
+    return {"rank": dist.rank}

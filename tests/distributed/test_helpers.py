@@ -22,3 +22,24 @@ def test_comm_hooks_through_prepare_are_active_and_keep_the_ranks_equal(hook: st
     assert all(hook.replace("powersgd", "powerSGD") in r["hook"] for r in hooked), [r["hook"] for r in hooked]
     assert hooked[0]["weight"] == hooked[1]["weight"]  # the same compressed average on both ranks
     assert hooked[0]["weight"] != plain[0]["weight"]  # and a compressed one: the hook ran
+
+
+def test_local_sgd_lets_the_ranks_drift_and_averages_every_n_steps() -> None:
+    results = harness.run(hw.local_sgd_run, world_size=2, every=3, steps=7)
+    r0, r1 = results
+    assert r0["averaged"] == [False, False, True, False, False, True, False]
+    for step, synced in enumerate(r0["averaged"]):
+        assert (r0["weights"][step] == r1["weights"][step]) == synced  # no gradient all-reduce in between
+    assert r0["final"] == r1["final"]  # leaving the block averages once more
+
+
+def test_profile_writes_one_trace_per_rank_and_cycle(tmp_path) -> None:
+    harness.run(hw.profile_run, world_size=2, root=str(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["profile_0.json", "profile_1.json"]
+    scheduled = sorted(p.name for p in (tmp_path / "scheduled").iterdir())
+    assert scheduled == [
+        "profile_0_step2.json",
+        "profile_0_step4.json",
+        "profile_1_step2.json",
+        "profile_1_step4.json",
+    ]
