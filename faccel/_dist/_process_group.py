@@ -21,6 +21,7 @@ import torch
 import torch.distributed as tdist
 
 from faccel._dist._deepspeed_config import read_config
+from faccel._dist._launch import OPTION_VARIABLES
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
 from faccel._dist._state import DistState, state_from_env
@@ -94,7 +95,8 @@ def detect(
         deepspeed: Under ``strategy='deepspeed'``: the DeepSpeed config, a dict
             or the path of its JSON file (``"auto"`` values and missing ones are
             filled by ``prepare``; docs/deepspeed.md). Given without a strategy,
-            it selects ``'deepspeed'``.
+            it selects ``'deepspeed'``. Default: the file ``$FACCEL_DEEPSPEED_CONFIG``
+            names, if set (Accelerate's ``--deepspeed_config_file``).
         start: Start the process group when the world has more than one process.
         train_timeout: A shorter ``timeout`` for every collective once training
             has warmed up (from the second optimizer step's first ``backward``
@@ -121,8 +123,13 @@ def detect(
         >>> (dist.rank, dist.world_size, dist.launcher, dist.precision)
         (0, 1, 'none', 'no')
     """
+    environment = os.environ if env is None else env
+    if deepspeed is None:  # FACCEL_DEEPSPEED_CONFIG: a config file from the launcher's environment
+        deepspeed = environment.get(OPTION_VARIABLES["deepspeed"]) or None
+        if deepspeed is not None and strategy is None and OPTION_VARIABLES["strategy"] in environment:
+            strategy = environment[OPTION_VARIABLES["strategy"]]  # said twice: the two must agree
     state = state_from_env(
-        os.environ if env is None else env,
+        environment,
         cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         mps_available=torch.backends.mps.is_available(),
         device=device,
@@ -232,7 +239,8 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
-        if dist.distributed and tdist.is_initialized():
+        # Under DeepSpeed a one-process run has a one-rank group of prepare's (_loop/_deepspeed.py).
+        if (dist.distributed or dist.strategy == "deepspeed") and tdist.is_initialized():
             tdist.destroy_process_group()
             atexit.unregister(_stop_at_exit)
 
