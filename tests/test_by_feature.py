@@ -325,3 +325,30 @@ def test_complete_nlp_example_tiny_bert_trains_evaluates_and_checkpoints(tmp_pat
     state = attrs.evolve(state, step=len(train), epoch=1)
     folder = faccel.checkpoint(dist, state, tmp_path, name="epoch_0")
     assert seen == 10 and (folder / "model.safetensors").is_file() and scheduler.last_epoch == len(train)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_the_one_process_ports_end_with_accelerates_weights_bitwise(steps: int) -> None:
+    """gradient_accumulation.py (and the plain loop of local_sgd.py) under Accelerate: the same bits.
+
+    The seedable sampler draws the shuffle from ``seed + epoch`` as a prepared faccel loader does;
+    every accumulation group is full (6 batches of 4, groups of 2), so the means agree.
+    """
+    pytest.importorskip("accelerate", reason="the comparison runs Accelerate (not in the test extra)")
+    import subprocess
+    import sys
+
+    example = {1: "local_sgd", 2: "gradient_accumulation"}[steps]
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "by_feature_accelerate.py"), example],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    dist = faccel.detect({}, accumulation_steps=steps)
+    model, optimizer, train, _ = _setup(dist)
+    for epoch in range(2):
+        _epoch(dist, model, optimizer, train.at(epoch=epoch))
+    assert [p.flatten().tolist() for p in _weights(model)] == theirs
