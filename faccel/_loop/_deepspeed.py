@@ -442,6 +442,12 @@ def _one_process_group(dist: DistState) -> None:
     """
     for name, value in deepspeed_environment(dist.local_rank).items():
         os.environ.setdefault(name, value)
+    if dist.world_size > 1 and not torch.distributed.is_initialized():
+        msg = (
+            f"strategy='deepspeed' on {dist.world_size} processes needs the process group faccel.detect() "
+            "starts, and none is running (detect(start=False)?); call faccel.detect() under the launcher"
+        )
+        raise PrepareError(msg)
     if dist.world_size == 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             dist.backend, store=torch.distributed.HashStore(), rank=0, world_size=1
