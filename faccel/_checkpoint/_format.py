@@ -10,7 +10,8 @@ Layout (the format is specified in docs/checkpoints.md)::
         optimizer.safetensors    the optimizer's state tensors
         extras.safetensors       tensors of the scheduler, scaler and extras
         rng-00000.json ...       each rank's Python, NumPy, torch (and CUDA) generators
-    ROOT/.tmp-step-.../          a checkpoint being written: never read
+    ROOT/best/                   a named checkpoint (``checkpoint(..., name=...)``): read only when named
+    ROOT/.tmp-step-.../          a checkpoint being written (``.tmp-best``: a named one): never read
     ROOT/.trash-step-.../        a checkpoint being deleted: never read
     ROOT/.replaced-step-.../     a checkpoint being replaced (``replace=True``): read only
                                  while its ``step-...`` folder is absent
