@@ -74,3 +74,20 @@ def profile_run(root: str) -> dict:
             torch.ones(16, 16) @ torch.ones(16, 16)
             p.step()
     return {"rank": dist.rank}
+
+
+def accelerate_schedule(steps: int) -> dict:
+    """A warmup schedule written for Accelerate, stepped the Accelerate way on 2 ranks."""
+    dist = faccel.detect()
+    torch.manual_seed(0)
+    model = faccel.prepare(dist, torch.nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(1.0, n / 8))
+    lrs = []
+    for _ in range(steps):
+        faccel.backward(dist, model(torch.ones(1, 2)).sum())
+        n = faccel.accelerate_scheduler_steps(dist)
+        faccel.optimizer_step(dist, optimizer, scheduler=scheduler, scheduler_steps=n)
+        optimizer.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+    return {"rank": dist.rank, "lrs": lrs}

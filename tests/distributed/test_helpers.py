@@ -43,3 +43,10 @@ def test_profile_writes_one_trace_per_rank_and_cycle(tmp_path) -> None:
         "profile_1_step2.json",
         "profile_1_step4.json",
     ]
+
+
+def test_a_port_asking_for_accelerates_schedule_gets_it_on_two_ranks() -> None:
+    # Accelerate's AcceleratedScheduler on 2 processes steps a warmup of 8 twice per optimizer step:
+    # the warmup ends after 4 optimizer steps (faccel's own rule: after 8).
+    results = harness.run(hw.accelerate_schedule, world_size=2, steps=5)
+    assert [r["lrs"] for r in results] == [[0.25, 0.5, 0.75, 1.0, 1.0]] * 2
