@@ -46,6 +46,7 @@ if (
     from faccel._dist._mesh import device_mesh as device_mesh
     from faccel._dist._notebook import launch as launch
     from faccel._dist._process_group import detect as detect
+    from faccel._dist._process_group import local_main_process_first as local_main_process_first
     from faccel._dist._process_group import main_process_first as main_process_first
     from faccel._dist._process_group import shutdown as shutdown
     from faccel._dist._process_group import wait_for_everyone as wait_for_everyone
@@ -60,9 +61,12 @@ if (
     from faccel._loop._accumulate import micro_batches as micro_batches
     from faccel._loop._accumulate import steps_per_epoch as steps_per_epoch
     from faccel._loop._backward import backward as backward
+    from faccel._loop._batch_size import find_executable_batch_size as find_executable_batch_size
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
     from faccel._loop._context import context_attention as context_attention
+    from faccel._loop._local_sgd import LocalSGD as LocalSGD
+    from faccel._loop._local_sgd import local_sgd as local_sgd
     from faccel._loop._micro_step import MicroStep as MicroStep
     from faccel._loop._micro_step import micro_step as micro_step
     from faccel._loop._model import unwrap_model as unwrap_model
@@ -73,12 +77,14 @@ if (
     from faccel._loop._precision import grad_scaler as grad_scaler
     from faccel._loop._precision import optimizer_step as optimizer_step
     from faccel._loop._prepare import prepare as prepare
+    from faccel._loop._schedule import accelerate_scheduler_steps as accelerate_scheduler_steps
     from faccel._loop._uneven import uneven_inputs as uneven_inputs
     from faccel._report._logging import RankLogger as RankLogger
     from faccel._report._logging import get_logger as get_logger
     from faccel._report._logging import print as print
     from faccel._report._memory_plan import MemoryPlan as MemoryPlan
     from faccel._report._memory_plan import estimate_memory as estimate_memory
+    from faccel._report._profile import profile as profile
     from faccel._report._progress import progress as progress
     from faccel._report._tracking import Tracker as Tracker
     from faccel._report._tracking import end_training as end_training

@@ -11,6 +11,7 @@ __all__ = [
     "AccumulationError",
     "ArgumentError",
     "ArgumentValueError",
+    "BatchSizeError",
     "CheckpointError",
     "CheckpointWarning",
     "DistributedError",
@@ -188,6 +189,16 @@ class MissingExtraError(FaccelError, ImportError):
     ``fsspec``), which faccel does not install by default. Fix: install the
     extra the message names, e.g. ``pip install 'faccel[s3]'``
     (docs/object-storage.md).
+    """
+
+
+class BatchSizeError(FaccelError, RuntimeError):
+    """No batch size fits: :func:`faccel.find_executable_batch_size` shrank it to zero.
+
+    Cause: the function raised an out-of-memory error at every batch size down
+    to 1 (or at the only one tried). Fix: a smaller model or sequence, another
+    precision, sharding (``strategy="fsdp"``), or a larger device; the message
+    lists the sizes tried.
     """
 
 

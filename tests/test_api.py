@@ -90,6 +90,13 @@ PINNED: dict[str, list[str]] = {
         # large models: the memory plan before launch (python -m faccel plan)
         "MemoryPlan",
         "estimate_memory",
+        # porting from Accelerate (docs/from-accelerate.md)
+        "accelerate_scheduler_steps",
+        "find_executable_batch_size",
+        "LocalSGD",
+        "local_sgd",
+        "profile",
+        "local_main_process_first",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers
     "faccel.func": [

@@ -335,6 +335,7 @@ def test_the_table_is_the_one_the_docs_and_the_report_show() -> None:
         "FACCEL_TIMEOUT": "1",
         "FACCEL_TRAIN_TIMEOUT": "1",
         "FACCEL_LAYOUT": "1",
+        "FACCEL_DEEPSPEED_CONFIG": "1",
     }
 
 

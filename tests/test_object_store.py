@@ -382,3 +382,30 @@ def test_save_model_writes_the_hugging_face_layout_to_s3(s3: S3, tmp_path: Path,
         torch.equal(a, b)
         for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
     )
+
+
+@pytest.mark.parametrize("how", ["move", "delete"])
+def test_a_named_checkpoint_and_a_rollback_on_s3(s3: S3, how: str) -> None:
+    # Named checkpoints and restore(..., rollback=) go through the Store (a copy then a retire on S3).
+    import faccel
+
+    dist, state, fs = faccel.detect({}), _state(1), s3.fs()
+    root = f"{s3.url}/run"
+    bucket_root = root.removeprefix("s3://")
+    for step in (1, 2, 3):
+        faccel.checkpoint(dist, attrs.evolve(state, step=step), root)
+    assert faccel.checkpoint(dist, attrs.evolve(state, step=2), root, name="best") == f"{root}/best"
+    assert faccel.latest_checkpoint(root) == f"{root}/step-000000000003"
+    assert faccel.restore(dist, _fresh(), f"{root}/best", into=f"{root}-best").step == 2
+    with pytest.raises(faccel.errors.CheckpointError, match="also holds later checkpoints"):
+        faccel.restore(dist, _fresh(), f"{root}/step-000000000001")
+    restored = faccel.restore(dist, _fresh(), f"{root}/step-000000000001", rollback=how)
+    assert restored.step == 1 and _same(restored, state)
+    assert faccel.latest_checkpoint(root) == f"{root}/step-000000000001"
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(bucket_root))
+    aside = ["abandoned-after-step-000000000001"] if how == "move" else []
+    assert names == sorted(["best", "step-000000000001", *aside])
+    if how == "move":
+        moved = f"{root}/abandoned-after-step-000000000001/step-000000000003"
+        assert faccel.restore(dist, _fresh(), moved, into=f"{root}-2").step == 3

@@ -113,7 +113,7 @@ def scan(root: Spot) -> Listing:
         replaced = REPLACED.fullmatch(entry.name)
         if match:
             found[int(match.group(1))] = root / entry.name
-        elif replaced:
+        elif replaced and replaced.group(2) is not None:  # a named one is never a root's latest
             aside[int(replaced.group(2))] = root / entry.name
     folders = {**aside, **found}
     return Listing(root=root, folders=tuple(sorted(folders.items(), reverse=True)))

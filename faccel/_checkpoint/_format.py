@@ -10,7 +10,8 @@ Layout (the format is specified in docs/checkpoints.md)::
         optimizer.safetensors    the optimizer's state tensors
         extras.safetensors       tensors of the scheduler, scaler and extras
         rng-00000.json ...       each rank's Python, NumPy, torch (and CUDA) generators
-    ROOT/.tmp-step-.../          a checkpoint being written: never read
+    ROOT/best/                   a named checkpoint (``checkpoint(..., name=...)``): read only when named
+    ROOT/.tmp-step-.../          a checkpoint being written (``.tmp-best``: a named one): never read
     ROOT/.trash-step-.../        a checkpoint being deleted: never read
     ROOT/.replaced-step-.../     a checkpoint being replaced (``replace=True``): read only
                                  while its ``step-...`` folder is absent
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_SHARDED_WORLD",
     "MODEL",
     "MODEL_METADATA",
+    "NAMED",
     "OPTIMIZER",
     "PAGE_RANKS",
     "RANKS_FORMAT",
@@ -52,6 +54,7 @@ __all__ = [
     "expected_files",
     "file_records",
     "manifest_version",
+    "named_temporary_name",
     "page_name",
     "replaced_name",
     "rng_name",
@@ -90,10 +93,13 @@ EXTRAS = "extras.safetensors"
 
 # A complete checkpoint's folder (when it holds a faccel manifest), and the step it names.
 STEP_FOLDER = re.compile(r"step-(\d{12,})")
-# Folders of interrupted writes and deletions.
-LEFTOVER = re.compile(r"\.(tmp|trash)-step-\d{12,}")
-# A checkpoint moved aside while its replacement is renamed in; the step folder it names.
-REPLACED = re.compile(r"\.replaced-(step-(\d{12,}))")
+# A named checkpoint's folder (``checkpoint(..., name="best")``): one path component, never a step's.
+NAMED = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# Folders of interrupted writes and deletions, of numbered and named checkpoints alike.
+LEFTOVER = re.compile(r"\.(tmp|trash)-(step-\d{12,}|[A-Za-z0-9][A-Za-z0-9_.-]{0,127})")
+# A checkpoint moved aside while its replacement is renamed in; the folder it names, and its step
+# (group 2; None for a named checkpoint, which restore(root) never takes as the latest).
+REPLACED = re.compile(r"\.replaced-(step-(\d{12,})|[A-Za-z0-9][A-Za-z0-9_.-]{0,127})")
 
 
 def checkpoint_name(step: int) -> str:
@@ -114,6 +120,16 @@ def temporary_name(step: int) -> str:
         '.tmp-step-000000001200'
     """
     return f".tmp-{checkpoint_name(step)}"
+
+
+def named_temporary_name(name: str) -> str:
+    """The folder the checkpoint named ``name`` is written into before its commit.
+
+    Example:
+        >>> named_temporary_name("best")
+        '.tmp-best'
+    """
+    return f".tmp-{name}"
 
 
 def trash_name(folder: str) -> str:

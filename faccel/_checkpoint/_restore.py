@@ -40,6 +40,7 @@ from faccel._checkpoint._format import (
     WHOLE_VERSIONS,
     rng_name,
 )
+from faccel._checkpoint._history import Rollback, check_restore_choice, refuse_later, set_aside
 from faccel._checkpoint._load import load
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
@@ -215,6 +216,8 @@ def restore(
     path: str | os.PathLike[str],
     *,
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
+    into: str | os.PathLike[str] | None = None,
+    rollback: Rollback | None = None,
 ) -> TrainState:
     """Load a checkpoint into ``train_state``'s objects and return the saved TrainState.
 
@@ -253,6 +256,18 @@ def restore(
             storage (docs/object-storage.md).
         arrival_timeout: How long the ranks that called ``restore`` wait for
             the others to call it too, before raising.
+        into: The root this run checkpoints into, when not ``path``'s own:
+            then ``path`` may be any committed checkpoint (an older step of a
+            root that holds later ones, a named one, a folder of an archived or
+            read-only root), which is only read; ``into`` must hold no
+            checkpoint after the restored step.
+        rollback: Go back to the checkpoint folder ``path`` within its root:
+            ``"move"`` moves the root's later numbered checkpoints into
+            ``root/abandoned-after-step-N/`` (a loss spike's way back, kept for
+            a look), ``"delete"`` deletes them; done by the writing rank under
+            the root's lock, after the checkpoint passed its checks and before
+            anything is loaded. Without ``into`` or ``rollback``, a folder of a
+            root that holds later checkpoints is refused.
 
     Returns:
         A new TrainState: the same objects, with the saved step, epoch,
@@ -261,7 +276,9 @@ def restore(
     Raises:
         CheckpointError: No checkpoint at ``path``, or one that is corrupted,
             truncated, foreign, of another version, or does not fit the
-            objects; at another world size: a position inside an epoch that
+            objects; a folder of a root that holds later checkpoints (without
+            ``into`` or ``rollback``), an ``into`` root that does; at
+            another world size: a position inside an epoch that
             the checkpoint does not record globally (saved without
             ``TrainState.loader``), a target without ``loader``, or
             ``rank_extras``; every checkpoint of a root is broken; a rank did not
@@ -281,13 +298,17 @@ def restore(
         >>> (restored.step, restored.position, torch.equal(fresh.weight, model.weight))
         (7, 3, True)
     """
+    check_restore_choice(into, rollback)
     breadcrumb(dist, "restore", step=train_state.step)
     # A non-blocking checkpoint still being written is committed first.
     wait_for_background(dist.runtime, dist, call="restore")
     arrive(dist, "restore", timeout=arrival_timeout, raises=CheckpointError)
     # One listing of the root and one read of the chosen manifest per rank, inside the agreement.
     found = together(
-        dist, lambda: _find(spot_of(path)), what="finding the checkpoint", raises=CheckpointError
+        dist,
+        lambda: _find(spot_of(path), into=None if into is None else spot_of(into), rollback=rollback),
+        what="finding the checkpoint",
+        raises=CheckpointError,
     )
     passed: list[tuple[Spot, str]] = list(found.passed)
     candidates: list[Manifest | Spot] = [found.chosen, *found.older]
@@ -323,6 +344,8 @@ def restore(
                     CheckpointWarning,
                     stacklevel=3,
                 )
+            if rollback is not None:  # a single folder (refuse_later): the chosen one
+                _roll_back(dist, _folder(candidate), step, rollback)
             return load(train_state, *result)
         if uncommitted:
             continue
@@ -355,19 +378,22 @@ class _Found:
     older: tuple[Spot, ...] = ()
 
 
-def _find(path: Spot) -> _Found:
+def _find(path: Spot, *, into: Spot | None, rollback: Rollback | None) -> _Found:
     """``path`` as one checkpoint, or a root's newest complete one: one listing, manifests read newest
     first until one counts (a damaged one is passed over, an uncommitted one on an object store is
     not a checkpoint at all)."""
     own = read_manifest(path)
     if own.step is not None:
-        _refuse_an_abandoned_future(path, own.step)
+        # Restoring one folder of a root that holds later checkpoints: the run would collide with
+        # them at its first later checkpoint, hours in, or leave them as a "latest" not this run's.
+        refuse_later(path, own.step, folder=True, into=into, rollback=rollback)
         return _Found(chosen=own, single=True)
     listing = scan(path)
     passed: list[tuple[Spot, str]] = []
     for index, (_, folder) in enumerate(listing.folders):
         manifest = read_manifest(folder)
         if manifest.step is not None:
+            refuse_later(path, manifest.step, folder=False, into=into, rollback=rollback)
             older = tuple(f for _, f in listing.folders[index + 1 :])
             return _Found(chosen=manifest, single=False, passed=tuple(passed), older=older)
         if counted(manifest):
@@ -379,31 +405,14 @@ def _find(path: Spot) -> _Found:
     raise CheckpointError(msg)
 
 
-def _refuse_an_abandoned_future(path: Spot, step: int) -> None:
-    """Raise when ``path`` is one checkpoint folder of a root that also holds later step folders.
+def _roll_back(dist: DistState, folder: Spot, step: int, how: Rollback) -> None:
+    """The writing rank sets the later checkpoints of ``folder``'s root aside; every rank waits for it."""
 
-    A run resumed from step ``step`` would reach those steps and find them taken
-    (checkpoints never overwrite unasked), or, with ``replace=True``, leave the
-    later ones as the root's "latest" for the next restore. Refused here, at the
-    start, with the choices, not at the first colliding checkpoint.
-    """
-    root = path.parent
-    later = []
-    for later_step, folder in scan(root).folders:
-        if later_step <= step:
-            break
-        if counted(read_manifest(folder)):
-            later.append(folder.name)
-    if later:
-        msg = (
-            f"{path}: restoring step {step}, but its root {root} also holds later checkpoints "
-            f"({', '.join(sorted(later)[:5])}{' ...' if len(later) > 5 else ''}). The resumed run "
-            "would meet them at its first later checkpoint and stop there (checkpoints never "
-            "overwrite unasked), or leave them as the root's latest for the next restore. Choose "
-            "before training: checkpoint this run into a new root (copy this folder there and "
-            "restore from it), or delete or move the later folders if that future is abandoned"
-        )
-        raise CheckpointError(msg)
+    def work() -> None:
+        if dist.is_main_process:
+            set_aside(folder, step, how)
+
+    together(dist, work, what=f"the rollback to {folder.name}", raises=CheckpointError)
 
 
 @attrs.frozen

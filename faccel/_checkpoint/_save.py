@@ -64,6 +64,7 @@ from faccel._checkpoint._format import (
     rng_name,
     shard_name,
 )
+from faccel._checkpoint._history import check_checkpoint_name
 from faccel._checkpoint._manifest import Manifest, RankPage
 from faccel._checkpoint._sharded._flow import exchange_records, plan_pieces
 from faccel._checkpoint._sharded._shard_file import write_shard
@@ -225,6 +226,7 @@ def checkpoint(
     arrival_timeout: datetime.timedelta = DEFAULT_ARRIVAL,
     sharded: bool | None = None,
     blocking: bool = True,
+    name: str | None = None,
 ) -> Path | str:
     """Save ``train_state`` as ``path/step-NNNNNNNNNNNN``, atomically and durably, without pickle.
 
@@ -278,12 +280,21 @@ def checkpoint(
             :func:`faccel.shutdown` waits for it, and raises its failure as a
             ``CheckpointError`` (nothing of a failed one is committed). Costs
             a host copy of the state (this rank's shards, when sharded).
+        name: Write ``path/NAME`` (``"best"``, ``"epoch_0"``) instead of the
+            step's folder: a named checkpoint beside the numbered ones, with
+            the same files, checks and atomic commit. ``restore(dist, state,
+            path / NAME)`` reads it; ``restore(dist, state, path)`` never takes
+            it as the latest and ``keep`` never rotates it. An existing name is
+            refused unless ``replace`` (``replace=True`` for a ``best`` you
+            overwrite). Letters, digits, ``_``, ``.`` and ``-``, starting with
+            a letter or digit, not of a step folder's form.
 
     Returns:
         The new checkpoint's folder.
 
     Raises:
-        ArgumentValueError: ``keep`` < 1, a simulated DistState of several
+        ArgumentValueError: ``keep`` < 1, ``keep`` with ``name``, a ``name``
+            that is not one plain folder name, a simulated DistState of several
             ranks, or ``sharded=True`` for a model sharded otherwise than by
             rows over all ranks (HSDP, tensor parallelism).
         CheckpointError: A checkpoint of this step exists (and not
@@ -317,6 +328,8 @@ def checkpoint(
     if keep is not None and keep < 1:
         msg = f"keep must be at least 1 (the new checkpoint), or None to keep all; got {keep!r}"
         raise ArgumentValueError(msg)
+    if name is not None:
+        check_checkpoint_name(name, keep=keep)
     if dist.world_size > 1 and not dist.distributed:
         msg = (
             f"a simulated DistState of {dist.world_size} ranks has no peers to write their "
@@ -329,7 +342,7 @@ def checkpoint(
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
     root = together(dist, lambda: spot_of(path), what="opening the checkpoint root", raises=CheckpointError)
     step = train_state.step
-    final = root / checkpoint_name(step)
+    final = root / (checkpoint_name(step) if name is None else name)
     temporary = Spot(root.store, root.store.staging(final.key))
     # A value one rank cannot store fails every rank alike, before they agree (issue 26, item 7).
     rng = together(
@@ -338,8 +351,9 @@ def checkpoint(
         what="capturing the generators and rank_extras",
         raises=CheckpointError,
     )
-    _agree(dist, root, train_state, replace=replace)
-    dist.runtime.roots.add(_root_name(root))
+    _agree(dist, root, train_state, replace=replace, final=final)
+    if name is None:  # a named checkpoint meets no numbered one: the next numbered one still checks
+        dist.runtime.roots.add(_root_name(root))
 
     strategy = strategy_of(train_state.model)
     shards = _use_shards(strategy, train_state.model, dist, sharded=sharded)
@@ -622,15 +636,15 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(value).encode()).digest()[:8], "little") >> 2
 
 
-def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool) -> None:
+def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool, final: Spot) -> None:
     """Every rank learns, in one collective, whether any rank objects to writing this checkpoint."""
     step = state.step
     blocked = blocking_file(root)
-    final = root / checkpoint_name(step)
     # The first checkpoint of this process into a root that already holds later steps: the run
-    # would meet them at its first colliding step, hours in (issue 25), so it stops here.
-    first = _root_name(root) not in dist.runtime.roots
-    exists, ahead = _taken(root, step, first=first, replace=replace)
+    # would meet them at its first colliding step, hours in (issue 25), so it stops here. A named
+    # checkpoint meets no numbered one.
+    first = _root_name(root) not in dist.runtime.roots and final.name == checkpoint_name(step)
+    exists, ahead = _taken(root, step, final, first=first, replace=replace)
     digests = extras_digests(state.extras)
     values = [step, _digest(sorted(digests)), _digest(digests)]
     flags = [int(exists), int(blocked is not None), int(bool(ahead))]
@@ -677,7 +691,7 @@ def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool) -> 
         raise CheckpointError(msg)
 
 
-def _taken(root: Spot, step: int, *, first: bool, replace: bool) -> tuple[bool, list[str]]:
+def _taken(root: Spot, step: int, final: Spot, *, first: bool, replace: bool) -> tuple[bool, list[str]]:
     """Whether ``step`` is taken (a folder of its name: on a disk any, on an object store a committed
     one), and the later complete checkpoints when they matter: one listing of the root."""
     if replace:
@@ -686,7 +700,6 @@ def _taken(root: Spot, step: int, *, first: bool, replace: bool) -> tuple[bool, 
         listing = complete_checkpoints(root) if first else []
     except OSError:  # an unreadable root: the write that follows names what is wrong with it
         listing = []
-    final = root / checkpoint_name(step)
     if root.store.renames:
         exists = (
             root.store.is_folder(final.key) or manifest_step(root / replaced_name(final.name)) is not None
@@ -709,6 +722,12 @@ def _ahead_message(root: Spot, step: int, ahead: list[str]) -> str:
 
 
 def _exists_message(final: Spot, step: int) -> str:
+    if final.name != checkpoint_name(step):
+        return (
+            f"{final}: a checkpoint named {final.name!r} already exists, and a checkpoint never "
+            "overwrites another unasked; pass checkpoint(..., name=..., replace=True) to write it "
+            "again (a crash while replacing leaves the old one or the new one, whole), or another name"
+        )
     return (
         f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
         "overwrites another unasked. The step names the checkpoint, and faccel does not count "

@@ -277,8 +277,11 @@ def gather(dist: DistState, tree: Any) -> Any:
     padding is added to the result); all other dims and the dtype must match.
     A 0-d tensor counts as one row, so a scalar loss gathers to shape
     ``(world_size,)`` (and to ``(1,)`` in one process). Results stay on each
-    leaf's device. For evaluation over a prepared loader, use
-    :func:`faccel.gather_for_metrics`, which also drops the loader's padding.
+    leaf's device. Rows are grouped by rank, so over a prepared loader (whose
+    ranks read alternate samples of each global batch) the samples come back
+    interleaved, rank 0's then rank 1's, as from Accelerate's ``gather``. For
+    evaluation over a prepared loader, use :func:`faccel.gather_for_metrics`,
+    which keeps the epoch's order and drops the loader's padding.
 
     Args:
         dist: This process's state.

@@ -112,6 +112,9 @@ OPTION_VARIABLES: Mapping[str, str] = MappingProxyType(
         "timeout": "FACCEL_TIMEOUT",
         "train_timeout": "FACCEL_TRAIN_TIMEOUT",
         "layout": "FACCEL_LAYOUT",
+        # A DeepSpeed config file's path: read by detect() (faccel._dist._process_group), which selects
+        # strategy='deepspeed' unless FACCEL_STRATEGY says otherwise (then the two are refused).
+        "deepspeed": "FACCEL_DEEPSPEED_CONFIG",
     }
 )
 
@@ -133,6 +136,21 @@ ENV_VARIABLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "faccel": tuple(OPTION_VARIABLES.values()),
     }
 )
+
+
+def deepspeed_environment(local_rank: int) -> dict[str, str]:
+    """What DeepSpeed's engine reads from the process environment, which faccel's launch may lack.
+
+    DeepSpeed's engine asserts that ``LOCAL_RANK`` is set (torchrun sets it; a
+    plain one-process run, SLURM and Open MPI do not). ``faccel._loop._deepspeed``
+    writes these variables where unset, just before it builds the engine: the one
+    write of the process environment in faccel, listed here beside what faccel reads.
+
+    Example:
+        >>> deepspeed_environment(3)
+        {'LOCAL_RANK': '3'}
+    """
+    return {"LOCAL_RANK": str(local_rank)}
 
 
 # Counts and ranks beyond this are no real job: a bound, so no value read can be absurd.

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from faccel._choices import Precision, Strategy
+from faccel._choices import STRATEGY, Precision, Strategy
 from faccel._dist._deepspeed_config import read_config
+from faccel._dist._launch import OPTION_VARIABLES
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
 from faccel._dist._state import DistState, state_from_env
@@ -35,6 +36,7 @@ __all__ = [
     "comm_device",
     "detect",
     "last_calls",
+    "local_main_process_first",
     "main_process_first",
     "peers_answer",
     "pin_process_group",
@@ -96,7 +98,8 @@ def detect(
         deepspeed: Under ``strategy='deepspeed'``: the DeepSpeed config, a dict
             or the path of its JSON file (``"auto"`` values and missing ones are
             filled by ``prepare``; docs/deepspeed.md). Given without a strategy,
-            it selects ``'deepspeed'``.
+            it selects ``'deepspeed'``. Default: the file ``$FACCEL_DEEPSPEED_CONFIG``
+            names, if set (Accelerate's ``--deepspeed_config_file``).
         start: Start the process group when the world has more than one process.
         train_timeout: A shorter ``timeout`` for every collective once training
             has warmed up (from the second optimizer step's first ``backward``
@@ -123,8 +126,14 @@ def detect(
         >>> (dist.rank, dist.world_size, dist.launcher, dist.precision)
         (0, 1, 'none', 'no')
     """
+    environment = os.environ if env is None else env
+    if deepspeed is None:  # FACCEL_DEEPSPEED_CONFIG: a config file from the launcher's environment
+        deepspeed = environment.get(OPTION_VARIABLES["deepspeed"]) or None
+        if deepspeed is not None and strategy is None and OPTION_VARIABLES["strategy"] in environment:
+            # said twice: the two must agree (a word outside the closed set is refused here already)
+            strategy = STRATEGY.check(environment[OPTION_VARIABLES["strategy"]])
     state = state_from_env(
-        os.environ if env is None else env,
+        environment,
         cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         mps_available=torch.backends.mps.is_available(),
         device=device,
@@ -242,7 +251,8 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
-        if dist.distributed and tdist.is_initialized():
+        # Under DeepSpeed a one-process run has a one-rank group of prepare's (_loop/_deepspeed.py).
+        if (dist.distributed or dist.strategy == "deepspeed") and tdist.is_initialized():
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)  # no kernel of a collective left in flight
             tdist.destroy_process_group()
@@ -539,3 +549,28 @@ def main_process_first(dist: DistState) -> Iterator[None]:
     yield
     if dist.distributed and dist.is_main_process:
         _barrier(dist, "main_process_first")
+
+
+@contextlib.contextmanager
+def local_main_process_first(dist: DistState) -> Iterator[None]:
+    """Run the block on each node's main process first (``local_rank`` 0), then on the others.
+
+    For a cache on each node's own disk (a download into local storage, a
+    tokenised dataset under ``/tmp``): one process per node fills it, the
+    node's others then read it. Every process must enter the block
+    (Accelerate's ``accelerator.local_main_process_first()``).
+
+    Raises:
+        DistributedError: As :func:`main_process_first`, naming ``local_main_process_first``.
+
+    Example:
+        >>> import faccel
+        >>> with local_main_process_first(faccel.detect({})):
+        ...     print("built this node's cache")
+        built this node's cache
+    """
+    if dist.distributed and not dist.is_local_main_process:
+        _barrier(dist, "local_main_process_first")
+    yield
+    if dist.distributed and dist.is_local_main_process:
+        _barrier(dist, "local_main_process_first")

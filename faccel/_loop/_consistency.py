@@ -225,6 +225,7 @@ def _options(options: PrepareOptions) -> Iterator[tuple[str, Any]]:
     yield "activation_checkpointing", _selector(options.activation_checkpointing)
     yield "offload", options.offload
     yield "reshard_after_forward", options.reshard_after_forward
+    yield "comm_hook", options.comm_hook
 
 
 def _callable_name(fn: Any) -> str:

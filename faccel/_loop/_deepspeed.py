@@ -10,8 +10,15 @@ with what faccel knows (docs/deepspeed.md):
 * ``gradient_accumulation_steps``: ``dist.accumulation_steps``;
 * ``train_batch_size``: their product times the data-parallel world size;
 * ``fp16`` / ``bf16``: ``dist.precision``;
-* ``gradient_clipping``: 0 unless the config asks for a value (DeepSpeed's
-  own default, 1.0, would clip silently).
+* ``gradient_clipping``: 0 when the config leaves it out (nothing is clipped
+  that the user did not ask for); ``"auto"`` is 1.0, as Accelerate and the
+  Hugging Face Trainer resolve it, so a config written for them trains the same;
+* ``zero_optimization.reduce_bucket_size``, ``stage3_prefetch_bucket_size``,
+  ``stage3_param_persistence_threshold`` at ``"auto"``: from the model's
+  ``config.hidden_size`` (h*h, 0.9*h*h, 10*h), as Accelerate and the Trainer.
+
+Any other ``"auto"`` left in the config is refused by name (DeepSpeed would
+read the string): never a silent difference from Accelerate.
 
 A value the config states that contradicts one of these is a
 :class:`~faccel.errors.DeepSpeedConfigError`, never a silent winner.
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from faccel._dist._launch import deepspeed_environment
 from faccel._dist._state import DistState
 from faccel._marks import DEEPSPEED_ENGINE
 from faccel.errors import DeepSpeedConfigError, PrepareError, UsageError
@@ -47,6 +55,7 @@ __all__ = [
     "DeepSpeedOptimizer",
     "engine_backward",
     "fill_config",
+    "hidden_size_of",
     "is_deepspeed_engine",
     "prepare_deepspeed",
     "whole_shape",
@@ -54,6 +63,14 @@ __all__ = [
 
 # The values meaning "faccel, fill this in" (Accelerate's and HF Trainer's spelling).
 _AUTO = "auto"
+# What "auto" gradient clipping means to Accelerate and the HF Trainer (max_grad_norm=1.0).
+_AUTO_CLIPPING = 1.0
+# ZeRO's sizes that Accelerate and the Trainer derive from the model's hidden size h at "auto".
+_HIDDEN_SIZE_KEYS: dict[str, Callable[[int], int]] = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
 # Sections that would make DeepSpeed build its own optimizer or schedule: faccel's loop
 # steps the torch optimizer and scheduler the user prepared.
 _REFUSED_SECTIONS = ("optimizer", "scheduler")
@@ -97,7 +114,52 @@ def _precision_section(config: dict[str, Any], name: str, wanted: bool, precisio
     config[name] = section
 
 
-def fill_config(config: str, *, dist: DistState, micro_batch_size: int | None) -> dict[str, Any]:
+def _autos(value: Any, where: str = "") -> list[str]:
+    """The dotted keys of ``value`` whose value is ``"auto"``."""
+    if value == _AUTO:
+        return [where]
+    if isinstance(value, dict):
+        return [key for k, v in value.items() for key in _autos(v, f"{where}.{k}" if where else str(k))]
+    return []
+
+
+def _fill_hidden_sizes(filled: dict[str, Any], hidden_size: int | None) -> None:
+    zero = filled.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    asked = [key for key in _HIDDEN_SIZE_KEYS if zero.get(key) == _AUTO]
+    if not asked:
+        return
+    if hidden_size is None:
+        msg = (
+            f"the deepspeed config sets zero_optimization.{asked[0]} to 'auto', which Accelerate and the "
+            "HF Trainer fill from the model's config.hidden_size, and this model has none; state the "
+            "value in the config"
+        )
+        raise DeepSpeedConfigError(msg)
+    filled["zero_optimization"] = {**zero, **{key: _HIDDEN_SIZE_KEYS[key](hidden_size) for key in asked}}
+
+
+def hidden_size_of(model: nn.Module) -> int | None:
+    """The model's ``config.hidden_size`` (or the largest of ``config.hidden_sizes``), as Accelerate reads it.
+
+    Example:
+        >>> hidden_size_of(torch.nn.Linear(1, 1)) is None
+        True
+    """
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    sizes = getattr(config, "hidden_sizes", None)
+    if isinstance(sizes, list | tuple) and sizes and all(isinstance(s, int) for s in sizes):
+        return max(sizes)
+    return None
+
+
+def fill_config(
+    config: str, *, dist: DistState, micro_batch_size: int | None, hidden_size: int | None = None
+) -> dict[str, Any]:
     """The DeepSpeed config that ``config`` (JSON text) and faccel's own facts make together. Pure.
 
     Args:
@@ -105,6 +167,8 @@ def fill_config(config: str, *, dist: DistState, micro_batch_size: int | None) -
         dist: The run's :class:`DistState`: accumulation, precision, world size.
         micro_batch_size: The prepared loader's batch size per rank, or None
             when no loader was prepared with the model (then the config must say it).
+        hidden_size: The model's hidden size (:func:`hidden_size_of`), for
+            ZeRO's bucket sizes at ``"auto"``.
 
     Returns:
         The config dict to build the engine from.
@@ -112,7 +176,8 @@ def fill_config(config: str, *, dist: DistState, micro_batch_size: int | None) -
     Raises:
         DeepSpeedConfigError: A stated value contradicts faccel's, the config
             has an ``optimizer`` or ``scheduler`` section, the ZeRO stage is
-            not 0-3, or no micro-batch size is known.
+            not 0-3, no micro-batch size is known, or an ``"auto"`` is left
+            that faccel cannot fill as Accelerate would (named).
 
     Example:
         >>> dist = DistState.simulated(world_size=2, accumulation_steps=3, precision="bf16")
@@ -120,6 +185,8 @@ def fill_config(config: str, *, dist: DistState, micro_batch_size: int | None) -
         >>> (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"],
         ...  c["train_batch_size"], c["bf16"]["enabled"], c["fp16"]["enabled"], c["gradient_clipping"])
         (4, 3, 24, True, False, 0.0)
+        >>> fill_config('{"gradient_clipping": "auto"}', dist=dist, micro_batch_size=4)["gradient_clipping"]
+        1.0
         >>> fill_config('{"gradient_accumulation_steps": 2}', dist=dist, micro_batch_size=4)
         Traceback (most recent call last):
         ...
@@ -155,12 +222,25 @@ def fill_config(config: str, *, dist: DistState, micro_batch_size: int | None) -
     _precision_section(filled, "fp16", dist.precision == "fp16", dist.precision)
     _precision_section(filled, "bf16", dist.precision == "bf16", dist.precision)
     clip = filled.get("gradient_clipping")
-    if not _given(clip):
-        clip = 0.0  # not DeepSpeed's 1.0: nothing is clipped that the user did not ask for
+    if clip == _AUTO:
+        clip = (
+            _AUTO_CLIPPING  # what "auto" means to Accelerate and the HF Trainer: the same JSON, the same run
+        )
+    elif clip is None:
+        clip = 0.0  # left out: nothing is clipped that the user did not ask for
     if not isinstance(clip, int | float) or isinstance(clip, bool) or not math.isfinite(clip) or clip < 0:
         msg = f"gradient_clipping must be a number >= 0 (0: no clipping), got {clip!r}"
         raise DeepSpeedConfigError(msg)
     filled["gradient_clipping"] = float(clip)
+    _fill_hidden_sizes(filled, hidden_size)
+    left = _autos(filled)
+    if left:
+        msg = (
+            f"the deepspeed config leaves {', '.join(left)} at 'auto', which faccel does not fill "
+            "(it fills the batch sizes, accumulation, fp16/bf16, gradient_clipping and ZeRO's "
+            "hidden-size buckets, as Accelerate does); state the value in the config"
+        )
+        raise DeepSpeedConfigError(msg)
     # A torch optimizer (AdamW, SGD...) is "untested" for DeepSpeed's ZeRO; it works exactly.
     filled.setdefault("zero_allow_untested_optimizer", True)
     filled.setdefault("steps_per_print", 2**31 - 1)  # faccel's trackers log; DeepSpeed stays quiet
@@ -307,7 +387,6 @@ def engine_backward(loss: torch.Tensor, *, sync: bool, **kwargs: Any) -> None:
 def _build(
     dist: DistState, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]
 ) -> Any:
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if dist.device.type == "cuda" else "cpu")
     try:
         import deepspeed
     except ImportError:
@@ -316,18 +395,63 @@ def _build(
             "pip install 'faccel[deepspeed]' (or choose strategy='fsdp')"
         )
         raise PrepareError(msg) from None
+    _use_accelerator(dist)
+    _one_process_group(dist)
     model.to(dist.device)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         config=config,
-        # One process (no group of faccel's): DeepSpeed makes its own from the environment.
-        dist_init_required=not torch.distributed.is_initialized(),
+        dist_init_required=False,  # faccel's group, or the one-rank group above
     )
     ref = weakref.ref(engine)
     for param in engine.module.parameters():
         setattr(param, _ENGINE, ref)
     return engine
+
+
+def _use_accelerator(dist: DistState) -> None:
+    """DeepSpeed's accelerator for ``dist.device``, set through DeepSpeed's API, not the environment.
+
+    DeepSpeed picks one at import (CUDA when it sees a GPU, else the CPU with a
+    log line); a CPU run on a machine with a GPU needs its CPU accelerator.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    wanted = "cuda" if dist.device.type == "cuda" else "cpu"
+    if get_accelerator().device_name() == wanted:
+        return
+    if wanted == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
+
+
+def _one_process_group(dist: DistState) -> None:
+    """A one-rank process group for DeepSpeed in a plain one-process run (no launcher variables).
+
+    DeepSpeed needs a process group and, finding no ``RANK``/``MASTER_ADDR``,
+    would look for MPI (``ModuleNotFoundError: mpi4py``). One rank on an
+    in-process store needs no network; ``faccel.shutdown`` destroys it. The
+    engine still reads ``LOCAL_RANK`` from the environment: written where unset,
+    from the launcher table's list (``faccel._dist._launch.deepspeed_environment``).
+    """
+    for name, value in deepspeed_environment(dist.local_rank).items():
+        os.environ.setdefault(name, value)
+    if dist.world_size > 1 and not torch.distributed.is_initialized():
+        msg = (
+            f"strategy='deepspeed' on {dist.world_size} processes needs the process group faccel.detect() "
+            "starts, and none is running (detect(start=False)?); call faccel.detect() under the launcher"
+        )
+        raise PrepareError(msg)
+    if dist.world_size == 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            dist.backend, store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
 
 
 def prepare_deepspeed(
@@ -374,8 +498,10 @@ def prepare_deepspeed(
             getattr(others[i], "batch_size", None) for i in sorted(others) if hasattr(others[i], "sharding")
         ]
         micro = next((size for size in sizes if isinstance(size, int)), None)
-        config = fill_config(dist.deepspeed or "{}", dist=dist, micro_batch_size=micro)
         model, optimizer = objs[models[0]], objs[optimizers[0]]
+        config = fill_config(
+            dist.deepspeed or "{}", dist=dist, micro_batch_size=micro, hidden_size=hidden_size_of(model)
+        )
         groups = [list(group["params"]) for group in optimizer.param_groups]
         engine = _build(dist, model, optimizer, config)
         prepared = {models[0]: engine, optimizers[0]: DeepSpeedOptimizer(engine, optimizer, groups)}

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from faccel._dist._state import DistState
+from faccel._loop._schedule import advance_scheduler
 from faccel._typecheck import setup_checked
 
 __all__ = ["autocast", "grad_scaler", "optimizer_step"]
@@ -68,6 +69,7 @@ def optimizer_step(
     *,
     scaler: torch.amp.GradScaler | None = None,
     scheduler: Any = None,
+    scheduler_steps: int = 1,
 ) -> bool:
     """Step ``optimizer`` (through ``scaler`` if given), then ``scheduler`` if it stepped.
 
@@ -80,6 +82,10 @@ def optimizer_step(
         optimizer: The optimizer to step.
         scaler: The fp16 gradient scaler, or None.
         scheduler: An LR scheduler to advance after a real step, or None.
+        scheduler_steps: How many times to advance it per real step: 1
+            (faccel's rule), or ``faccel.accelerate_scheduler_steps(dist)`` to
+            keep a ported Accelerate script's schedule exactly (a
+            ``OneCycleLR`` stops at its last step, as there).
 
     Returns:
         True when the optimizer stepped; False when the scaler skipped the step.
@@ -103,5 +109,8 @@ def optimizer_step(
         # update() backs the scale off exactly when it found inf/NaN gradients.
         stepped = scaler.get_scale() >= before
     if stepped and scheduler is not None:
-        scheduler.step()
+        if scheduler_steps == 1:
+            scheduler.step()
+        else:
+            advance_scheduler(scheduler, scheduler_steps)
     return stepped

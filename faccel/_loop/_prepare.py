@@ -14,6 +14,7 @@ from faccel._choices import Init, Offload, WorkerSeeds
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
+from faccel._loop._comm_hooks import check_comm_hook, register_comm_hook
 from faccel._loop._consistency import check_setup
 from faccel._loop._context import check_context
 from faccel._loop._deepspeed import prepare_deepspeed
@@ -42,6 +43,8 @@ def _module(dist: DistState, obj: Any, options: _Options) -> Any:
         return pipelined(dist, obj, options)
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
+    if options.comm_hook is not None:
+        register_comm_hook(prepared, options.comm_hook, options.comm_hook_options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
     # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
     # object is left behind, untrained; it says what replaced it, so an optimizer that
@@ -215,6 +218,8 @@ def prepare(
     reshard_after_forward: bool = True,
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
     schedule: Schedule | None = None,
+    comm_hook: str | None = None,
+    comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -325,6 +330,16 @@ def prepare(
             runs on any layout.
         schedule: The pipeline schedule, a :class:`Schedule` (default: 1F1B,
             one micro-batch per stage).
+        comm_hook: Under DDP: compress the gradients DDP all-reduces with one
+            of torch's communication hooks, ``'fp16'``, ``'bf16'``,
+            ``'powersgd'`` or ``'batched_powersgd'`` (Accelerate's
+            ``DistributedDataParallelKwargs(comm_hook=...)``). In one process
+            (no DDP wrapper) nothing is registered. ``'bf16'`` needs NCCL
+            (torch's rule; refused by name on gloo). Default: none.
+        comm_hook_options: For the PowerSGD hooks: ``PowerSGDState``'s keywords
+            (``matrix_approximation_rank``, ``start_powerSGD_iter``, ...) and
+            ``wrapper='fp16'`` or ``'bf16'`` to compress PowerSGD's own traffic
+            (Accelerate's ``comm_state_option`` and ``comm_wrapper``).
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -381,9 +396,12 @@ def prepare(
         reshard_after_forward=reshard_after_forward,
         split=tuple(split) if isinstance(split, list | tuple) else split,
         schedule=schedule,
+        comm_hook=comm_hook,
+        comm_hook_options=comm_hook_options,
     )
     check_options(dist, options)
     check_context(dist)  # context parallelism only where torch has ring attention (faccel._loop._context)
+    check_comm_hook(dist, comm_hook, comm_hook_options)
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
     if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)

@@ -323,6 +323,12 @@ class LocalStore:
         root, name = os.path.split(folder)
         self._trash(folder, os.path.join(root, _TRASH + name))
 
+    def move(self, folder: str, target: str) -> None:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(folder, target)
+        fsync_dir(Path(os.path.dirname(target)))
+        fsync_dir(Path(os.path.dirname(folder)))
+
     def aside(self, folder: str) -> str:
         """Where ``folder`` waits while its replacement is renamed in (it counts as ``folder`` then)."""
         root, name = os.path.split(folder)

@@ -372,6 +372,17 @@ class ObjectStore:
             self.delete(self.join(folder, "manifest.json"))
         self.delete(folder)
 
+    def move(self, folder: str, target: str) -> None:
+        """No rename on an object store: a copy, then the original retired (its manifest first), so a
+        crash leaves the checkpoint at its place, or at both."""
+
+        def copy() -> None:
+            self.fs.copy(folder, target, recursive=True)
+            self.fs.invalidate_cache(self.parent(target))
+
+        self._call("moving", folder, copy)
+        self.retire(folder, committed=True)
+
     def leftovers(self, root: str, *, counts: Callable[[str], bool]) -> None:
         """Nothing here: an uncommitted checkpoint is a step prefix without a manifest, which the
         caller recognises and deletes (``_checkpoint/_folders.remove_leftovers``)."""

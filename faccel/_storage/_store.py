@@ -184,6 +184,10 @@ class Store(Protocol):
     def retire(self, folder: str, *, committed: bool) -> None:
         """Delete a checkpoint folder, invisible to readers first (its manifest goes first)."""
 
+    def move(self, folder: str, target: str) -> None:
+        """Move the committed checkpoint folder ``folder`` to ``target`` (a rollback sets later ones aside):
+        on a disk one rename, so a crash leaves it at one place or the other."""
+
     def leftovers(self, root: str, *, counts: Callable[[str], bool]) -> None:
         """Remove what dead writers left under ``root`` (the caller holds its lock):
         ``counts(folder)`` says whether a folder is a committed checkpoint, never removed."""

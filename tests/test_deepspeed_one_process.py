@@ -1,0 +1,71 @@
+"""``strategy="deepspeed"`` in one plain process (no launcher variables): no mpi4py needed (issue 35, item 6).
+
+Before: ``prepare`` raised ``ModuleNotFoundError: No module named 'mpi4py'`` from inside DeepSpeed,
+which, finding no ``RANK``/``MASTER_ADDR``, looked for MPI. Run in a fresh interpreter with those
+variables removed (a process group made here would outlive the test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = """
+import json, sys, torch, faccel
+dist = faccel.detect(deepspeed={"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"})
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+loader = torch.utils.data.DataLoader(data, batch_size=4)
+model, optimizer, loader = faccel.prepare(dist, model, optimizer, loader)
+for x, y in loader.at(epoch=0):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    faccel.backward(dist, loss)
+    optimizer.step()
+    optimizer.zero_grad()
+faccel.shutdown(dist)
+print(json.dumps({"clip": model.gradient_clipping(), "group": torch.distributed.is_initialized(),
+                  "accelerator": __import__("deepspeed").accelerator.get_accelerator().device_name(),
+                  "mpi4py": "mpi4py" in sys.modules}))
+"""
+
+_LAUNCHER = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DS_ACCELERATOR",
+}
+
+
+def _launcher(name: str) -> bool:
+    return name in _LAUNCHER or name.startswith(("OMPI_", "SLURM_", "DS_"))
+
+
+def test_one_plain_process_trains_under_deepspeed_without_mpi4py() -> None:
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith(("OMPI_", "SLURM_"))
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=400, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"clip": 1.0, "group": False, "accelerator": "cpu", "mpi4py": False}
