@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from faccel._data._loader import PreparedLoader, _plain_shuffle
+from faccel._data._loader import PreparedLoader
+from faccel._data._rebuild import _plain_shuffle
 from faccel._dist._collectives import all_gather_bytes
 from faccel._dist._process_group import comm_device, peers_answer, require_group
 from faccel._dist._state import DistState

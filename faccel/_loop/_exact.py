@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from faccel._data._loader import PreparedLoader, _ShardedStream
+from faccel._data._loader import PreparedLoader
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
 from faccel._loop._micro_step import Atom, MicroStep
@@ -200,7 +200,7 @@ class ExactRun:
                 f"got {type(model).__name__}"
             )
             raise ArgumentError(msg)
-        if not isinstance(loader, PreparedLoader) or isinstance(loader._control, _ShardedStream):
+        if not isinstance(loader, PreparedLoader) or loader._recipe.kind == "stream":
             what = type(loader).__name__ if not isinstance(loader, PreparedLoader) else "an IterableDataset"
             msg = (
                 f"exact mode reads the global position of every sample from the loader faccel.prepare "
