@@ -160,20 +160,20 @@ def empty_then_load(*, root: str, layout: str | None, strategy: str, legacy: boo
 
     tdist.barrier()
     prepared = faccel.prepare(dist, on_meta(), init="empty", tp_plan=tp_plan())
-    import faccel._hf._shard_read as shard_read
+    from faccel._storage._local import _LocalReader
 
-    read = shard_read._read_exact
+    read = _LocalReader.read_into
     counted: list[int] = []
 
-    def counting(fd: int, view: memoryview, start: int, where: str) -> None:
-        counted.append(len(view))  # the real read, counted: how many bytes of rows this rank took
-        read(fd, view, start, where)
+    def counting(self: Any, target: Any, offset: int, at_least: int | None = None) -> None:
+        counted.append(memoryview(target).nbytes)  # the real read, counted: the bytes of rows this rank took
+        read(self, target, offset, at_least)
 
-    shard_read._read_exact = counting  # type: ignore[assignment]
+    _LocalReader.read_into = counting  # type: ignore[method-assign]
     try:
         faccel.load_model(dist, prepared, root)
     finally:
-        shard_read._read_exact = read  # type: ignore[assignment]
+        _LocalReader.read_into = read  # type: ignore[method-assign]
     sharded_bytes = sum(
         p.numel() * p.element_size()
         for p in faccel.unwrap_model(prepared).parameters()

@@ -161,30 +161,28 @@ def tokens() -> torch.Tensor:
 
 
 def _spy_files(opened: list[str]) -> None:
-    """Record the name of every weight file this rank writes (faccel's own writer, wrapped)."""
-    import faccel._hf._spread_write as spread
+    """Record the name of every weight file this rank writes (the local store's publisher, wrapped)."""
+    from faccel._storage._local import LocalStore
 
-    original = spread.SyncedWriter
+    original = LocalStore.publisher
 
-    class Recorded(original):  # type: ignore[misc, valid-type]
-        def __init__(self, path: Any) -> None:
-            opened.append(os.path.basename(str(path)).removeprefix(".tmp-"))
-            super().__init__(path)
+    def recorded(self: LocalStore, key: str) -> Any:
+        opened.append(os.path.basename(key))
+        return original(self, key)
 
-    spread.SyncedWriter = Recorded  # type: ignore[misc]
+    LocalStore.publisher = recorded  # type: ignore[method-assign]
 
 
 def _fail_writes_on(rank: int) -> None:
     """This rank's weight files fail to open, as on a full disk."""
     import errno
 
-    import faccel._hf._spread_write as spread
+    from faccel._storage._local import LocalStore
 
-    class Full:
-        def __init__(self, path: Any) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+    def full(self: LocalStore, key: str) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", key)
 
-    spread.SyncedWriter = Full  # type: ignore[misc, assignment]
+    LocalStore.publisher = full  # type: ignore[method-assign]
 
 
 def sharded_gpt2_save(directory: str, small_shards: int, failing: str) -> dict[str, Any]:
