@@ -25,8 +25,8 @@ def test_the_dimensions_are_torchtitans_order() -> None:
     assert named == DIMENSIONS and DATA_DIMENSIONS == ("replicate", "shard")
 
 
-@settings(max_examples=60)
-@given(layout_grids(max_world=48))
+@settings(max_examples=40)
+@given(layout_grids(max_world=32))
 def test_coordinates_and_groups_are_those_of_init_device_mesh(sizes: dict[str, int]) -> None:
     import faccel
 

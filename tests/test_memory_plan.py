@@ -58,7 +58,7 @@ def test_every_tensor_is_held_once_per_replica_and_the_plan_reports_the_largest_
     assert layout_plan(specs, layout, optimizer="none").optimizer == 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(plan_param_specs(), st.integers(1, 64), st.integers(1, 64))
 def test_fsdp_shares_sum_to_the_model_and_shrink_as_the_world_grows(
     specs: list[ParamSpec], small: int, extra: int
