@@ -13,8 +13,47 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def schedule_free() -> None:
+    """examples/by_feature/schedule_free.py's loop under Accelerate, as upstream writes it."""
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "by_feature"))
+    from schedule_free import CONFIG, datasets, schedule_free_adamw, tiny_bert
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(CONFIG["seed"])
+    train_set, eval_set = datasets()
+    train_dataloader = DataLoader(train_set, batch_size=CONFIG["batch_size"], shuffle=True, drop_last=True)
+    eval_dataloader = DataLoader(eval_set, batch_size=8)
+    model = tiny_bert().to(accelerator.device)
+    optimizer = schedule_free_adamw(model, CONFIG)
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    for _ in range(CONFIG["num_epochs"]):
+        model.train()
+        optimizer.train()
+        for input_ids, labels in train_dataloader:
+            accelerator.backward(model(input_ids=input_ids, labels=labels).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+        optimizer.eval()
+        for input_ids, labels in eval_dataloader:
+            with torch.no_grad():
+                predictions = model(input_ids=input_ids).logits.argmax(dim=-1)
+            accelerator.gather_for_metrics((predictions, labels))
+    print(json.dumps([p.detach().flatten().tolist() for p in accelerator.unwrap_model(model).parameters()]))
+
+
 def main(example: str) -> None:
     # Imported here: pytest's --doctest-modules imports this file, where accelerate may be missing.
+    if example == "schedule_free":
+        schedule_free()
+        return
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import set_seed

@@ -5,8 +5,9 @@ eval loader, one epoch loop) on a tiny model and synthetic data, and asserts its
 One process each; the multi-process features have their 2-rank tests in
 tests/distributed/test_helpers.py (LocalSGD, comm hooks, profiler, batch size) and
 tests/distributed/test_checkpoint_history.py (checkpoints). Not ported here: ``megatron_lm_gpt_pretraining``
-(needs CUDA and Megatron-LM), ``schedule_free`` (the ``schedulefree`` package is not installed),
-``deepspeed_with_config_support`` (tests/test_deepspeed_one_process.py, marked ``deepspeed``).
+(needs CUDA and Megatron-LM), ``deepspeed_with_config_support`` (tests/test_deepspeed_one_process.py
+and tests/distributed/test_deepspeed.py, marked ``deepspeed``). ``schedule_free`` is a script,
+examples/by_feature/schedule_free.py (it needs ``schedulefree``; skipped without it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import faccel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _data(n: int = 24, seed: int = 0) -> TensorDataset:
@@ -352,3 +355,25 @@ def test_the_one_process_ports_end_with_accelerates_weights_bitwise(steps: int) 
     for epoch in range(2):
         _epoch(dist, model, optimizer, train.at(epoch=epoch))
     assert [p.flatten().tolist() for p in _weights(model)] == theirs
+
+
+def _final_weights(*command: str) -> list[list[float]]:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_schedule_free_ends_with_accelerates_weights_bitwise() -> None:
+    """schedule_free.py: ``optimizer.train()`` / ``optimizer.eval()`` around the loops; the port and
+    Accelerate's run of the same loop end with the same evaluation weights, bit for bit."""
+    pytest.importorskip("schedulefree", reason="the example needs schedulefree (pip install schedulefree)")
+    pytest.importorskip("transformers", reason="the example's tiny BERT needs transformers")
+    pytest.importorskip("accelerate", reason="the comparison runs Accelerate (not in the test extra)")
+    ours = _final_weights("examples/by_feature/schedule_free.py", "--json")
+    theirs = _final_weights("tests/by_feature_accelerate.py", "schedule_free")
+    assert len(ours) == len(theirs) > 0 and ours == theirs
