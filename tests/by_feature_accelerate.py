@@ -224,10 +224,38 @@ TWINS: dict[str, Any] = {
 }
 
 
+def warmup_schedule() -> None:
+    """A script's ``get_linear_schedule_with_warmup(num_warmup_steps=8, num_training_steps=24)`` under
+    Accelerate on however many processes it is launched (torchrun): rank 0 prints the lr after each of
+    12 optimizer steps. The porting guide's conversion reproduces it (tests/test_porting.py)."""
+    import torch
+    import transformers
+
+    accelerator = _accelerator()
+    w = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    scheduler = transformers.get_linear_schedule_with_warmup(
+        optimizer, num_warmup_steps=8, num_training_steps=24
+    )
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    lrs = []
+    for _ in range(12):
+        w.grad = torch.ones(1)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+    if accelerator.is_main_process:
+        print(json.dumps({"processes": accelerator.num_processes, "lrs": lrs}))
+
+
 def main(example: str) -> None:
     # Imported here: pytest's --doctest-modules imports this file, where accelerate may be missing.
     if example == "schedule_free":
         schedule_free()
+        return
+    if example == "warmup_schedule":
+        warmup_schedule()
         return
     if example == "all":
         print(json.dumps({name: twin() for name, twin in TWINS.items()}))
