@@ -65,6 +65,8 @@ if (
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
     from faccel._loop._context import context_attention as context_attention
+    from faccel._loop._deepspeed import ConfigOptimizer as ConfigOptimizer
+    from faccel._loop._deepspeed import ConfigScheduler as ConfigScheduler
     from faccel._loop._local_sgd import LocalSGD as LocalSGD
     from faccel._loop._local_sgd import local_sgd as local_sgd
     from faccel._loop._micro_step import MicroStep as MicroStep

@@ -165,10 +165,14 @@ class DeepSpeedConfigError(FaccelError, ValueError):
     Cause: a value the config states (``gradient_accumulation_steps``,
     ``train_micro_batch_size_per_gpu``, ``train_batch_size``, ``fp16`` /
     ``bf16``) differs from the one faccel knows (``dist.accumulation_steps``,
-    the prepared loader's batch size, ``dist.precision``), or the config has an
-    ``optimizer`` or ``scheduler`` section, or it is not a JSON object. Fix:
-    remove the key (or set it to ``"auto"``) and faccel fills it; build the
-    optimizer and scheduler in torch (docs/deepspeed.md).
+    the prepared loader's batch size, ``dist.precision``), or the config's
+    ``optimizer`` / ``scheduler`` section and what ``prepare`` was given
+    disagree (a section without its ``faccel.ConfigOptimizer`` /
+    ``faccel.ConfigScheduler``, or the other way round), or the section names
+    an optimizer with no kernel on this device, or it is not a JSON object.
+    Fix: remove the key (or set it to ``"auto"``) and faccel fills it; pass the
+    record for each section, or remove the section and pass the torch object
+    (docs/deepspeed.md).
     """
 
 

@@ -19,6 +19,8 @@ import pytest
 
 PINNED: dict[str, list[str]] = {
     "faccel": [
+        "ConfigOptimizer",
+        "ConfigScheduler",
         "DistState",
         "LaunchInfo",
         "MicroStep",

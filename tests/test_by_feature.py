@@ -5,8 +5,9 @@ eval loader, one epoch loop) on a tiny model and synthetic data, and asserts its
 One process each; the multi-process features have their 2-rank tests in
 tests/distributed/test_helpers.py (LocalSGD, comm hooks, profiler, batch size) and
 tests/distributed/test_checkpoint_history.py (checkpoints). Not ported here: ``megatron_lm_gpt_pretraining``
-(needs CUDA and Megatron-LM), ``schedule_free`` (the ``schedulefree`` package is not installed),
-``deepspeed_with_config_support`` (tests/test_deepspeed_one_process.py, marked ``deepspeed``).
+(needs CUDA and Megatron-LM), ``deepspeed_with_config_support`` (tests/test_deepspeed_one_process.py
+and tests/distributed/test_deepspeed.py, marked ``deepspeed``). ``schedule_free`` is a script,
+examples/by_feature/schedule_free.py (it needs ``schedulefree``; skipped without it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import faccel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _data(n: int = 24, seed: int = 0) -> TensorDataset:
@@ -74,8 +77,9 @@ def _weights(model: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in faccel.unwrap_model(model).parameters()]
 
 
-def test_checkpointing_epoch_folders_and_resume_from_epoch_0_bitwise(tmp_path: Path) -> None:
-    """checkpointing.py: save_state per epoch into ``out/epoch_N``; resume from ``out/epoch_0``."""
+def _checkpointing(tmp_path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """checkpointing.py: save_state per epoch into ``out/epoch_N``; resume from ``out/epoch_0`` into a
+    new root. The straight run's final weights and the resumed run's."""
     dist = faccel.detect({})
     model, optimizer, train, _ = _setup(dist)
     state = faccel.TrainState.create(model=model, optimizer=optimizer, loader=train)
@@ -89,8 +93,14 @@ def test_checkpointing_epoch_folders_and_resume_from_epoch_0_bitwise(tmp_path: P
     resumed = faccel.restore(dist, target, tmp_path / "out" / "epoch_0", into=tmp_path / "resumed")
     for epoch in range(resumed.epoch, 2):
         _epoch(dist, again, optimizer2, train2.at(epoch=epoch))
+    return straight, _weights(again)
+
+
+def test_checkpointing_epoch_folders_and_resume_from_epoch_0_bitwise(tmp_path: Path) -> None:
+    """checkpointing.py: save_state per epoch into ``out/epoch_N``; resume from ``out/epoch_0``."""
+    straight, resumed = _checkpointing(tmp_path)
     assert sorted(os.listdir(tmp_path / "out")) == ["epoch_0", "epoch_1"]
-    assert all(torch.equal(a, b) for a, b in zip(_weights(again), straight, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
 
 
 def test_gradient_accumulation_steps_once_per_group() -> None:
@@ -102,12 +112,18 @@ def test_gradient_accumulation_steps_once_per_group() -> None:
     assert scheduler.last_epoch == faccel.steps_per_epoch(dist, train) == len(train) // 2
 
 
+def _tokens() -> torch.Tensor:
+    """Token ids with padding (-100): groups of 2 batches of 2 hold different numbers of counted tokens."""
+    tokens = torch.randint(0, 5, (8, 6), generator=torch.Generator().manual_seed(0))
+    tokens[::3, 3:] = -100
+    return tokens
+
+
 def test_gradient_accumulation_for_autoregressive_models_weighs_by_tokens() -> None:
     """..._for_autoregressive_models.py: the loss of a group is the mean over its counted tokens."""
     dist = faccel.detect({}, accumulation_steps=2)
     torch.manual_seed(0)
-    tokens = torch.randint(0, 5, (8, 6))
-    tokens[::3, 3:] = -100  # padding: groups hold different numbers of counted tokens
+    tokens = _tokens()
     embed = torch.nn.Embedding(5, 5)
     model = faccel.prepare(dist, embed)
     loader = faccel.prepare(dist, DataLoader(TensorDataset(tokens), batch_size=2))
@@ -295,16 +311,21 @@ def _tiny_bert() -> Iterator[Any]:
     yield transformers.BertForSequenceClassification(config)
 
 
-def test_complete_nlp_example_tiny_bert_trains_evaluates_and_checkpoints(tmp_path: Path) -> None:
+def _nlp_data() -> tuple[TensorDataset, TensorDataset]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (24, 8), generator=generator)
+    labels = (ids[:, 0] > 25).long()
+    return TensorDataset(ids, labels), TensorDataset(ids[:10], labels[:10])
+
+
+def _complete_nlp(tmp_path: Path) -> list[torch.Tensor]:
     """complete_nlp_example.py: a classifier, a linear schedule, evaluation, a checkpoint per epoch."""
     dist = faccel.detect({})
     faccel.set_seed(dist, 0)
     model = next(_tiny_bert())
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 50, (24, 8), generator=generator)
-    labels = (ids[:, 0] > 25).long()
-    train = DataLoader(TensorDataset(ids, labels), batch_size=4, shuffle=True)
-    evaluation = DataLoader(TensorDataset(ids[:10], labels[:10]), batch_size=4)
+    train_set, eval_set = _nlp_data()
+    train = DataLoader(train_set, batch_size=4, shuffle=True)
+    evaluation = DataLoader(eval_set, batch_size=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, train, evaluation = faccel.prepare(dist, model, optimizer, train, evaluation)
     scheduler = torch.optim.lr_scheduler.LinearLR(
@@ -325,30 +346,155 @@ def test_complete_nlp_example_tiny_bert_trains_evaluates_and_checkpoints(tmp_pat
     state = attrs.evolve(state, step=len(train), epoch=1)
     folder = faccel.checkpoint(dist, state, tmp_path, name="epoch_0")
     assert seen == 10 and (folder / "model.safetensors").is_file() and scheduler.last_epoch == len(train)
+    return _weights(model)
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_the_one_process_ports_end_with_accelerates_weights_bitwise(steps: int) -> None:
-    """gradient_accumulation.py (and the plain loop of local_sgd.py) under Accelerate: the same bits.
+def test_complete_nlp_example_tiny_bert_trains_evaluates_and_checkpoints(tmp_path: Path) -> None:
+    """complete_nlp_example.py: a classifier, a linear schedule, evaluation, a checkpoint per epoch."""
+    assert len(_complete_nlp(tmp_path)) > 0  # _complete_nlp asserts the example's outcomes
 
-    The seedable sampler draws the shuffle from ``seed + epoch`` as a prepared faccel loader does;
-    every accumulation group is full (6 batches of 4, groups of 2), so the means agree.
-    """
-    pytest.importorskip("accelerate", reason="the comparison runs Accelerate (not in the test extra)")
+
+def _final_weights(*command: str) -> list[list[float]]:
     import subprocess
     import sys
 
-    example = {1: "local_sgd", 2: "gradient_accumulation"}[steps]
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "by_feature_accelerate.py"), example],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+        [sys.executable, *command], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT
     )
-    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_schedule_free_ends_with_accelerates_weights_bitwise() -> None:
+    """schedule_free.py: ``optimizer.train()`` / ``optimizer.eval()`` around the loops; the port and
+    Accelerate's run of the same loop end with the same evaluation weights, bit for bit."""
+    pytest.importorskip("schedulefree", reason="the example needs schedulefree (pip install schedulefree)")
+    pytest.importorskip("transformers", reason="the example's tiny BERT needs transformers")
+    pytest.importorskip("accelerate", reason="the comparison runs Accelerate (not in the test extra)")
+    ours = _final_weights("examples/by_feature/schedule_free.py", "--json")
+    theirs = _final_weights("tests/by_feature_accelerate.py", "schedule_free")
+    assert len(ours) == len(theirs) > 0 and ours == theirs
+
+
+def _plain_port(
+    *,
+    batch_size: int = 4,
+    n: int = 24,
+    epochs: int = 1,
+    steps: int = 1,
+    evaluate: bool = False,
+    **prepare: Any,
+) -> list[torch.Tensor]:
+    """The ports' shared loop, as tests/by_feature_accelerate.py ``_plain`` runs it under Accelerate."""
     dist = faccel.detect({}, accumulation_steps=steps)
-    model, optimizer, train, _ = _setup(dist)
-    for epoch in range(2):
+    faccel.set_seed(dist, 0)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    train = DataLoader(_data(n), batch_size=batch_size, shuffle=True)
+    evaluation = DataLoader(_data(10, seed=1), batch_size=4)
+    model, optimizer, train, evaluation = faccel.prepare(dist, model, optimizer, train, evaluation, **prepare)
+    for epoch in range(epochs):
         _epoch(dist, model, optimizer, train.at(epoch=epoch))
-    assert [p.flatten().tolist() for p in _weights(model)] == theirs
+        if evaluate:
+            _accuracy(dist, model, evaluation)
+    return _weights(model)
+
+
+def _early_stopping_port() -> list[torch.Tensor]:
+    dist = faccel.detect({})
+    model, optimizer, train, _ = _setup(dist)
+    for step, (x, y) in enumerate(train.at(epoch=0)):
+        faccel.backward(dist, torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if faccel.any_rank(dist, step == 2):
+            break
+    return _weights(model)
+
+
+def _cross_validation_port() -> list[torch.Tensor]:
+    data = _data(24)
+    out: list[torch.Tensor] = []
+    for fold in range(3):
+        # set_seed(fold) seeds Accelerate's seedable sampler too; faccel's data order follows detect(seed=).
+        dist = faccel.detect({}, seed=fold)
+        faccel.set_seed(dist, fold)
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        train_ids = [i for i in range(24) if i % 3 != fold]
+        train = DataLoader(Subset(data, train_ids), batch_size=4, shuffle=True)
+        model, optimizer, train = faccel.prepare(dist, model, optimizer, train)
+        _epoch(dist, model, optimizer, train.at(epoch=0))
+        out += _weights(model)
+    return out
+
+
+def _autoregressive_port() -> list[torch.Tensor]:
+    dist = faccel.detect({}, accumulation_steps=2)
+    faccel.set_seed(dist, 0)
+    tokens = _tokens()
+    model = torch.nn.Embedding(5, 5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer, loader = faccel.prepare(
+        dist, model, optimizer, DataLoader(TensorDataset(tokens), batch_size=2)
+    )
+    for micro, (batch,) in faccel.micro_batches(
+        dist, loader.at(epoch=0), items=lambda b: int((b[0] != -100).sum())
+    ):
+        with faccel.accumulate(dist, model, micro):
+            loss_sum = torch.nn.functional.cross_entropy(
+                model(batch.clamp(min=0)).reshape(-1, 5),
+                batch.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            faccel.backward(dist, loss_sum, micro=micro, items=micro.items)
+        if micro.sync:
+            optimizer.step()
+            optimizer.zero_grad()
+    return _weights(model)
+
+
+def _profiler_port(tmp_path: Path) -> list[torch.Tensor]:
+    dist = faccel.detect({})
+    model, optimizer, train, _ = _setup(dist)
+    with faccel.profile(dist, tmp_path / "trace", record_shapes=True):
+        _epoch(dist, model, optimizer, train.at(epoch=0))
+    return _weights(model)
+
+
+# Each port that trains, as its Accelerate twin (tests/by_feature_accelerate.py TWINS) runs it. The
+# seedable sampler draws the shuffle from seed + epoch as a prepared faccel loader does. Not here:
+# fsdp_with_peak_mem_tracking (Accelerate's FSDP plugin wants a distributed run; faccel's one-process
+# "fsdp" shards nothing, so it is the plain loop), schedule_free (its own test above).
+_PORTS: dict[str, Any] = {
+    "gradient_accumulation": lambda tmp: _plain_port(epochs=2, steps=2),  # every group full: 6 batches
+    "local_sgd": lambda tmp: _plain_port(epochs=2),  # one process: LocalSGD's loop is the plain one
+    "checkpointing": lambda tmp: _checkpointing(tmp)[1],  # the run resumed from epoch_0
+    "memory": lambda tmp: _plain_port(batch_size=9),  # the size find_executable_batch_size settles on
+    "automatic_gradient_accumulation": lambda tmp: _plain_port(batch_size=8, n=32, steps=2),
+    "multi_process_metrics": lambda tmp: _plain_port(evaluate=True),
+    "tracking": lambda tmp: _plain_port(epochs=2, evaluate=True),
+    "cross_validation": lambda tmp: _cross_validation_port(),
+    "early_stopping": lambda tmp: _early_stopping_port(),
+    "gradient_accumulation_for_autoregressive_models": lambda tmp: _autoregressive_port(),
+    "complete_nlp_example": _complete_nlp,
+    "profiler": _profiler_port,
+    "ddp_comm_hook": lambda tmp: _plain_port(comm_hook="powersgd"),
+}
+
+
+@pytest.fixture(scope="module")
+def accelerate_twins() -> dict[str, list[list[float]]]:
+    """Every twin's final weights from one Accelerate process."""
+    pytest.importorskip("accelerate", reason="the comparison runs Accelerate (not in the test extra)")
+    pytest.importorskip("transformers", reason="complete_nlp_example's tiny BERT needs transformers")
+    return _final_weights("tests/by_feature_accelerate.py", "all")  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("example", sorted(_PORTS))
+def test_each_port_ends_with_its_accelerate_twins_weights_bitwise(
+    accelerate_twins: dict[str, list[list[float]]], example: str, tmp_path: Path
+) -> None:
+    ours = [p.flatten().tolist() for p in _PORTS[example](tmp_path)]
+    assert len(ours) == len(accelerate_twins[example]) > 0 and ours == accelerate_twins[example]

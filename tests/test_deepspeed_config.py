@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import faccel
 from faccel._loop._deepspeed import fill_config
@@ -76,3 +77,75 @@ def test_a_config_file_from_the_launchers_environment(tmp_path: Path) -> None:
         {"FACCEL_DEEPSPEED_CONFIG": str(path)}, deepspeed={"zero_optimization": {"stage": 1}}
     )
     assert json.loads(mine.deepspeed or "{}")["zero_optimization"]["stage"] == 1  # the option wins
+
+
+# The config's optimizer and scheduler sections (Accelerate's DummyOptim / DummyScheduler path).
+_SECTIONS = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+}
+
+
+def test_the_sections_autos_are_filled_from_config_optimizer_and_config_scheduler() -> None:
+    filled = _fill(
+        _SECTIONS,
+        optimizer=faccel.ConfigOptimizer(lr=0.01, weight_decay=0.1),
+        scheduler=faccel.ConfigScheduler(warmup_num_steps=3, total_num_steps=12),
+    )
+    assert filled["optimizer"]["params"] == {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}
+    assert filled["scheduler"]["params"] == {
+        "warmup_min_lr": 0,  # Accelerate's rule
+        "warmup_max_lr": 0.01,  # the optimizer's lr
+        "warmup_num_steps": 3,
+        "total_num_steps": 12,
+    }
+    assert json.loads(json.dumps(_SECTIONS))["optimizer"]["params"]["lr"] == "auto"  # the input untouched
+
+
+def test_a_section_and_what_prepare_was_given_must_agree() -> None:
+    DSErr = faccel.errors.DeepSpeedConfigError
+    only_optimizer = {"optimizer": _SECTIONS["optimizer"]}
+    torch_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.raises(DSErr, match=r"'optimizer' section.*given a SGD; pass faccel\.ConfigOptimizer"):
+        _fill(only_optimizer, optimizer=torch_optimizer)
+    with pytest.raises(DSErr, match=r"'optimizer' section.*given none"):
+        _fill(only_optimizer)
+    with pytest.raises(DSErr, match=r"ConfigOptimizer\(\), but the deepspeed config has no 'optimizer'"):
+        _fill({}, optimizer=faccel.ConfigOptimizer())
+    with pytest.raises(DSErr, match=r"ConfigScheduler\(\), but the deepspeed config has no 'scheduler'"):
+        _fill({}, scheduler=faccel.ConfigScheduler())
+    with pytest.raises(DSErr, match=r"'scheduler' section.*given none"):
+        _fill(_SECTIONS, optimizer=faccel.ConfigOptimizer(lr=0.01, weight_decay=0.0))
+    stated = {"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}
+    with pytest.raises(DSErr, match=r"optimizer\.params\.lr=0\.001 but ConfigOptimizer\(lr=\) gives 0\.01"):
+        _fill(stated, optimizer=faccel.ConfigOptimizer(lr=0.01))
+    assert _fill(stated, optimizer=faccel.ConfigOptimizer())["optimizer"]["params"]["lr"] == 0.001
+    with pytest.raises(DSErr, match=r"optimizer\.params\.lr, optimizer\.params\.weight_decay at 'auto'"):
+        _fill(only_optimizer, optimizer=faccel.ConfigOptimizer())  # no lr to fill it from: named
+    with pytest.raises(DSErr, match="a 'type' string and a 'params' object"):
+        _fill({"optimizer": {"params": {}}}, optimizer=faccel.ConfigOptimizer())
+
+
+@pytest.mark.parametrize(("kind", "op"), [("Lamb", "FusedLamb"), ("lion", "FusedLion")])
+def test_an_optimizer_without_a_cpu_kernel_is_refused_by_name_on_cpu(kind: str, op: str) -> None:
+    config = {"optimizer": {"type": kind, "params": {"lr": 0.01}}}
+    with pytest.raises(
+        faccel.errors.DeepSpeedConfigError, match=rf"DeepSpeed's {op}, whose op has no CPU kernel"
+    ):
+        _fill(config, optimizer=faccel.ConfigOptimizer())
+
+
+def test_config_optimizer_and_scheduler_outside_deepspeed_are_refused_at_prepare() -> None:
+    dist = faccel.detect({})
+    with pytest.raises(faccel.errors.PrepareError, match=r"ConfigOptimizer stands for.*strategy is 'ddp'"):
+        faccel.prepare(dist, torch.nn.Linear(2, 1), faccel.ConfigOptimizer(lr=0.1))
+    with pytest.raises(faccel.errors.PrepareError, match="ConfigScheduler stands for"):
+        faccel.prepare(dist, faccel.ConfigScheduler(total_num_steps=3))

@@ -69,3 +69,49 @@ def test_one_plain_process_trains_under_deepspeed_without_mpi4py() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"clip": 1.0, "group": False, "accelerator": "cpu", "mpi4py": False}
+
+
+_TORCH_OPTIMIZER_CONFIG_SCHEDULE = """
+import json, torch, faccel
+config = {"zero_optimization": {"stage": 2},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "warmup_type": "linear"}}}
+dist = faccel.detect(deepspeed=config)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+loader = torch.utils.data.DataLoader(data, batch_size=4)
+model, optimizer, loader, scheduler = faccel.prepare(
+    dist, model, optimizer, loader, faccel.ConfigScheduler(warmup_num_steps=4))
+lrs = []
+for x, y in loader.at(epoch=0):
+    faccel.backward(dist, torch.nn.functional.mse_loss(model(x), y))
+    faccel.optimizer_step(dist, optimizer, scheduler=scheduler)
+    optimizer.zero_grad()
+    lrs.append(scheduler.get_last_lr()[0])
+faccel.shutdown(dist)
+print(json.dumps({"lrs": lrs, "scheduler": repr(scheduler), "optimizer": type(optimizer.optimizer).__name__}))
+"""
+
+
+def test_a_torch_optimizer_with_the_configs_scheduler_section_in_one_plain_process() -> None:
+    """DeepSpeed's schedule from the config over the torch optimizer prepared with it: stepped by the
+    engine once per optimizer step (WarmupLR, linear: iteration i sets 0.1 * i / 4, the engine's first
+    step being iteration 0)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith(("OMPI_", "SLURM_"))
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _TORCH_OPTIMIZER_CONFIG_SCHEDULE],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["scheduler"] == "DeepSpeedScheduler(WarmupLR)" and result["optimizer"] == "SGD"
+    assert result["lrs"] == pytest.approx([0.0, 0.025, 0.05, 0.075])  # warmup_max_lr: the optimizer's 0.1

@@ -108,3 +108,43 @@ def test_accelerate_scheduler_matches_where_accelerate_is_installed() -> None:
         [sys.executable, "-c", _ACCELERATE_TWIN], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == _lrs(faccel.detect({}), 6, 1, "onecycle")
+
+
+def test_the_guides_conversion_reproduces_accelerates_schedule_on_2_processes() -> None:
+    """docs/from-accelerate.md, first section, point 1: Accelerate on 2 gloo processes steps
+    ``get_linear_schedule_with_warmup(8, 24)`` twice per optimizer step; the port's
+    ``(8 / 2, 24 / 2)`` stepped once by faccel gives the same learning rates, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="the twin runs Accelerate (not in the test extra)")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*launch, "tests/by_feature_accelerate.py", "warmup_schedule"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert theirs["processes"] == 2
+    dist = faccel.detect({})
+    n = 2  # Accelerate's num_processes in the script being ported
+    w = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    scheduler = transformers.get_linear_schedule_with_warmup(
+        optimizer, num_warmup_steps=8 // n, num_training_steps=24 // n
+    )
+    lrs = []
+    for _ in range(12):
+        faccel.backward(dist, w.sum())
+        faccel.optimizer_step(dist, optimizer, scheduler=scheduler)
+        optimizer.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+    assert lrs == theirs["lrs"] and lrs[3] == 1.0 and lrs[-1] == 0.0  # warmup ends at step 4

@@ -20,6 +20,16 @@ with what faccel knows (docs/deepspeed.md):
 Any other ``"auto"`` left in the config is refused by name (DeepSpeed would
 read the string): never a silent difference from Accelerate.
 
+The config's ``optimizer`` and ``scheduler`` sections (Accelerate's
+``DummyOptim`` / ``DummyScheduler`` path): given :class:`ConfigOptimizer` /
+:class:`ConfigScheduler` where the torch objects would go, ``prepare`` builds the
+engine without a torch optimizer, so DeepSpeed builds both from the config; it
+returns a :class:`DeepSpeedOptimizer` over DeepSpeed's optimizer and a
+:class:`DeepSpeedScheduler` over its schedule (stepped by ``engine.step()``,
+once per optimizer step). Their ``"auto"`` values (``lr``, ``weight_decay``,
+``warmup_min_lr``, ``warmup_max_lr``, ``warmup_num_steps``, ``total_num_steps``)
+are filled from those records, as Accelerate fills them from its dummies.
+
 A value the config states that contradicts one of these is a
 :class:`~faccel.errors.DeepSpeedConfigError`, never a silent winner.
 
@@ -35,6 +45,7 @@ tensors, gathered and scattered by ``_zero_state``. DeepSpeed's own
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -43,6 +54,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -52,7 +64,10 @@ from faccel._marks import DEEPSPEED_ENGINE
 from faccel.errors import DeepSpeedConfigError, PrepareError, UsageError
 
 __all__ = [
+    "ConfigOptimizer",
+    "ConfigScheduler",
     "DeepSpeedOptimizer",
+    "DeepSpeedScheduler",
     "engine_backward",
     "fill_config",
     "hidden_size_of",
@@ -71,12 +86,65 @@ _HIDDEN_SIZE_KEYS: dict[str, Callable[[int], int]] = {
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "stage3_param_persistence_threshold": lambda h: 10 * h,
 }
-# Sections that would make DeepSpeed build its own optimizer or schedule: faccel's loop
-# steps the torch optimizer and scheduler the user prepared.
-_REFUSED_SECTIONS = ("optimizer", "scheduler")
+# DeepSpeed's optimizers (the config's optimizer.type, lower case) whose ops have no CPU kernel in
+# DeepSpeed 0.19: "This op had not been implemented on CPU backend" at the engine's build.
+_NO_CPU_KERNEL = {"lamb": "FusedLamb", "lion": "FusedLion"}
 # Set on each Parameter of an engine's module: the engine (weakly), for backward() to find
 # from the loss's graph. (A mark on user objects, as _prepare's _REPLACED_BY.)
 _ENGINE = DEEPSPEED_ENGINE
+
+
+@attrs.frozen(eq=False)
+class ConfigOptimizer:
+    """The optimizer the DeepSpeed config's ``optimizer`` section builds (Accelerate's ``DummyOptim``).
+
+    Pass it to :func:`faccel.prepare` where a torch optimizer would go, under
+    ``strategy='deepspeed'`` with a config that has an ``optimizer`` section:
+    the engine is built without a torch optimizer, DeepSpeed builds its own from
+    the section, and ``prepare`` returns a :class:`DeepSpeedOptimizer` over it
+    (``step``, ``zero_grad``, checkpoints as with a torch optimizer).
+
+    Args:
+        params: The parameters or parameter groups (dicts with ``"params"``)
+            DeepSpeed's optimizer steps; None: every parameter of the model, one group.
+        lr: Fills ``optimizer.params.lr`` where the config says ``"auto"``
+            (and a scheduler's ``warmup_max_lr`` at ``"auto"``).
+        weight_decay: Fills ``optimizer.params.weight_decay`` at ``"auto"``.
+
+    Example:
+        >>> ConfigOptimizer(lr=1e-3).lr
+        0.001
+    """
+
+    params: Any = None
+    lr: float | None = None
+    weight_decay: float | None = None
+
+
+@attrs.frozen
+class ConfigScheduler:
+    """The schedule the DeepSpeed config's ``scheduler`` section builds (Accelerate's ``DummyScheduler``).
+
+    Pass it to :func:`faccel.prepare` where a torch LR scheduler would go;
+    ``prepare`` returns a :class:`DeepSpeedScheduler`. DeepSpeed steps the
+    schedule inside ``optimizer.step()`` (the engine's step), once per optimizer
+    step; counts are in optimizer steps (``faccel.steps_per_epoch`` after
+    ``prepare``). An Accelerate script's ``DummyScheduler(total_num_steps=T,
+    warmup_num_steps=W)`` is ``ConfigScheduler(total_num_steps=ceil(T / N),
+    warmup_num_steps=W)`` on N processes: Accelerate divides the total (not the
+    warmup) by the number of processes when it fills the config.
+
+    Args:
+        warmup_num_steps: Fills ``scheduler.params.warmup_num_steps`` at ``"auto"``.
+        total_num_steps: Fills ``scheduler.params.total_num_steps`` at ``"auto"``.
+
+    Example:
+        >>> ConfigScheduler(warmup_num_steps=10, total_num_steps=100).total_num_steps
+        100
+    """
+
+    warmup_num_steps: int | None = None
+    total_num_steps: int | None = None
 
 
 def _given(value: Any) -> bool:
@@ -157,8 +225,122 @@ def hidden_size_of(model: nn.Module) -> int | None:
     return None
 
 
+def _section(filled: dict[str, Any], name: str) -> dict[str, Any]:
+    """The config's ``name`` section with its ``params`` as a fresh dict (a copy, filled in place)."""
+    section = filled[name]
+    kind = section.get("type") if isinstance(section, dict) else None
+    params = section.get("params", {}) if isinstance(section, dict) else None
+    if not isinstance(kind, str) or not isinstance(params, dict):
+        msg = (
+            f"the deepspeed config's {name!r} section must be a JSON object with a 'type' string and a "
+            f"'params' object (as DeepSpeed reads it), got {section!r}"
+        )
+        raise DeepSpeedConfigError(msg)
+    section = {**section, "params": dict(params)}
+    filled[name] = section
+    return section
+
+
+def _fill_param(
+    section: dict[str, Any], where: str, key: str, value: Any, source: str, *, strict: bool = True
+) -> None:
+    """``section["params"][key]`` from ``value`` where it is ``"auto"``; with ``strict``, a stated
+    value that differs from a given one is refused by name (a derived default is not ``strict``)."""
+    params = section["params"]
+    stated = params.get(key)
+    if value is None:
+        return
+    if strict and _given(stated) and stated != value:
+        msg = (
+            f"the deepspeed config says {where}.params.{key}={stated!r} but {source} gives {value!r}; "
+            f"set it to 'auto' (faccel fills it) or leave {source} unset"
+        )
+        raise DeepSpeedConfigError(msg)
+    if stated == _AUTO:
+        params[key] = value
+
+
+def _optimizer_section(filled: dict[str, Any], dist: DistState, optimizer: Any) -> None:
+    """The config's ``optimizer`` section against what ``prepare`` was given; ``"auto"`` filled."""
+    if "optimizer" not in filled:
+        if isinstance(optimizer, ConfigOptimizer):
+            msg = (
+                "prepare was given faccel.ConfigOptimizer(), but the deepspeed config has no 'optimizer' "
+                "section to build it from; add the section (as Accelerate's DummyOptim needs) or pass a "
+                "torch optimizer"
+            )
+            raise DeepSpeedConfigError(msg)
+        return
+    if not isinstance(optimizer, ConfigOptimizer):
+        given = "none" if optimizer is None else f"a {type(optimizer).__name__}"
+        msg = (
+            f"the deepspeed config has an 'optimizer' section, so DeepSpeed builds the optimizer, and "
+            f"prepare was given {given}; pass faccel.ConfigOptimizer(lr=...) where the torch optimizer "
+            "goes (Accelerate's DummyOptim), or remove the section and pass the torch optimizer"
+        )
+        raise DeepSpeedConfigError(msg)
+    section = _section(filled, "optimizer")
+    kernel = _NO_CPU_KERNEL.get(section["type"].lower())
+    if kernel is not None and dist.device.type == "cpu":
+        msg = (
+            f"the deepspeed config's optimizer {section['type']!r} is DeepSpeed's {kernel}, whose op has no "
+            "CPU kernel (DeepSpeed: 'This op had not been implemented on CPU backend'); on CPU use "
+            "'AdamW' (with 'torch_adam': true for torch's own), 'Adam', or a torch.optim name such as "
+            "'SGD' or 'Adagrad'"
+        )
+        raise DeepSpeedConfigError(msg)
+    _fill_param(section, "optimizer", "lr", optimizer.lr, "ConfigOptimizer(lr=)")
+    _fill_param(
+        section, "optimizer", "weight_decay", optimizer.weight_decay, "ConfigOptimizer(weight_decay=)"
+    )
+
+
+def _optimizer_lr(filled: dict[str, Any], optimizer: Any) -> float | None:
+    if isinstance(optimizer, ConfigOptimizer):
+        lr = filled.get("optimizer", {}).get("params", {}).get("lr")
+        return lr if _given(lr) else optimizer.lr
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return float(optimizer.param_groups[0]["lr"])
+    return None
+
+
+def _scheduler_section(filled: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
+    """The config's ``scheduler`` section against what ``prepare`` was given; ``"auto"`` filled."""
+    if "scheduler" not in filled:
+        if isinstance(scheduler, ConfigScheduler):
+            msg = (
+                "prepare was given faccel.ConfigScheduler(), but the deepspeed config has no 'scheduler' "
+                "section to build it from; add the section (as Accelerate's DummyScheduler needs) or pass "
+                "a torch scheduler"
+            )
+            raise DeepSpeedConfigError(msg)
+        return
+    if not isinstance(scheduler, ConfigScheduler):
+        given = "none" if scheduler is None else f"a {type(scheduler).__name__}"
+        msg = (
+            f"the deepspeed config has a 'scheduler' section, so DeepSpeed builds and steps the schedule, "
+            f"and prepare was given {given}; pass faccel.ConfigScheduler(warmup_num_steps=..., "
+            "total_num_steps=...) where the torch scheduler goes (Accelerate's DummyScheduler), or remove "
+            "the section"
+        )
+        raise DeepSpeedConfigError(msg)
+    section = _section(filled, "scheduler")
+    lr = _optimizer_lr(filled, optimizer)
+    _fill_param(section, "scheduler", "warmup_min_lr", 0, "Accelerate's rule", strict=False)
+    _fill_param(section, "scheduler", "warmup_max_lr", lr, "the optimizer's lr", strict=False)
+    warmup, total = scheduler.warmup_num_steps, scheduler.total_num_steps
+    _fill_param(section, "scheduler", "warmup_num_steps", warmup, "ConfigScheduler(warmup_num_steps=)")
+    _fill_param(section, "scheduler", "total_num_steps", total, "ConfigScheduler(total_num_steps=)")
+
+
 def fill_config(
-    config: str, *, dist: DistState, micro_batch_size: int | None, hidden_size: int | None = None
+    config: str,
+    *,
+    dist: DistState,
+    micro_batch_size: int | None,
+    hidden_size: int | None = None,
+    optimizer: ConfigOptimizer | torch.optim.Optimizer | None = None,
+    scheduler: ConfigScheduler | object | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config that ``config`` (JSON text) and faccel's own facts make together. Pure.
 
@@ -169,15 +351,24 @@ def fill_config(
             when no loader was prepared with the model (then the config must say it).
         hidden_size: The model's hidden size (:func:`hidden_size_of`), for
             ZeRO's bucket sizes at ``"auto"``.
+        optimizer: What ``prepare`` was given for the optimizer: a torch
+            optimizer, a :class:`ConfigOptimizer` (the config's ``optimizer``
+            section builds it) or None.
+        scheduler: What ``prepare`` was given for the scheduler: a torch
+            scheduler, a :class:`ConfigScheduler` or None.
 
     Returns:
         The config dict to build the engine from.
 
     Raises:
-        DeepSpeedConfigError: A stated value contradicts faccel's, the config
-            has an ``optimizer`` or ``scheduler`` section, the ZeRO stage is
-            not 0-3, no micro-batch size is known, or an ``"auto"`` is left
-            that faccel cannot fill as Accelerate would (named).
+        DeepSpeedConfigError: A stated value contradicts faccel's, the
+            config's ``optimizer`` or ``scheduler`` section and what
+            ``prepare`` was given disagree (a section without its
+            :class:`ConfigOptimizer` / :class:`ConfigScheduler`, or one of
+            those without its section, or a torch object beside a section),
+            the section names an optimizer that cannot run on this device,
+            the ZeRO stage is not 0-3, no micro-batch size is known, or an
+            ``"auto"`` is left that faccel cannot fill as Accelerate would (named).
 
     Example:
         >>> dist = DistState.simulated(world_size=2, accumulation_steps=3, precision="bf16")
@@ -193,14 +384,8 @@ def fill_config(
         faccel.errors.DeepSpeedConfigError: the deepspeed config says gradient_accumulation_steps=2 ...
     """
     filled: dict[str, Any] = json.loads(config)
-    for section in _REFUSED_SECTIONS:
-        if section in filled:
-            msg = (
-                f"the deepspeed config has an {section!r} section, but faccel's loop steps the torch "
-                f"{section} you prepare; remove the section and build the {section} in torch "
-                "(torch.optim.AdamW(...), torch.optim.lr_scheduler...)"
-            )
-            raise DeepSpeedConfigError(msg)
+    _optimizer_section(filled, dist, optimizer)
+    _scheduler_section(filled, optimizer, scheduler)
     zero = filled.get("zero_optimization", {})
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if stage not in (0, 1, 2, 3):
@@ -237,8 +422,10 @@ def fill_config(
     if left:
         msg = (
             f"the deepspeed config leaves {', '.join(left)} at 'auto', which faccel does not fill "
-            "(it fills the batch sizes, accumulation, fp16/bf16, gradient_clipping and ZeRO's "
-            "hidden-size buckets, as Accelerate does); state the value in the config"
+            "(it fills the batch sizes, accumulation, fp16/bf16, gradient_clipping, ZeRO's "
+            "hidden-size buckets, and the optimizer's and scheduler's from the values given to "
+            "faccel.ConfigOptimizer / ConfigScheduler, as Accelerate does); state the value in the config "
+            "or give it to those"
         )
         raise DeepSpeedConfigError(msg)
     # A torch optimizer (AdamW, SGD...) is "untested" for DeepSpeed's ZeRO; it works exactly.
@@ -342,6 +529,57 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         return f"DeepSpeedOptimizer({self.optimizer!r})"
 
 
+class DeepSpeedScheduler(torch.optim.lr_scheduler.LRScheduler):
+    """The scheduler ``prepare`` returns for a :class:`ConfigScheduler`: DeepSpeed's schedule from the config.
+
+    DeepSpeed steps it inside ``optimizer.step()`` (the engine's step, once per
+    optimizer step, not on a skipped fp16 step), so :meth:`step` does nothing:
+    a loop that calls ``scheduler.step()`` or
+    ``faccel.optimizer_step(dist, optimizer, scheduler=scheduler)`` runs the
+    schedule once per optimizer step, as Accelerate's wrapper of it does.
+    ``state_dict`` is the schedule's own (with its type), so checkpoints hold it
+    and ``restore`` puts it back. DeepSpeed's object is :attr:`scheduler`.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+        # Not LRScheduler.__init__: DeepSpeed's schedule sets the learning rates itself.
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+
+    @property  # type: ignore[override]
+    def last_epoch(self) -> int:  # type: ignore[override]
+        """The schedule's last step (DeepSpeed's ``last_batch_iteration``)."""
+        return int(self.scheduler.last_batch_iteration)
+
+    def step(self, epoch: int | None = None) -> None:
+        """Nothing: the engine's step already stepped the schedule (see the class)."""
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """The learning rates the schedule last set, one per group (the groups' ``lr``: right after a
+        restore too, where DeepSpeed's own ``get_last_lr`` is stale until the next step)."""
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's state and its type (``WarmupLR``, ``WarmupDecayLR``...)."""
+        return {"type": type(self.scheduler).__name__, **self.scheduler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved state, refused when it is another type of schedule's."""
+        saved = dict(state_dict)
+        kind = saved.pop("type", None)
+        if kind != type(self.scheduler).__name__:
+            msg = f"a {kind} schedule's state cannot load into DeepSpeed's {type(self.scheduler).__name__}"
+            raise ValueError(msg)
+        self.scheduler.load_state_dict(saved)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeepSpeedScheduler:
+        # A restore's trial load runs on a copy: the schedule alone, never the engine behind it.
+        return DeepSpeedScheduler(copy.copy(self.scheduler), self.optimizer)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedScheduler({type(self.scheduler).__name__})"
+
+
 def _engine_of(loss: torch.Tensor) -> Any:
     """The engine whose parameters ``loss`` was computed from: the first one its graph reaches."""
     stack = [loss.grad_fn]
@@ -385,7 +623,11 @@ def engine_backward(loss: torch.Tensor, *, sync: bool, **kwargs: Any) -> None:
 
 
 def _build(
-    dist: DistState, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]
+    dist: DistState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: dict[str, Any],
+    groups: list[dict[str, Any]] | None = None,
 ) -> Any:
     try:
         import deepspeed
@@ -400,7 +642,8 @@ def _build(
     model.to(dist.device)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        optimizer=optimizer,
+        optimizer=optimizer,  # None: DeepSpeed builds the config's optimizer over ``groups``
+        model_parameters=groups,
         config=config,
         dist_init_required=False,  # faccel's group, or the one-rank group above
     )
@@ -454,6 +697,24 @@ def _one_process_group(dist: DistState) -> None:
         )
 
 
+def _fused_adam_groups(optimizer: torch.optim.Optimizer) -> None:
+    """DeepSpeed's ``FusedAdam`` adds ``step: 0`` to each group at its first step (and never changes
+    it): added at the build, so a fresh run's groups have the keys a checkpoint's have."""
+    from deepspeed.ops.adam import FusedAdam
+
+    if isinstance(optimizer, FusedAdam):
+        for group in optimizer.param_groups:
+            group.setdefault("step", 0)
+
+
+def _param_groups(model: nn.Module, params: Any) -> list[dict[str, Any]]:
+    """A :class:`ConfigOptimizer`'s parameters as torch param groups (every parameter: one group)."""
+    items: list[Any] = list(model.parameters()) if params is None else list(params)
+    if items and all(isinstance(item, dict) for item in items):
+        return [{**group, "params": list(group["params"])} for group in items]
+    return [{"params": items}]
+
+
 def prepare_deepspeed(
     dist: DistState, objs: Sequence[Any], prepare_other: Callable[[Any], Any]
 ) -> tuple[Any, ...]:
@@ -467,7 +728,9 @@ def prepare_deepspeed(
 
     Returns:
         The prepared objects in the given order: the engine for the model, a
-        :class:`DeepSpeedOptimizer` for the optimizer.
+        :class:`DeepSpeedOptimizer` for the optimizer (a torch one, or a
+        :class:`ConfigOptimizer`: DeepSpeed's from the config), a
+        :class:`DeepSpeedScheduler` for a :class:`ConfigScheduler`.
 
     Raises:
         PrepareError: Not exactly one model with exactly one optimizer, or
@@ -475,7 +738,7 @@ def prepare_deepspeed(
         DeepSpeedConfigError: The config contradicts faccel (:func:`fill_config`).
     """
     models = [i for i, obj in enumerate(objs) if isinstance(obj, nn.Module)]
-    optimizers = [i for i, obj in enumerate(objs) if isinstance(obj, torch.optim.Optimizer)]
+    optimizers = [i for i, obj in enumerate(objs) if isinstance(obj, torch.optim.Optimizer | ConfigOptimizer)]
     done = [
         i
         for i in models + optimizers
@@ -487,22 +750,53 @@ def prepare_deepspeed(
         msg = (
             f"under strategy='deepspeed' prepare builds one DeepSpeed engine from one model and its "
             f"optimizer, got {len(models)} model(s) and {len(optimizers)} optimizer(s); pass the model, "
-            "its torch optimizer and the training loader in one faccel.prepare call"
+            "its torch optimizer (or faccel.ConfigOptimizer() for the config's) and the training loader "
+            "in one faccel.prepare call"
         )
         raise PrepareError(msg)
     else:
         prepared = {}
-    others = {i: prepare_other(obj) for i, obj in enumerate(objs) if i not in models + optimizers}
+    schedules = [i for i, obj in enumerate(objs) if isinstance(obj, ConfigScheduler)]
+    torch_schedules = [
+        i
+        for i, obj in enumerate(objs)
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not isinstance(obj, DeepSpeedScheduler)
+    ]
+    if prepared and schedules:
+        msg = "a faccel.ConfigScheduler goes to the prepare call that builds the engine, with the model"
+        raise PrepareError(msg)
+    others = {i: prepare_other(obj) for i, obj in enumerate(objs) if i not in models + optimizers + schedules}
     if not prepared:
         sizes = [
             getattr(others[i], "batch_size", None) for i in sorted(others) if hasattr(others[i], "sharding")
         ]
         micro = next((size for size in sizes if isinstance(size, int)), None)
         model, optimizer = objs[models[0]], objs[optimizers[0]]
+        schedule = next((objs[i] for i in schedules + torch_schedules), None)
+        if len(schedules) > 1:
+            msg = f"prepare got {len(schedules)} faccel.ConfigScheduler objects; the config has one schedule"
+            raise PrepareError(msg)
         config = fill_config(
-            dist.deepspeed or "{}", dist=dist, micro_batch_size=micro, hidden_size=hidden_size_of(model)
+            dist.deepspeed or "{}",
+            dist=dist,
+            micro_batch_size=micro,
+            hidden_size=hidden_size_of(model),
+            optimizer=optimizer,
+            scheduler=schedule,
         )
-        groups = [list(group["params"]) for group in optimizer.param_groups]
-        engine = _build(dist, model, optimizer, config)
-        prepared = {models[0]: engine, optimizers[0]: DeepSpeedOptimizer(engine, optimizer, groups)}
+        if isinstance(optimizer, ConfigOptimizer):
+            param_groups = _param_groups(model, optimizer.params)
+            # Before the build: torch's optimizer keeps these dicts and ZeRO puts its flat partitions in them.
+            groups = [list(group["params"]) for group in param_groups]
+            engine = _build(dist, model, None, config, param_groups)
+            torch_optimizer = engine.basic_optimizer
+            _fused_adam_groups(torch_optimizer)
+        else:
+            groups = [list(group["params"]) for group in optimizer.param_groups]
+            engine = _build(dist, model, optimizer, config)
+            torch_optimizer = optimizer
+        wrapped = DeepSpeedOptimizer(engine, torch_optimizer, groups)
+        prepared = {models[0]: engine, optimizers[0]: wrapped}
+        for i in schedules:
+            prepared[i] = DeepSpeedScheduler(engine.lr_scheduler, wrapped)
     return tuple(prepared[i] if i in prepared else others[i] for i in range(len(objs)))

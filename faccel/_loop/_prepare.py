@@ -17,7 +17,7 @@ from faccel._dist._state import DistState
 from faccel._loop._comm_hooks import check_comm_hook, register_comm_hook
 from faccel._loop._consistency import check_setup
 from faccel._loop._context import check_context
-from faccel._loop._deepspeed import prepare_deepspeed
+from faccel._loop._deepspeed import ConfigOptimizer, ConfigScheduler, prepare_deepspeed
 from faccel._loop._materialize import prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
@@ -177,6 +177,15 @@ def _collection(dist: DistState, obj: Any, options: _Options) -> Any:
     return obj
 
 
+def _config_only(dist: DistState, obj: Any, options: _Options) -> Any:
+    msg = (
+        f"faccel.{type(obj).__name__} stands for what a DeepSpeed config's section builds, and this run's "
+        f"strategy is {dist.strategy!r}; use strategy='deepspeed' with a config that has the section "
+        "(docs/deepspeed.md), or pass a torch optimizer and scheduler"
+    )
+    raise PrepareError(msg)
+
+
 # What prepare does with each kind of object: the first matching row wins.
 # LR schedulers pass through unchanged: each scheduler.step() call advances them once,
 # so they advance once per optimizer step whatever the world size.
@@ -184,6 +193,8 @@ _HANDLERS: tuple[tuple[type, Callable[[DistState, Any, _Options], Any]], ...] = 
     (nn.Module, _module),
     (torch.optim.Optimizer, _optimizer),
     (torch.optim.lr_scheduler.LRScheduler, _unchanged),
+    (ConfigOptimizer, _config_only),
+    (ConfigScheduler, _config_only),
     (DataLoader, _loader),
     (PreparedLoader, _prepared_loader),
     (Dataset, _dataset),

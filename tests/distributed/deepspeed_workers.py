@@ -133,7 +133,20 @@ def _odd_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
 
 
-def _prepared(dist: Any) -> tuple[Any, ...]:
+def sections(kind: str) -> dict[str, Any]:
+    """A config's optimizer and scheduler sections, as Accelerate's DummyOptim/DummyScheduler users
+    write them: DeepSpeed's ``kind`` ("AdamW" with torch's AdamW, or "Adam": DeepSpeed's FusedAdam)."""
+    params: dict[str, Any] = {"lr": "auto", "weight_decay": "auto"}
+    if kind == "AdamW":
+        params["torch_adam"] = True
+    schedule = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
+    return {
+        "optimizer": {"type": kind, "params": params},
+        "scheduler": {"type": "WarmupDecayLR", "params": dict.fromkeys(schedule, "auto")},
+    }
+
+
+def _prepared(dist: Any, from_config: bool = False) -> tuple[Any, ...]:
     import faccel
 
     model = _odd_model()
@@ -141,8 +154,14 @@ def _prepared(dist: Any) -> tuple[Any, ...]:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
     groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    optimizer: Any
+    scheduler: Any
+    if from_config:  # DeepSpeed builds both from the config's sections
+        optimizer = faccel.ConfigOptimizer(params=groups, lr=0.01, weight_decay=0.01)
+        scheduler = faccel.ConfigScheduler(warmup_num_steps=3, total_num_steps=9)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     x, y = _task()
     raw = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
     model, optimizer, loader, scheduler = faccel.prepare(dist, model, optimizer, raw, scheduler)
@@ -217,11 +236,13 @@ def stop_and_resume(
     precision: str = "no",
     accelerator: str = "cpu",
     offload: bool = False,
+    from_config: str | None = None,
 ) -> dict[str, Any]:
     """A run checkpointed at ``stop`` and trained on to ``steps``; then a fresh engine restored from
     the checkpoint and trained to ``steps`` too, in the same processes: both final weights.
     ``accelerator="cuda"``: DeepSpeed's GPU path (tests/test_cuda.py); ``offload``: ZeRO-Offload of
-    the optimizer state to the CPU."""
+    the optimizer state to the CPU; ``from_config``: DeepSpeed's optimizer of that type and a
+    WarmupDecayLR schedule from the config's sections (:func:`sections`)."""
     os.environ["DS_ACCELERATOR"] = accelerator
     import faccel
 
@@ -231,8 +252,10 @@ def stop_and_resume(
     if offload:  # a torch optimizer, not DeepSpeedCPUAdam: DeepSpeed must be told to take it
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False
+    if from_config is not None:
+        config.update(sections(from_config))
     dist = faccel.detect(strategy="deepspeed", deepspeed=config, precision=precision)
-    first = _prepared(dist)
+    first = _prepared(dist, from_config is not None)
     # ZeRO-3 saves in the background (blocking=False) while training goes on; ZeRO-2 blocks.
     state = _train(dist, first, first[4], until=stop, root=root, save_at=stop, blocking=stage != 3)
     saved = _zero_view(first[0])
@@ -240,7 +263,7 @@ def stop_and_resume(
     _train(dist, first, state, until=steps, root=root)
     uninterrupted = _full_params(dist, first[0])
     ended_scaler = _scaler_view(first[0])
-    second = _prepared(dist)
+    second = _prepared(dist, from_config is not None)
     fresh_scaler = _scaler_view(second[0])
     restored = faccel.restore(dist, second[4], root)
     after_restore = _zero_view(second[0])
@@ -256,6 +279,8 @@ def stop_and_resume(
         "restored_step": restored.step,
         "ended_step": ended.step,
         "lr": [first[1].param_groups[0]["lr"], second[1].param_groups[0]["lr"]],
+        "schedule": [repr(first[3]), first[3].last_epoch, second[3].last_epoch, second[3].get_last_lr()],
+        "optimizer": type(first[1].optimizer).__name__,
         "counters": [first[0].global_steps, second[0].global_steps],
         "files": files,
         "scaler": {

@@ -8,6 +8,7 @@ first engine of a fresh machine builds DeepSpeed's small CPU ops with g++
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,27 @@ def test_a_resume_at_step_6_ends_bitwise_equal_to_the_uninterrupted_run(stopped:
         assert result["lr"][0] == result["lr"][1] and result["counters"] == [9, 9]
 
 
+@pytest.mark.parametrize(("stage", "kind", "built"), [(2, "AdamW", "AdamW"), (3, "Adam", "FusedAdam")])
+def test_the_configs_optimizer_and_scheduler_train_checkpoint_and_resume_bitwise(
+    tmp_path: Path, stage: int, kind: str, built: str
+) -> None:
+    """The config's own sections (Accelerate's DummyOptim/DummyScheduler): DeepSpeed builds both;
+    the loop steps them as a torch pair; a resume at step 6 of 9 is bitwise, schedule included."""
+    results = harness.run(
+        workers.stop_and_resume, world_size=2, timeout=300, stage=stage, root=str(tmp_path), from_config=kind
+    )
+    for result in results:
+        assert result["optimizer"] == built  # DeepSpeed's, from the config ("Adam": its FusedAdam, CPU op)
+        assert result["restored_step"] == 6 and result["ended_step"] == 9
+        assert result["after_restore"] == result["saved"]  # masters and moments, bitwise
+        assert result["resumed"] == result["uninterrupted"]  # bitwise
+        # WarmupDecayLR from ConfigScheduler(warmup_num_steps=3, total_num_steps=9), lr 0.01: stepped
+        # once per optimizer step by the engine; after 9 steps (iteration 8) gamma is (9 - 8) / (9 - 3).
+        assert result["schedule"][:3] == ["DeepSpeedScheduler(WarmupDecayLR)", 8, 8]
+        assert result["schedule"][3] == [pytest.approx(0.01 / 6)] * 2 and result["lr"][0] == result["lr"][1]
+        assert result["counters"] == [9, 9]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_deepspeed_checkpoint_holds_only_safetensors_and_json(stopped: dict, stage: int) -> None:
     for result in stopped[stage][1]:
@@ -189,8 +211,13 @@ def test_a_bf16_resume_is_bitwise_too_with_zero_s_fp32_masters_saved(tmp_path) -
         assert result["resumed"] == result["uninterrupted"]
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+    reason="DeepSpeed's fp16 on CPU needs oneDNN's fp16 kernels, which this CPU lacks (DeepSpeed: "
+    "'Type fp16 is not supported on your device')",
+)
 def test_an_fp16_resume_is_bitwise_with_the_dynamic_loss_scaler_restored(tmp_path) -> None:
-    # DeepSpeed's fp16 runs on this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported()).
+    # DeepSpeed's fp16 runs on a CPU with oneDNN's fp16 kernels (the skip above).
     results = harness.run(
         workers.stop_and_resume, world_size=2, timeout=300, stage=2, root=str(tmp_path), precision="fp16"
     )
