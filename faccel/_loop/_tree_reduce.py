@@ -37,6 +37,7 @@ __all__ = [
     "exchange",
     "is_power_of_two",
     "plan",
+    "scratch_for",
     "simulate_exchange",
     "tree_sum",
 ]
@@ -189,31 +190,54 @@ def simulate_exchange(nodes: Sequence[Sequence[torch.Tensor]]) -> list[list[torc
     return held
 
 
-def exchange(buffers: list[torch.Tensor], rank: int, world: int, group: Any = None) -> None:
+def scratch_for(buffers: Sequence[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """Space for what :func:`exchange` receives before adding it: half of each buffer (all of a small one).
+
+    Made once and passed to every exchange, the received halves land in pages
+    already mapped rather than in a fresh allocation every round.
+
+    Example:
+        >>> [s.numel() for s in scratch_for([torch.zeros(11), torch.zeros(3)], world=4)]
+        [6, 3]
+    """
+    sizes = [b.numel() if b.numel() < world else (b.numel() + 1) // 2 for b in buffers]
+    return [torch.empty(n, dtype=b.dtype, device=b.device) for n, b in zip(sizes, buffers, strict=True)]
+
+
+def exchange(
+    buffers: list[torch.Tensor],
+    rank: int,
+    world: int,
+    group: Any = None,
+    scratch: list[torch.Tensor] | None = None,
+) -> None:
     """Combine every rank's ``buffers`` in place along :func:`plan`, over point-to-point messages.
 
     All buffers of a round travel in one ``batch_isend_irecv`` (each its own
-    tag); received halves are added after the round completes.
+    tag); received halves land in ``scratch`` (:func:`scratch_for`; made here
+    when not given) and are added after the round completes.
     """
     import torch.distributed as tdist
 
     plans = [plan(rank, world, b.numel()) for b in buffers]
+    if scratch is None:
+        scratch = scratch_for(buffers, world)
     count = max((len(p) for p in plans), default=0)
     for step in range(count):
         ops = []
-        scratch: list[torch.Tensor | None] = []
-        for tag, (buffer, p) in enumerate(zip(buffers, plans, strict=True)):
+        received: list[torch.Tensor | None] = []
+        for tag, (buffer, p, space) in enumerate(zip(buffers, plans, scratch, strict=True)):
             if step >= len(p):  # a small buffer's rounds are over
-                scratch.append(None)
+                received.append(None)
                 continue
             r = p[step]
             target = buffer[slice(*r.take)]
-            incoming = torch.empty_like(target) if r.add else target
-            scratch.append(incoming if r.add else None)
+            incoming = space[: target.numel()] if r.add else target
+            received.append(incoming if r.add else None)
             ops.append(tdist.P2POp(tdist.isend, buffer[slice(*r.give)], r.partner, group, tag))
             ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, group, tag))
         for request in tdist.batch_isend_irecv(ops):
             request.wait()
-        for buffer, p, received in zip(buffers, plans, scratch, strict=True):
-            if received is not None:
-                buffer[slice(*p[step].take)].add_(received)
+        for buffer, p, got in zip(buffers, plans, received, strict=True):
+            if got is not None:
+                buffer[slice(*p[step].take)].add_(got)
