@@ -207,3 +207,19 @@ def test_a_later_iteration_reuses_the_runs_buffers_and_gives_the_same_bits() -> 
     assert torch.equal(grads.view(torch.uint8), expected.view(torch.uint8))
     faccel.shutdown(dist)
     assert not dist.runtime.exact  # shutdown drops them
+
+
+def test_a_parameter_no_atom_uses_holds_minus_zero() -> None:
+    """An atom starts with .grad None (autograd's own tensors are copied in): an unused one is still -0.0."""
+    dist = faccel.DistState()
+    net = nn.ModuleDict({"used": nn.Linear(6, 1), "unused": nn.Linear(2, 2)})
+    loader = faccel.prepare(dist, DataLoader(data(), batch_size=16))
+    for micro, (x, y) in faccel.micro_batches(dist, loader, atoms=4, model=net):
+        faccel.backward(dist, nn.functional.mse_loss(net["used"](x), y), micro=micro)
+        if micro.sync:
+            break
+    grad = net["unused"].weight.grad
+    minus_zero = torch.full((2, 2), -0.0).view(torch.int32)
+    assert grad is not None and torch.equal(grad.view(torch.int32), minus_zero)
+    used = net["used"].weight.grad
+    assert used is not None and bool(used.abs().sum() > 0)
