@@ -263,7 +263,7 @@ class ExactRun:
         self._pool = _pool(dist, model, self.layout, self.device)
 
     # -- buffers -------------------------------------------------------------------------------------
-    def take(self, fill: bool = True) -> list[torch.Tensor]:
+    def take(self) -> list[torch.Tensor]:
         """Flat buffers of -0.0 (one per dtype, then the float64 loss slot), reused where possible.
 
         -0.0, not +0.0: it is IEEE-754's exact additive identity (``-0.0 + g`` is ``g`` for
@@ -274,7 +274,7 @@ class ExactRun:
         """
         if self._pool.free:
             buffers = self._pool.free.pop()
-            for b in buffers if fill else buffers[-1:]:
+            for b in buffers:
                 b.fill_(-0.0)
             return buffers
         lay = self.layout
@@ -367,7 +367,6 @@ class AtomGroup:
         self._entered = 0
         self._done = 0
         self._place = 0  # the current atom's place in the push order
-        self._copy = False  # the current atom starts with .grad None (one piece, a left operand)
         self._pending: list[torch.Tensor] = []  # a left leaf waiting for its right one
 
     @property
@@ -386,16 +385,12 @@ class AtomGroup:
 
     def begin_atom(self, j: int) -> None:
         self._place = j
-        self._copy = self.size == 1 and not self._fused(j)
         if self._fused(j):
             self._current = self._pending
             self._pending = []
         else:
-            self._current = self.run.take(fill=not self._copy)
+            self._current = self.run.take()
         self._views = self.run.point_grads(self._current)
-        if self._copy:  # autograd's own tensors, copied into the buffers after the backward
-            for p in self.run.layout.params:
-                p.grad = None
 
     def enter(self, seed: int) -> None:
         """Seed torch's generators for a piece, keeping the caller's states to restore after it."""
@@ -445,17 +440,6 @@ class AtomGroup:
         atom = micro.atom
         if not atom.last:  # type: ignore[union-attr]
             return
-        if self._copy:
-            self._copy = False
-            for p, view in zip(self.run.layout.params, self._views, strict=True):
-                g = p.grad
-                if g is None or g.layout != torch.strided:
-                    view.fill_(-0.0)
-                    if g is not None:
-                        view.add_(g)
-                else:
-                    view.copy_(g)  # -0.0 + g, bit for bit
-                p.grad = view
         for p, view in zip(self.run.layout.params, self._views, strict=True):
             if p.grad is not view:
                 msg = (
