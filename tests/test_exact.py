@@ -210,7 +210,7 @@ def test_a_later_iteration_reuses_the_runs_buffers_and_gives_the_same_bits() -> 
 
 
 def test_a_parameter_no_atom_uses_holds_minus_zero() -> None:
-    """An atom starts with .grad None (autograd's own tensors are copied in): an unused one is still -0.0."""
+    """A parameter no atom reaches keeps the -0.0 of its buffers: the sum holds -0.0, not +0.0 or None."""
     dist = faccel.DistState()
     net = nn.ModuleDict({"used": nn.Linear(6, 1), "unused": nn.Linear(2, 2)})
     loader = faccel.prepare(dist, DataLoader(data(), batch_size=16))
