@@ -178,3 +178,48 @@ def test_with_the_mode_off_a_micro_step_is_what_it_was() -> None:
     steps = [m for m, _ in faccel.micro_batches(dist, "abc")]
     assert [m.atom for m in steps] == [None] * 3
     assert [(m.index, m.sync, m.group_size) for m in steps] == [(0, False, 2), (1, True, 2), (2, True, 1)]
+
+
+def test_a_later_iteration_reuses_the_runs_buffers_and_gives_the_same_bits() -> None:
+    """The buffers live in dist.runtime: epoch 2 allocates none, and its step equals a fresh run's."""
+
+    def one_step(dist: faccel.DistState, net: nn.Module, loader: object) -> tuple[set[int], torch.Tensor]:
+        for micro, (x, y) in faccel.micro_batches(dist, loader, atoms=4, model=net):
+            faccel.backward(dist, nn.functional.mse_loss(net(x), y), micro=micro)
+            if micro.sync:
+                grads = [p.grad for p in net.parameters()]
+                assert all(g is not None for g in grads)
+                storages = {g.untyped_storage().data_ptr() for g in grads}  # type: ignore[union-attr]
+                return storages, torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+        raise AssertionError("no step")
+
+    dist = faccel.DistState()
+    net = model()
+    loader = faccel.prepare(dist, DataLoader(data(), batch_size=16))
+    first, _ = one_step(dist, net, loader.at(epoch=0))
+    pool = dist.runtime.exact[net]
+    held = first | {b[0].untyped_storage().data_ptr() for b in pool.free}
+    second, grads = one_step(dist, net, loader.at(epoch=1))
+    assert second <= held  # the sum landed in a buffer of the first iteration
+    fresh = faccel.DistState()
+    other = model()
+    _, expected = one_step(fresh, other, faccel.prepare(fresh, DataLoader(data(), batch_size=16)).at(epoch=1))
+    assert torch.equal(grads.view(torch.uint8), expected.view(torch.uint8))
+    faccel.shutdown(dist)
+    assert not dist.runtime.exact  # shutdown drops them
+
+
+def test_a_parameter_no_atom_uses_holds_minus_zero() -> None:
+    """A parameter no atom reaches keeps the -0.0 of its buffers: the sum holds -0.0, not +0.0 or None."""
+    dist = faccel.DistState()
+    net = nn.ModuleDict({"used": nn.Linear(6, 1), "unused": nn.Linear(2, 2)})
+    loader = faccel.prepare(dist, DataLoader(data(), batch_size=16))
+    for micro, (x, y) in faccel.micro_batches(dist, loader, atoms=4, model=net):
+        faccel.backward(dist, nn.functional.mse_loss(net["used"](x), y), micro=micro)
+        if micro.sync:
+            break
+    grad = net["unused"].weight.grad
+    minus_zero = torch.full((2, 2), -0.0).view(torch.int32)
+    assert grad is not None and torch.equal(grad.view(torch.int32), minus_zero)
+    used = net["used"].weight.grad
+    assert used is not None and bool(used.abs().sum() > 0)

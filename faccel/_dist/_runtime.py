@@ -23,6 +23,8 @@ the same facts are equal whatever they hold), shared by the states
 - the process groups faccel made for itself (the evaluation check-in's gloo
   group: one per handle, however many models are prepared), dropped by
   ``shutdown`` before the process group stops;
+- exact mode's gradient buffers for each model (``micro_batches(..., atoms=)``),
+  kept from one iteration to the next;
 - the record of each prepared loader's iterations, weakly keyed by its
   ``DataLoader`` (:class:`LoaderRecord`: the guards against a second bare pass
   and against re-reading an epoch resumed at another world size; see
@@ -163,6 +165,9 @@ class Runtime:
         self.groups: dict[str, Any] = {}
         self.crumbs: collections.deque[Crumb] = collections.deque(maxlen=CRUMBS)
         self.loaders: weakref.WeakKeyDictionary[Any, LoaderRecord] = weakref.WeakKeyDictionary()
+        # Exact mode's gradient buffers, weakly keyed by the model: every micro_batches(..., atoms=)
+        # iteration reuses them (pages already mapped) rather than allocating its own.
+        self.exact: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
         self.step: int | None = None
         self.backwards = 0  # backward calls: a crumb says how far training had got
@@ -277,4 +282,5 @@ class Runtime:
             self.handles.clear()
             self.groups.clear()
             self.staging.clear()
+            self.exact.clear()
             self.meshes.clear()

@@ -33,7 +33,7 @@ from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
 from faccel._loop._micro_step import Atom, MicroStep
 from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._tree_reduce import TreeStack, bit_reversed, exchange, is_power_of_two
+from faccel._loop._tree_reduce import TreeStack, bit_reversed, exchange, is_power_of_two, scratch_for
 from faccel._tree import map_tensors
 from faccel.errors import ArgumentError, ArgumentValueError, UsageError
 
@@ -125,6 +125,25 @@ def _layout(params: Sequence[torch.Tensor]) -> _Layout:
         offset.append(sizes[b])
         sizes[b] += p.numel()
     return _Layout(list(params), bucket, offset, sizes, dtypes)
+
+
+class _Pool:
+    """Exact mode's buffers for one model and layout, kept in ``dist.runtime`` from iteration to iteration."""
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.free: list[list[torch.Tensor]] = []
+        self.granted: list[torch.Tensor] | None = None  # the buffers the .grad of the last step view
+        self.scratch: list[torch.Tensor] | None = None  # the exchange's receive space
+
+
+def _pool(dist: DistState, model: nn.Module, layout: _Layout, device: torch.device) -> _Pool:
+    """The pool of ``model``'s buffers in this run (a new one when its layout changed)."""
+    key = (tuple(layout.sizes), tuple(layout.dtypes), device, dist.data_world_size)
+    pool = dist.runtime.exact.get(model)
+    if not isinstance(pool, _Pool) or pool.key != key:
+        pool = dist.runtime.exact[model] = _Pool(key)
+    return pool
 
 
 def _problem_of_setup(dist: DistState, model: nn.Module) -> str:
@@ -240,8 +259,8 @@ class ExactRun:
         self.global_batch = s.batch_size * s.world_size
         self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad])
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        self._free: list[list[torch.Tensor]] = []
-        self._granted: list[torch.Tensor] | None = None  # the buffers the .grad of the last step view
+        self.device = self.layout.params[0].device if self.layout.params else dist.device
+        self._pool = _pool(dist, model, self.layout, self.device)
 
     # -- buffers -------------------------------------------------------------------------------------
     def take(self) -> list[torch.Tensor]:
@@ -250,22 +269,29 @@ class ExactRun:
         -0.0, not +0.0: it is IEEE-754's exact additive identity (``-0.0 + g`` is ``g`` for
         every ``g``, -0.0 included), so an atom's gradient accumulated into it is the raw
         gradient, the same bits whether it lands in a fresh buffer or into its left
-        neighbour's (``_fused``).
+        neighbour's (``_fused``). The pool outlives this iteration (``dist.runtime``), so
+        buffers are allocated once per run, not at every iteration's first step.
         """
-        if self._free:
-            buffers = self._free.pop()
+        if self._pool.free:
+            buffers = self._pool.free.pop()
             for b in buffers:
                 b.fill_(-0.0)
             return buffers
-        device = self.layout.params[0].device if self.layout.params else self.dist.device
         lay = self.layout
         flats = [
-            torch.full((n,), -0.0, dtype=d, device=device) for n, d in zip(lay.sizes, lay.dtypes, strict=True)
+            torch.full((n,), -0.0, dtype=d, device=self.device)
+            for n, d in zip(lay.sizes, lay.dtypes, strict=True)
         ]
-        return [*flats, torch.full((1,), -0.0, dtype=torch.float64, device=device)]
+        return [*flats, torch.full((1,), -0.0, dtype=torch.float64, device=self.device)]
 
     def release(self, buffers: list[torch.Tensor]) -> None:
-        self._free.append(buffers)
+        self._pool.free.append(buffers)
+
+    def scratch(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The exchange's receive space (half of each buffer), made once per run."""
+        if self._pool.scratch is None:
+            self._pool.scratch = scratch_for(buffers, self.world)
+        return self._pool.scratch
 
     def point_grads(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Make each parameter's ``.grad`` a view of ``buffers``; return the views."""
@@ -279,10 +305,10 @@ class ExactRun:
 
     def grant(self, buffers: list[torch.Tensor]) -> None:
         """The step's sum becomes ``.grad``; the previous step's buffers return to the pool."""
-        if self._granted is not None:
-            self.release(self._granted)
+        if self._pool.granted is not None and self._pool.granted is not buffers:
+            self.release(self._pool.granted)
         self.point_grads(buffers)
-        self._granted = buffers
+        self._pool.granted = buffers
 
     # -- batches -------------------------------------------------------------------------------------
     def split(self, batch: Any, i: int) -> Any:
@@ -435,6 +461,6 @@ class AtomGroup:
         total = self._stack.result()
         run = self.run
         if run.world > 1:
-            exchange(total, run.rank, run.world)
+            exchange(total, run.rank, run.world, scratch=run.scratch(total))
         run.grant(total)
         self.loss = total[-1][0].clone()

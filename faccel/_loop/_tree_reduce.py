@@ -37,6 +37,7 @@ __all__ = [
     "exchange",
     "is_power_of_two",
     "plan",
+    "scratch_for",
     "simulate_exchange",
     "tree_sum",
 ]
@@ -189,31 +190,86 @@ def simulate_exchange(nodes: Sequence[Sequence[torch.Tensor]]) -> list[list[torc
     return held
 
 
-def exchange(buffers: list[torch.Tensor], rank: int, world: int, group: Any = None) -> None:
+def scratch_for(buffers: Sequence[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """Space for what :func:`exchange` receives before adding it: half of each buffer (all of a small one).
+
+    Made once and passed to every exchange, the received halves land in pages
+    already mapped rather than in a fresh allocation every round.
+
+    Example:
+        >>> [s.numel() for s in scratch_for([torch.zeros(11), torch.zeros(3)], world=4)]
+        [6, 3]
+    """
+    sizes = [b.numel() if b.numel() < world else (b.numel() + 1) // 2 for b in buffers]
+    return [torch.empty(n, dtype=b.dtype, device=b.device) for n, b in zip(sizes, buffers, strict=True)]
+
+
+# Elements per message of the exchange: a round's piece is sent in chunks of this many, and each
+# received chunk is added while the next ones are still on the wire.
+CHUNK = 1 << 18
+
+
+def _chunks(span: tuple[int, int], chunk: int) -> list[tuple[int, int]]:
+    """``span`` cut at multiples of ``chunk`` from its start (both partners cut a piece alike)."""
+    start, end = span
+    return [(i, min(i + chunk, end)) for i in range(start, end, chunk)] or [span]
+
+
+def exchange(
+    buffers: list[torch.Tensor],
+    rank: int,
+    world: int,
+    group: Any = None,
+    scratch: list[torch.Tensor] | None = None,
+    chunk: int = CHUNK,
+) -> None:
     """Combine every rank's ``buffers`` in place along :func:`plan`, over point-to-point messages.
 
-    All buffers of a round travel in one ``batch_isend_irecv`` (each its own
-    tag); received halves are added after the round completes.
+    All messages of a round are posted at once (``batch_isend_irecv``, one tag
+    each): every buffer's piece in chunks of ``chunk`` elements, the same cuts
+    on both partners. Received chunks land in ``scratch`` (:func:`scratch_for`;
+    made here when not given) and each is added as soon as it has arrived, in
+    order, while the later ones travel. The cuts change no bit: every element
+    is added to its partner's copy in the pairs and order :func:`plan` says.
     """
     import torch.distributed as tdist
 
     plans = [plan(rank, world, b.numel()) for b in buffers]
+    if scratch is None:
+        scratch = scratch_for(buffers, world)
     count = max((len(p) for p in plans), default=0)
     for step in range(count):
         ops = []
-        scratch: list[torch.Tensor | None] = []
-        for tag, (buffer, p) in enumerate(zip(buffers, plans, strict=True)):
+        adds: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index of the recv op, target, received)
+        small: set[int] = set()  # receives into a buffer sent whole in the same round
+        for i, (buffer, p, space) in enumerate(zip(buffers, plans, scratch, strict=True)):
             if step >= len(p):  # a small buffer's rounds are over
-                scratch.append(None)
                 continue
             r = p[step]
-            target = buffer[slice(*r.take)]
-            incoming = torch.empty_like(target) if r.add else target
-            scratch.append(incoming if r.add else None)
-            ops.append(tdist.P2POp(tdist.isend, buffer[slice(*r.give)], r.partner, group, tag))
-            ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, group, tag))
-        for request in tdist.batch_isend_irecv(ops):
-            request.wait()
-        for buffer, p, received in zip(buffers, plans, scratch, strict=True):
-            if received is not None:
-                buffer[slice(*p[step].take)].add_(received)
+            # Chunk k of buffer i travels under tag k * len(buffers) + i: the partner cuts its piece alike.
+            for k, give in enumerate(_chunks(r.give, chunk)):
+                ops.append(
+                    tdist.P2POp(tdist.isend, buffer[slice(*give)], r.partner, group, k * len(buffers) + i)
+                )
+            for k, take in enumerate(_chunks(r.take, chunk)):
+                target = buffer[slice(*take)]
+                incoming = space[take[0] - r.take[0] : take[1] - r.take[0]] if r.add else target
+                if r.add:
+                    adds.append((len(ops), target, incoming))
+                    if r.give == r.take:
+                        small.add(len(ops))
+                ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, group, k * len(buffers) + i))
+        requests = tdist.batch_isend_irecv(ops)
+        finished = [False] * len(requests)
+        for index, target, incoming in adds:
+            if index in small:  # a small buffer sends what it adds to: only once its sends are done
+                continue
+            requests[index].wait()  # this receive only: its send reads another half of the buffer
+            finished[index] = True
+            target.add_(incoming)
+        for request, done in zip(requests, finished, strict=True):
+            if not done:
+                request.wait()
+        for index, target, incoming in adds:
+            if index in small:
+                target.add_(incoming)

@@ -53,3 +53,34 @@ def refusals() -> dict[str, str]:
             out["no_sync"] = str(error)
         break
     return out
+
+
+def nodes(world: int) -> list[list[Any]]:
+    """Each rank's buffers for the chunked exchange: odd lengths, one under ``world``, a float64 slot."""
+    import torch
+
+    out = []
+    for rank in range(world):
+        generator = torch.Generator().manual_seed(rank)
+        out.append(
+            [
+                torch.randn(37, generator=generator) * torch.logspace(-6, 6, 37),
+                torch.randn(world - 1, generator=generator),
+                torch.randn(1, generator=generator, dtype=torch.float64),
+            ]
+        )
+    return out
+
+
+def chunked_exchange() -> list[list[int]]:
+    """``exchange`` over gloo, every piece cut in chunks of 3 elements: each buffer's bytes after it."""
+    import torch
+
+    import faccel
+    from faccel._loop._tree_reduce import exchange
+
+    dist = faccel.detect()
+    buffers = nodes(dist.world_size)[dist.rank]
+    exchange(buffers, dist.rank, dist.world_size, chunk=3)
+    faccel.shutdown(dist)
+    return [b.view(torch.uint8).tolist() for b in buffers]

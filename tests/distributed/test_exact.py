@@ -36,3 +36,15 @@ def test_different_thread_counts_and_ddps_own_all_reduce_are_refused_on_every_ra
     for result in results:
         assert "torch.get_num_threads() = [1, 2] by rank" in result["threads"]
         assert "inside `with faccel.accumulate(dist, model, micro):`" in result["no_sync"]
+
+
+def test_the_exchange_cut_in_chunks_leaves_every_rank_the_simulated_sum() -> None:
+    """Chunks of 3 over odd pieces (and a buffer shorter than the world): the bits simulate_exchange gives."""
+    import torch
+
+    from faccel._loop._tree_reduce import simulate_exchange
+
+    results = harness.run(exact_workers.chunked_exchange, world_size=4)
+    expected = simulate_exchange(exact_workers.nodes(4))
+    for rank, got in enumerate(results):
+        assert got == [b.view(torch.uint8).tolist() for b in expected[rank]], rank
