@@ -238,7 +238,13 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
         msg = f"schedule must be a faccel.Schedule, got {schedule!r}"
         raise PrepareError(msg)
     stage_indices(schedule, 0, dist.parallel.pipeline)  # a schedule that cannot place its stages
-    return PipelinedModel(dist, model, split, schedule, options)
+    piped = PipelinedModel(dist, model, split, schedule, options)
+    if options.example is not None:  # built now: a restore or load_model can fill the stages before training
+        args = options.example if isinstance(options.example, tuple) else (options.example,)
+        _build(piped, args)
+        shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
+        object.__setattr__(piped, "shapes", shapes)
+    return piped
 
 
 # Loud, not a silent partial file: checkpoint, restore, save_model and load_model walk a model's

@@ -218,6 +218,7 @@ def prepare(
     reshard_after_forward: bool = True,
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
     schedule: Schedule | None = None,
+    example: Any = None,
     comm_hook: str | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -330,6 +331,11 @@ def prepare(
             runs on any layout.
         schedule: The pipeline schedule, a :class:`Schedule` (default: 1F1B,
             one micro-batch per stage).
+        example: Under pipeline stages: a batch of inputs as this rank's
+            :func:`forward_backward` will get it (a tensor or a tuple); the
+            stages are built now from its shapes, instead of at the first
+            ``forward_backward``, so that ``restore`` (or ``load_model``) can
+            fill them before training. Unused without pipeline stages.
         comm_hook: Under DDP: compress the gradients DDP all-reduces with one
             of torch's communication hooks, ``'fp16'``, ``'bf16'``,
             ``'powersgd'`` or ``'batched_powersgd'`` (Accelerate's
@@ -396,6 +402,7 @@ def prepare(
         reshard_after_forward=reshard_after_forward,
         split=tuple(split) if isinstance(split, list | tuple) else split,
         schedule=schedule,
+        example=example,
         comm_hook=comm_hook,
         comm_hook_options=comm_hook_options,
     )
