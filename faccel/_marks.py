@@ -87,6 +87,7 @@ __all__ = [
     "REPLACED_BY",
     "TENSOR_PARALLEL",
     "WRAPPED_AS",
+    "WRITTEN_BY",
 ]
 
 WRAPPED_AS = "_faccel_wrapped_as"
@@ -94,6 +95,9 @@ TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
 DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"
 PROCESS_GROUP = "_faccel_process_group"
+# On a meta tensor standing in for another pipeline stage's tensor in a sharded checkpoint's plan:
+# the rank that holds (and writes) it (faccel._checkpoint._strategies._pipeline).
+WRITTEN_BY = "_faccel_written_by"
 
 EVAL_CHECK_IN = "faccel: evaluation check-in"
 REBIND_AT_FIRST_STEP = "faccel: rebind at first step"

@@ -35,6 +35,7 @@ from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
+from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -83,10 +84,23 @@ def plan_pieces(
                 sharded.append(name)
             specs[name] = (tensor.dtype, tuple(tensor.shape))
             tensors[name] = tensor
-    placed = assign(specs, sharded, world)
+    # Pipeline stages (faccel._checkpoint._strategies._pipeline): another rank's tensor is a meta
+    # tensor marked with the rank that writes it; then this rank writes its own whole.
+    writers = {name: getattr(t, WRITTEN_BY) for name, t in tensors.items() if hasattr(t, WRITTEN_BY)}
+    if writers:
+        writers |= {name: rank for name in tensors if name not in writers}
+    placed = assign({k: v for k, v in specs.items() if k not in writers}, sharded, world)
+    for name, writer in writers.items():
+        dtype, shape = specs[name]
+        placed[name] = Placed(dtype=dtype, shape=shape, block=max(1, rows_of(shape)), first=writer)
+    placed = {name: placed[name] for name in specs}
     pieces: dict[str, torch.Tensor] = {}
     for name, spot in placed.items():
         tensor = tensors[name]
+        if name in writers:
+            if writers[name] == rank:
+                pieces[name] = tensor.detach()
+            continue
         if name in sharded:
             local = tensor.to_local()
             start = min(rows_of(spot.shape), rank * spot.block)

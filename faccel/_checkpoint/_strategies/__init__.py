@@ -11,13 +11,14 @@ from __future__ import annotations
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, StrategyState, Whole
 from faccel._checkpoint._strategies._ddp import DDPState
 from faccel._checkpoint._strategies._fsdp import FsdpState
+from faccel._checkpoint._strategies._pipeline import PipelineState
 from faccel._checkpoint._strategies._plain import PlainState
 from faccel._checkpoint._strategies._zero import ZeroState
 
 __all__ = ["ExportKind", "Ownership", "StrategyState", "Whole", "strategy_of"]
 
 # First match wins; PlainState holds every model, so it comes last.
-_STRATEGIES: tuple[StrategyState, ...] = (ZeroState(), FsdpState(), DDPState(), PlainState())
+_STRATEGIES: tuple[StrategyState, ...] = (PipelineState(), ZeroState(), FsdpState(), DDPState(), PlainState())
 
 
 def strategy_of(model: object) -> StrategyState:
