@@ -86,6 +86,7 @@ __all__ = [
     "REBIND_AT_FIRST_STEP",
     "REPLACED_BY",
     "TENSOR_PARALLEL",
+    "WHOLE_GROUPS",
     "WRAPPED_AS",
     "WRITTEN_BY",
 ]
@@ -98,6 +99,9 @@ PROCESS_GROUP = "_faccel_process_group"
 # On a meta tensor standing in for another pipeline stage's tensor in a sharded checkpoint's plan:
 # the rank that holds (and writes) it (faccel._checkpoint._strategies._pipeline).
 WRITTEN_BY = "_faccel_written_by"
+# On an optimizer that steps one pipeline stage: its param groups' parameters as given (every stage's),
+# so that checkpoints number them as the whole model's optimizer does (faccel._loop._prepare._rebind).
+WHOLE_GROUPS = "_faccel_whole_groups"
 
 EVAL_CHECK_IN = "faccel: evaluation check-in"
 REBIND_AT_FIRST_STEP = "faccel: rebind at first step"

@@ -34,6 +34,7 @@ from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
+from faccel._marks import OTHER_STAGE
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs
 from faccel._storage._weights import alias_groups, compare_tensors
@@ -379,6 +380,8 @@ def _check_optimizer(
         if param is None or not isinstance(entry, dict):
             problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
             continue
+        if getattr(param, OTHER_STAGE, False):
+            continue  # another pipeline stage's: its rank checks it
         for key, value in entry.items():
             _check_state_entry(target, pid, param, key, value, elementwise=elementwise, problems=problems)
     return saved

@@ -180,12 +180,36 @@ class PipelinedModel(nn.Module):
         raise UsageError(msg)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: a stage holds some of the model's names only (checkpoints of stages: not yet)."""
-        raise UsageError(_NO_WHOLE_STATE)
+        """This rank's stages' state, by the model's own names (a stage holds some of the names only).
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused, as :meth:`state_dict`."""
-        raise UsageError(_NO_WHOLE_STATE)
+        Raises:
+            UsageError: The stages are not built yet (``prepare(..., example=batch)`` builds them).
+        """
+        from faccel._loop._model import unwrap_model
+
+        if not self.built:
+            raise UsageError(_NOT_BUILT)
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(unwrap_model(stage).state_dict(*args, **kwargs))
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load this rank's stages' names from ``state_dict`` (other stages' names are not this rank's).
+
+        Raises:
+            UsageError: The stages are not built yet.
+        """
+        from faccel._loop._model import unwrap_model
+
+        if not self.built:
+            raise UsageError(_NOT_BUILT)
+        missing: list[str] = []
+        for stage in self.stages:
+            module = unwrap_model(stage)
+            own = {k: v for k, v in state_dict.items() if k in module.state_dict()}
+            missing += module.load_state_dict(own, strict=strict, assign=assign).missing_keys
+        return torch.nn.modules.module._IncompatibleKeys(missing, [])
 
     @property
     def built(self) -> bool:
@@ -247,13 +271,10 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
     return piped
 
 
-# Loud, not a silent partial file: checkpoint, restore, save_model and load_model walk a model's
-# whole state on every rank (rank 0 writes it), and a stage holds only its own names.
-_NO_WHOLE_STATE = (
-    "a PipelinedModel holds this rank's pipeline stages only, and faccel's checkpoint, restore, "
-    "save_model and load_model do not yet read or write a model whose names are spread over stages "
-    "(they would save stage 0 alone); save the stages' weights yourself, per stage "
-    "(model.stages[i].state_dict() keeps the model's names), or train with pipeline=1 to checkpoint"
+_NOT_BUILT = (
+    "the PipelinedModel's stages are not built yet (they are built at the first forward_backward, "
+    "from a batch's shapes), so it holds no state to checkpoint, restore or load into: pass "
+    "prepare(..., example=batch) (this rank's batch, as forward_backward gets it) to build them at prepare"
 )
 
 

@@ -22,7 +22,7 @@ from faccel._loop._materialize import prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
 from faccel._loop._pipeline import Schedule, pipelined
-from faccel._marks import OTHER_STAGE, REPLACED_BY
+from faccel._marks import OTHER_STAGE, REPLACED_BY, WHOLE_GROUPS
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
 
@@ -77,6 +77,13 @@ def _materialize_whole(dist: DistState, objs: tuple[Any, ...], options: _Options
 def _rebind(optimizer: torch.optim.Optimizer) -> bool:
     """Point ``optimizer`` at the parameters that replaced its own; whether all were final."""
     settled = True
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    if not hasattr(optimizer, WHOLE_GROUPS) and any(
+        getattr(p, _OTHER_STAGE, False) for g in groups for p in g
+    ):
+        setattr(
+            optimizer, WHOLE_GROUPS, groups
+        )  # every stage's parameters, as given: checkpoints number them
     for group in optimizer.param_groups:
         params = group["params"]
         # Parameters another pipeline stage holds: never stepped here (faccel._loop._pipeline).

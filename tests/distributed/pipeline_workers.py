@@ -167,7 +167,7 @@ def accumulated(layout: str | None, by_items: bool, steps: int = 2) -> dict[str,
 
 
 def refusals(root: str) -> dict[str, str]:
-    """checkpoint and save_model of a pipelined model: each refused loudly, nothing written."""
+    """What is refused of a pipelined model's checkpoints and exports, each loudly, nothing written."""
     import faccel
 
     dist = faccel.detect(layout="pipeline=2")
@@ -175,14 +175,19 @@ def refusals(root: str) -> dict[str, str]:
     net = Net()
     model, optimizer = faccel.prepare(dist, net, torch.optim.SGD(net.parameters(), lr=0.1), split=SPLITS[2])
     x, y = batches(1)[0]
-    faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
     out = {}
     state = faccel.TrainState(model=model, optimizer=optimizer)
+    try:  # the stages are built at the first forward_backward (or at prepare, with example=)
+        faccel.checkpoint(dist, state, f"{root}/early")
+        out["unbuilt"] = "written"
+    except faccel.errors.FaccelError as error:
+        out["unbuilt"] = f"{type(error).__name__}: {error}"
+    faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
     calls = {
         "other_batch_size": lambda: faccel.forward_backward(
             dist, model, nn.functional.mse_loss, x[:4], y[:4]
         ),
-        "checkpoint": lambda: faccel.checkpoint(dist, state, root),
+        "whole_tensors": lambda: faccel.checkpoint(dist, state, f"{root}/whole", sharded=False),
         "save_model": lambda: faccel.save_model(dist, model, f"{root}/model"),
     }
     for name, call in calls.items():

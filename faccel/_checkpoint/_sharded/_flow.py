@@ -35,7 +35,7 @@ from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._marks import WRITTEN_BY
+from faccel._marks import OTHER_STAGE, WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -190,10 +190,11 @@ def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[
         groups = decode(groups, tensors={}, where=where)
     except CheckpointError:
         return found
-    if not isinstance(groups, list) or len(groups) != len(state.optimizer.param_groups):
+    live_groups, _ = strategy.optimizer_view(state.optimizer)
+    if not isinstance(groups, list) or len(groups) != len(live_groups):
         return found
     params: dict[int, Any] = {}
-    for group, live in zip(groups, state.optimizer.param_groups, strict=True):
+    for group, live in zip(groups, live_groups, strict=True):
         ids = group.get("params") if isinstance(group, dict) else None
         if isinstance(ids, list) and len(ids) == len(live["params"]):
             params.update({i: p for i, p in zip(ids, live["params"], strict=True) if type(i) is int})
@@ -219,6 +220,8 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     parts = key.split(".")
     number = int(parts[1]) if len(parts) == 3 and parts[0] == "state" and parts[1].isdigit() else None
     live = targets.get("param_of", {}).get(number)
+    if getattr(live, OTHER_STAGE, False):
+        return None  # another pipeline stage's optimizer state: its rank reads it
     # Elementwise state (exp_avg) is sharded as its parameter; anything else (a 0-d step) is whole.
     if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype):
         return live

@@ -25,7 +25,7 @@ import torch
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
 from faccel._checkpoint._strategies._plain import PlainState
 from faccel._loop._model import unwrap_model
-from faccel._marks import WRITTEN_BY
+from faccel._marks import OTHER_STAGE, REPLACED_BY, WHOLE_GROUPS, WRITTEN_BY
 from faccel.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -106,16 +106,13 @@ def stage_shards(model: Any, optimizer: Any) -> Whole:
     real and every other stage's a ``meta`` tensor marked with the rank that writes it. A collective."""
     dist = model._dist
     own = _stage_state(model)
-    order = [name for name, _ in model._source.named_parameters()]
-    position = {name: i for i, name in enumerate(order)}
-    local: dict[str, Any] = {"model": {k: _spec(v) for k, v in own.items()}, "groups": [], "state": {}}
+    local: dict[str, Any] = {"model": {k: _spec(v) for k, v in own.items()}, "state": {}}
     saved = optimizer.state_dict() if optimizer is not None else None
     names = _param_names(model)
     if saved is not None:
         for group, live in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-            ids = [names[id(p)] for p in live["params"]]
-            local["groups"].append(ids)
-            for number, name in zip(group["params"], ids, strict=True):
+            mine = [names[id(p)] for p in live["params"]]
+            for number, name in zip(group["params"], mine, strict=True):
                 entry = saved["state"].get(number)
                 if entry is None:
                     continue
@@ -134,44 +131,61 @@ def stage_shards(model: Any, optimizer: Any) -> Whole:
             model_state[name] = _meta(every[writer[name]]["model"][name], writer[name])
     missing = sorted(set(source) - set(model_state))
     if missing:
-        msg = f"no pipeline stage holds {missing[:5]} of the model: cannot checkpoint a model the stages do not cover"
+        msg = f"no pipeline stage holds {missing[:5]} of the model: the stages do not cover it"
         raise CheckpointError(msg)
     if saved is None:
         return model_state, None
-    # The whole optimizer's groups: each group's parameters of every stage, in the model's order.
+    # The whole optimizer's groups: every stage's parameters, as the optimizer was given them.
+    whole = whole_groups(optimizer)
+    named = {id(p): n for n, p in model._source.named_parameters()} | names
+    holders = {name: rank for rank, each in enumerate(every) for name in each["state"]}
+    local_of = {
+        names[id(p)]: i
+        for g, live in zip(saved["param_groups"], optimizer.param_groups, strict=True)
+        for i, p in zip(g["params"], live["params"], strict=True)
+    }
     groups, state, number = [], {}, 0
-    for g, group in enumerate(saved["param_groups"]):
-        members = sorted({n for each in every for n in each["groups"][g]}, key=lambda n: position[n])
-        ids = []
-        for name in members:
-            ids.append(number)
-            holder = next(r for r, each in enumerate(every) if name in each["groups"][g])
-            entry = every[holder]["state"].get(name)
-            if entry is not None:
-                mine = holder == dist.rank
-                live = saved["state"][_local_number(saved, optimizer, names, name)] if mine else None
+    for group, members in zip(saved["param_groups"], whole, strict=True):
+        numbers: list[int] = []
+        for param in members:
+            name = named[id(param)]
+            numbers.append(number)
+            if name in holders:
+                holder = holders[name]
+                entry = every[holder]["state"][name]
+                live = saved["state"][local_of[name]] if holder == dist.rank else None
                 state[number] = {
-                    k: (live[k] if mine else (_meta(v[1:], holder) if v[0] == "T" else v[1]))
+                    k: (live[k] if live is not None else (_meta(v[1:], holder) if v[0] == "T" else v[1]))
                     for k, v in entry.items()
                 }
             number += 1
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
     return model_state, {"state": state, "param_groups": groups}
 
 
-def _local_number(saved: Mapping[str, Any], optimizer: Any, names: Mapping[int, str], name: str) -> int:
-    for group, live in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-        for number, param in zip(group["params"], live["params"], strict=True):
-            if names[id(param)] == name:
-                return int(number)
-    raise KeyError(name)
+def whole_groups(optimizer: Any) -> list[list[torch.Tensor]]:
+    """The optimizer's param groups as given, every stage's parameters (each as trained here where it is
+    this rank's): how the whole model's optimizer numbers them."""
+    recorded = getattr(optimizer, WHOLE_GROUPS, None)
+    if recorded is None:
+        return [list(group["params"]) for group in optimizer.param_groups]
+    out = []
+    for group in recorded:
+        members = []
+        for param in group:
+            while getattr(param, REPLACED_BY, None) is not None:
+                param = getattr(param, REPLACED_BY)
+            members.append(param)
+        out.append(members)
+    return out
 
 
 class PipelineState(PlainState):
     """The strategy state of a :class:`PipelinedModel` (see the module's docstring)."""
 
     name = "pipeline"
-    staged = frozenset({"model", "optimizer"})
+    # Loaded by load (each stage's own load_state_dict, the optimizer renumbered): nothing staged.
+    staged: frozenset[str] = frozenset()
 
     def holds(self, model: object) -> bool:
         """A ``PipelinedModel``."""
@@ -208,16 +222,64 @@ class PipelineState(PlainState):
         _check(model)
         return Ownership(names=frozenset(_stage_state(model)))
 
+    def optimizer_view(self, optimizer: Any) -> tuple[list[dict[str, Any]], Any]:
+        """The whole model's groups: every stage's parameters (another stage's marked as such)."""
+        return [
+            {**group, "params": members}
+            for group, members in zip(optimizer.param_groups, whole_groups(optimizer), strict=True)
+        ], optimizer
+
+    def load(
+        self,
+        model: Any,
+        optimizer: Any,
+        model_state: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, Any] | None,
+    ) -> bool:
+        """This rank's names into its stages; the optimizer state of its parameters, renumbered."""
+        _check(model)
+        for stage in model.stages:
+            module = unwrap_model(stage)
+            module.load_state_dict({k: model_state[k] for k in module.state_dict()}, strict=True)
+        if optimizer is None or optimizer_state is None:
+            return True
+        local = optimizer.state_dict()
+        number_of = {
+            id(p): i
+            for group, live in zip(local["param_groups"], optimizer.param_groups, strict=True)
+            for i, p in zip(group["params"], live["params"], strict=True)
+        }
+        state, groups = {}, []
+        for saved, live, members in zip(
+            optimizer_state["param_groups"], local["param_groups"], whole_groups(optimizer), strict=True
+        ):
+            for number, param in zip(saved["params"], members, strict=True):
+                if getattr(param, OTHER_STAGE, False) or id(param) not in number_of:
+                    continue
+                if number in optimizer_state["state"]:
+                    state[number_of[id(param)]] = optimizer_state["state"][number]
+            groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": live["params"]})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return True
+
     def export_kind(self, model: object) -> ExportKind:
-        """Every rank its stages (not yet supported: refused where asked)."""
-        return "spread"
+        """Refused, before anything is written: save_model of pipeline stages is not supported yet."""
+        raise UsageError(_NO_EXPORT)
 
     def gather_named(self, model: object, names: Sequence[str], *, keep: bool) -> dict[str, torch.Tensor]:
-        """Refused: save_model of a pipelined model is not supported."""
-        msg = "save_model of a PipelinedModel is not supported yet: restore its checkpoint at pipeline=1 and export there"
-        raise UsageError(msg)
+        """Refused, as :meth:`export_kind`."""
+        raise UsageError(_NO_EXPORT)
 
     def load_weights(self, model: object, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refused: load_model into a pipelined model is not supported."""
-        msg = "load_model into a PipelinedModel is not supported yet: load at pipeline=1, checkpoint, restore"
+        """Refused: load_model into pipeline stages is not supported yet (nothing is loaded)."""
+        msg = (
+            "load_model into a PipelinedModel is not supported yet: load_model at pipeline=1, "
+            "checkpoint, and restore that checkpoint into the stages"
+        )
         raise UsageError(msg)
+
+
+_NO_EXPORT = (
+    "save_model of a PipelinedModel is not supported yet: checkpoint it (the sharded format, keyed by "
+    "the model's names), restore the checkpoint at pipeline=1 and call save_model there"
+)
