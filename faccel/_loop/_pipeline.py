@@ -19,7 +19,9 @@ exactly those two lines; for a :class:`PipelinedModel` it is the schedule's
 step over the micro-batches, with each micro-batch's loss scaled as
 ``backward`` would scale the whole batch's (accumulation, ``items=``), and the
 loss comes back on every rank. The stages are built on the first call,
-because torch's tracer and stages need a micro-batch's shapes.
+because torch's tracer and stages need a micro-batch's shapes, or at
+``prepare(..., example=batch)``, so that ``restore`` can fill them before
+training (checkpoints of stages: ``faccel._checkpoint._strategies._pipeline``).
 """
 
 from __future__ import annotations

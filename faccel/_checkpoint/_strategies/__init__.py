@@ -1,9 +1,10 @@
 """Strategy states: what each strategy contributes to checkpoints and exports, one module each.
 
 ``_base`` holds the protocol (:class:`StrategyState`) and its records; ``_plain`` (one process),
-``_ddp``, ``_fsdp`` (FSDP2, HSDP, tensor parallelism) and ``_zero`` (DeepSpeed) implement it.
+``_ddp``, ``_fsdp`` (FSDP2, HSDP, tensor parallelism), ``_zero`` (DeepSpeed) and ``_pipeline``
+(pipeline stages) implement it.
 :func:`strategy_of` picks a model's, from the table ``_STRATEGIES``: the first row that holds it.
-A new strategy (pipeline stages) is a module here and a row there, nothing elsewhere.
+A new strategy is a module here and a row there, nothing elsewhere.
 """
 
 from __future__ import annotations
