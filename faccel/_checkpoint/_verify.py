@@ -314,6 +314,11 @@ def _check_model(
     aliases: dict[str, str] = section["aliases"]
     keys: list[str] = section["keys"]
     ownership = strategy_of(state.model).ownership(state.model)
+    if ownership.model_names is not None:  # the union of the stages is the whole model: every rank checks it
+        for key in sorted(set(keys) - ownership.model_names - set(aliases)):
+            problems.add(MODEL, f"holds tensor {key!r}, which no pipeline stage of the model holds")
+        for key in sorted(ownership.model_names - set(keys)):
+            problems.add(MODEL, f"tensor {key!r} of the model (another stage's) is missing")
     if not ownership.every_name:  # a rank that holds some names (a pipeline stage) checks those only
         keys = [key for key in keys if ownership.owns(key)]
         stored = {key: tensor for key, tensor in stored.items() if ownership.owns(key)}

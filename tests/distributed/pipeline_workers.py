@@ -272,3 +272,16 @@ def ckpt_resume(layout: str | None, root: str) -> dict[str, Any]:
     values = _ckpt_values(model, optimizer)
     after = _ckpt_steps(dist, model, optimizer, data[3:])
     return {"step": state.step, "values": values, "after": after}
+
+
+def ckpt_other_model(root: str) -> str:
+    """A checkpoint of a model with one tensor more (written in one process), restored into stages."""
+    import faccel
+
+    data = batches(5)
+    dist, model, optimizer = _ckpt_setup("pipeline=2", data[0])
+    try:
+        faccel.restore(dist, faccel.TrainState(model=model, optimizer=optimizer), root)
+    except faccel.errors.CheckpointError as error:
+        return str(error)
+    return "restored"

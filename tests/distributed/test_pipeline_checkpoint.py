@@ -79,3 +79,20 @@ def test_one_process_checkpoint_restores_at_pipeline_2(tmp_path: Path) -> None:
         pipeline_workers.ckpt_resume, world_size=2, timeout=240, layout="pipeline=2", root=root
     )
     _check(back, {"values": values, "after": ranks[0]["after"]}, same_layout=False)
+
+
+def test_a_checkpoint_with_a_name_no_stage_holds_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Each rank checks its own names, and every rank that the checkpoint is the whole model: a tensor
+    that no stage holds (here a buffer of a larger model, saved in one process) is named."""
+    import faccel
+
+    root = str(tmp_path / "ckpt")
+    with torch.random.fork_rng():
+        dist = faccel.detect({})
+        net = pipeline_workers.Net()
+        net.register_buffer("extra", torch.zeros(2))
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+        faccel.checkpoint(dist, faccel.TrainState(model=net, optimizer=optimizer, step=1), root, sharded=True)
+    ranks = harness.run(pipeline_workers.ckpt_other_model, world_size=2, timeout=240, root=root)
+    for r in ranks:
+        assert "holds tensor 'extra', which no pipeline stage of the model holds" in r

@@ -220,7 +220,10 @@ class PipelineState(PlainState):
     def ownership(self, model: object) -> Ownership:
         """The names of this rank's stages, each whole."""
         _check(model)
-        return Ownership(names=frozenset(_stage_state(model)))
+        return Ownership(
+            names=frozenset(_stage_state(model)),
+            model_names=frozenset(_pipelined(model)._source.state_dict()),
+        )
 
     def optimizer_view(self, optimizer: Any) -> tuple[list[dict[str, Any]], Any]:
         """The whole model's groups: every stage's parameters (another stage's marked as such)."""
