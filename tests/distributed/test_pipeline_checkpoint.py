@@ -96,3 +96,19 @@ def test_a_checkpoint_with_a_name_no_stage_holds_is_refused_on_every_rank(tmp_pa
     ranks = harness.run(pipeline_workers.ckpt_other_model, world_size=2, timeout=240, root=root)
     for r in ranks:
         assert "holds tensor 'extra', which no pipeline stage of the model holds" in r
+
+
+def test_consolidate_writes_the_whole_model_from_the_stages_checkpoint(
+    saved: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """consolidate (no process group) of the pipeline=2 checkpoint: every stage's weights, as saved."""
+    import faccel
+    from faccel._hf._consolidate import consolidate  # python -m faccel consolidate
+
+    root, values = saved
+    out = consolidate(root, tmp_path / "hf")
+    with torch.random.fork_rng():
+        net = pipeline_workers.Net()
+    faccel.load_model(faccel.detect({}), net, out)
+    for name, param in net.named_parameters():
+        assert param.detach().flatten().tolist() == values["values"][f"{name}:weight"], name
