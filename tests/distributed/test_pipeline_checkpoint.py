@@ -112,3 +112,19 @@ def test_consolidate_writes_the_whole_model_from_the_stages_checkpoint(
     faccel.load_model(faccel.detect({}), net, out)
     for name, param in net.named_parameters():
         assert param.detach().flatten().tolist() == values["values"][f"{name}:weight"], name
+
+
+def test_save_model_of_stages_loads_into_the_whole_model(tmp_path: Path) -> None:
+    """save_model at pipeline=2 (each rank writes its own stage's tensors, rank 0 commits the index):
+    load_model into the plain model in one process gives every weight, the same floats."""
+    import faccel
+
+    out = str(tmp_path / "hf")
+    ranks = harness.run(pipeline_workers.ckpt_save_model, world_size=2, timeout=240, out=out)
+    with torch.random.fork_rng():
+        net = pipeline_workers.Net()
+    faccel.load_model(faccel.detect({}), net, out)
+    values = ranks[0] | ranks[1]
+    assert {f"{name}:weight" for name, _ in net.named_parameters()} == set(values)
+    for name, param in net.named_parameters():
+        assert param.detach().flatten().tolist() == values[f"{name}:weight"], name

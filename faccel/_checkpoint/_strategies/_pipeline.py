@@ -17,7 +17,7 @@ or tensor ranks (whose stages are DTensors over part of the ranks) is refused by
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -266,12 +266,9 @@ class PipelineState(PlainState):
         return True
 
     def export_kind(self, model: object) -> ExportKind:
-        """Refused, before anything is written: save_model of pipeline stages is not supported yet."""
-        raise UsageError(_NO_EXPORT)
-
-    def gather_named(self, model: object, names: Sequence[str], *, keep: bool) -> dict[str, torch.Tensor]:
-        """Refused, as :meth:`export_kind`."""
-        raise UsageError(_NO_EXPORT)
+        """Every rank writes its stages' tensors (``shard_state``'s plan: another stage's are marked)."""
+        _check(model)
+        return "spread"
 
     def load_weights(self, model: object, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refused: load_model into pipeline stages is not supported yet (nothing is loaded)."""
@@ -280,9 +277,3 @@ class PipelineState(PlainState):
             "checkpoint, and restore that checkpoint into the stages"
         )
         raise UsageError(msg)
-
-
-_NO_EXPORT = (
-    "save_model of a PipelinedModel is not supported yet: checkpoint it (the sharded format, keyed by "
-    "the model's names), restore the checkpoint at pipeline=1 and call save_model there"
-)
