@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there: seven attributes, two hooks.
+"""Every mark faccel sets on an object of yours, and why it must be there: nine attributes, two hooks.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -35,6 +35,14 @@ itself, under these names, and nowhere else:
   pipelined model that another pipeline stage holds (``prepare(...,
   split=...)`` under ``pipeline > 1``): ``True``, so an optimizer built over the
   whole model drops it (this rank never computes its gradient).
+- ``_faccel_whole_groups`` (:data:`WHOLE_GROUPS`), on an optimizer whose param
+  groups lost another stage's parameters that way: each group's parameters as
+  given (every stage's), so that a checkpoint numbers the optimizer state as
+  the whole model's optimizer does, and restores at any layout.
+- ``_faccel_written_by`` (:data:`WRITTEN_BY`), not on an object of yours: on
+  the ``meta`` tensor that stands in, in a sharded checkpoint's plan, for a
+  tensor another pipeline stage holds: the rank that writes it
+  (``faccel._checkpoint._strategies._pipeline``).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
@@ -86,7 +94,9 @@ __all__ = [
     "REBIND_AT_FIRST_STEP",
     "REPLACED_BY",
     "TENSOR_PARALLEL",
+    "WHOLE_GROUPS",
     "WRAPPED_AS",
+    "WRITTEN_BY",
 ]
 
 WRAPPED_AS = "_faccel_wrapped_as"
@@ -94,6 +104,12 @@ TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
 DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"
 PROCESS_GROUP = "_faccel_process_group"
+# On a meta tensor standing in for another pipeline stage's tensor in a sharded checkpoint's plan:
+# the rank that holds (and writes) it (faccel._checkpoint._strategies._pipeline).
+WRITTEN_BY = "_faccel_written_by"
+# On an optimizer that steps one pipeline stage: its param groups' parameters as given (every stage's),
+# so that checkpoints number them as the whole model's optimizer does (faccel._loop._prepare._rebind).
+WHOLE_GROUPS = "_faccel_whole_groups"
 
 EVAL_CHECK_IN = "faccel: evaluation check-in"
 REBIND_AT_FIRST_STEP = "faccel: rebind at first step"

@@ -34,6 +34,7 @@ from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
+from faccel._marks import OTHER_STAGE
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs
 from faccel._storage._weights import alias_groups, compare_tensors
@@ -313,6 +314,11 @@ def _check_model(
     aliases: dict[str, str] = section["aliases"]
     keys: list[str] = section["keys"]
     ownership = strategy_of(state.model).ownership(state.model)
+    if ownership.model_names is not None:  # the union of the stages is the whole model: every rank checks it
+        for key in sorted(set(keys) - ownership.model_names - set(aliases)):
+            problems.add(MODEL, f"holds tensor {key!r}, which no pipeline stage of the model holds")
+        for key in sorted(ownership.model_names - set(keys)):
+            problems.add(MODEL, f"tensor {key!r} of the model (another stage's) is missing")
     if not ownership.every_name:  # a rank that holds some names (a pipeline stage) checks those only
         keys = [key for key in keys if ownership.owns(key)]
         stored = {key: tensor for key, tensor in stored.items() if ownership.owns(key)}
@@ -379,6 +385,8 @@ def _check_optimizer(
         if param is None or not isinstance(entry, dict):
             problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
             continue
+        if getattr(param, OTHER_STAGE, False):
+            continue  # another pipeline stage's: its rank checks it
         for key, value in entry.items():
             _check_state_entry(target, pid, param, key, value, elementwise=elementwise, problems=problems)
     return saved

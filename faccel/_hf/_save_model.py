@@ -54,6 +54,7 @@ from faccel._hf._naming import (
 )
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._model import unwrap_model
+from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json, read_verified
 from faccel._storage._local import local_spot, present
 from faccel._storage._roots import shown, spot_of
@@ -361,6 +362,13 @@ def _save_spread(
     # Largest element size first, as plan() lays out a file: every tensor aligned to its element size.
     walk = sorted(stored, key=lambda name: -specs[name][0].itemsize)
     owner = assign(sizes, dist.world_size)
+    # Pipeline stages (faccel._checkpoint._strategies._pipeline): another stage's tensor is a meta tensor
+    # marked with the rank that holds it, which writes it; this rank writes its own.
+    written_by = {
+        name: getattr(state[name], WRITTEN_BY) for name in stored if hasattr(state[name], WRITTEN_BY)
+    }
+    if written_by:
+        owner = {name: written_by.get(name, dist.rank) for name in stored}
     planned = rank_files(walk, sizes, owner, dist.world_size, limit)
     # Every rank builds every header: a dtype safetensors cannot hold is refused alike on all ranks.
     headers = [header_bytes(specs, list(file.names), METADATA) for file in planned]

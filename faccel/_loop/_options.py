@@ -73,6 +73,8 @@ class PrepareOptions:
     # Pipeline stages (faccel._loop._pipeline): where the model is cut, and the schedule (a Schedule).
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None
     schedule: Any = None
+    # A batch (this rank's, as forward_backward gets it): the stages are built at prepare from its shapes.
+    example: Any = None
     comm_hook: str | None = None
     comm_hook_options: Mapping[str, Any] | None = None
 

@@ -19,7 +19,9 @@ exactly those two lines; for a :class:`PipelinedModel` it is the schedule's
 step over the micro-batches, with each micro-batch's loss scaled as
 ``backward`` would scale the whole batch's (accumulation, ``items=``), and the
 loss comes back on every rank. The stages are built on the first call,
-because torch's tracer and stages need a micro-batch's shapes.
+because torch's tracer and stages need a micro-batch's shapes, or at
+``prepare(..., example=batch)``, so that ``restore`` can fill them before
+training (checkpoints of stages: ``faccel._checkpoint._strategies._pipeline``).
 """
 
 from __future__ import annotations
@@ -180,12 +182,36 @@ class PipelinedModel(nn.Module):
         raise UsageError(msg)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: a stage holds some of the model's names only (checkpoints of stages: not yet)."""
-        raise UsageError(_NO_WHOLE_STATE)
+        """This rank's stages' state, by the model's own names (a stage holds some of the names only).
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused, as :meth:`state_dict`."""
-        raise UsageError(_NO_WHOLE_STATE)
+        Raises:
+            UsageError: The stages are not built yet (``prepare(..., example=batch)`` builds them).
+        """
+        from faccel._loop._model import unwrap_model
+
+        if not self.built:
+            raise UsageError(_NOT_BUILT)
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(unwrap_model(stage).state_dict(*args, **kwargs))
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load this rank's stages' names from ``state_dict`` (other stages' names are not this rank's).
+
+        Raises:
+            UsageError: The stages are not built yet.
+        """
+        from faccel._loop._model import unwrap_model
+
+        if not self.built:
+            raise UsageError(_NOT_BUILT)
+        missing: list[str] = []
+        for stage in self.stages:
+            module = unwrap_model(stage)
+            own = {k: v for k, v in state_dict.items() if k in module.state_dict()}
+            missing += module.load_state_dict(own, strict=strict, assign=assign).missing_keys
+        return torch.nn.modules.module._IncompatibleKeys(missing, [])
 
     @property
     def built(self) -> bool:
@@ -238,16 +264,19 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
         msg = f"schedule must be a faccel.Schedule, got {schedule!r}"
         raise PrepareError(msg)
     stage_indices(schedule, 0, dist.parallel.pipeline)  # a schedule that cannot place its stages
-    return PipelinedModel(dist, model, split, schedule, options)
+    piped = PipelinedModel(dist, model, split, schedule, options)
+    if options.example is not None:  # built now: a restore or load_model can fill the stages before training
+        args = options.example if isinstance(options.example, tuple) else (options.example,)
+        _build(piped, args)
+        shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
+        object.__setattr__(piped, "shapes", shapes)
+    return piped
 
 
-# Loud, not a silent partial file: checkpoint, restore, save_model and load_model walk a model's
-# whole state on every rank (rank 0 writes it), and a stage holds only its own names.
-_NO_WHOLE_STATE = (
-    "a PipelinedModel holds this rank's pipeline stages only, and faccel's checkpoint, restore, "
-    "save_model and load_model do not yet read or write a model whose names are spread over stages "
-    "(they would save stage 0 alone); save the stages' weights yourself, per stage "
-    "(model.stages[i].state_dict() keeps the model's names), or train with pipeline=1 to checkpoint"
+_NOT_BUILT = (
+    "the PipelinedModel's stages are not built yet (they are built at the first forward_backward, "
+    "from a batch's shapes), so it holds no state to checkpoint, restore or load into: pass "
+    "prepare(..., example=batch) (this rank's batch, as forward_backward gets it) to build them at prepare"
 )
 
 

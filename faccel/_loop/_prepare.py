@@ -22,7 +22,7 @@ from faccel._loop._materialize import prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
 from faccel._loop._pipeline import Schedule, pipelined
-from faccel._marks import OTHER_STAGE, REPLACED_BY
+from faccel._marks import OTHER_STAGE, REPLACED_BY, WHOLE_GROUPS
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
 
@@ -77,6 +77,13 @@ def _materialize_whole(dist: DistState, objs: tuple[Any, ...], options: _Options
 def _rebind(optimizer: torch.optim.Optimizer) -> bool:
     """Point ``optimizer`` at the parameters that replaced its own; whether all were final."""
     settled = True
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    if not hasattr(optimizer, WHOLE_GROUPS) and any(
+        getattr(p, _OTHER_STAGE, False) for g in groups for p in g
+    ):
+        setattr(
+            optimizer, WHOLE_GROUPS, groups
+        )  # every stage's parameters, as given: checkpoints number them
     for group in optimizer.param_groups:
         params = group["params"]
         # Parameters another pipeline stage holds: never stepped here (faccel._loop._pipeline).
@@ -229,6 +236,7 @@ def prepare(
     reshard_after_forward: bool = True,
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
     schedule: Schedule | None = None,
+    example: Any = None,
     comm_hook: str | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -341,6 +349,11 @@ def prepare(
             runs on any layout.
         schedule: The pipeline schedule, a :class:`Schedule` (default: 1F1B,
             one micro-batch per stage).
+        example: Under pipeline stages: a batch of inputs as this rank's
+            :func:`forward_backward` will get it (a tensor or a tuple); the
+            stages are built now from its shapes, instead of at the first
+            ``forward_backward``, so that ``restore`` (or ``load_model``) can
+            fill them before training. Unused without pipeline stages.
         comm_hook: Under DDP: compress the gradients DDP all-reduces with one
             of torch's communication hooks, ``'fp16'``, ``'bf16'``,
             ``'powersgd'`` or ``'batched_powersgd'`` (Accelerate's
@@ -407,6 +420,7 @@ def prepare(
         reshard_after_forward=reshard_after_forward,
         split=tuple(split) if isinstance(split, list | tuple) else split,
         schedule=schedule,
+        example=example,
         comm_hook=comm_hook,
         comm_hook_options=comm_hook_options,
     )

@@ -167,7 +167,7 @@ def accumulated(layout: str | None, by_items: bool, steps: int = 2) -> dict[str,
 
 
 def refusals(root: str) -> dict[str, str]:
-    """checkpoint and save_model of a pipelined model: each refused loudly, nothing written."""
+    """What is refused of a pipelined model's checkpoints and exports, each loudly, nothing written."""
     import faccel
 
     dist = faccel.detect(layout="pipeline=2")
@@ -175,15 +175,19 @@ def refusals(root: str) -> dict[str, str]:
     net = Net()
     model, optimizer = faccel.prepare(dist, net, torch.optim.SGD(net.parameters(), lr=0.1), split=SPLITS[2])
     x, y = batches(1)[0]
-    faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
     out = {}
     state = faccel.TrainState(model=model, optimizer=optimizer)
+    try:  # the stages are built at the first forward_backward (or at prepare, with example=)
+        faccel.checkpoint(dist, state, f"{root}/early")
+        out["unbuilt"] = "written"
+    except faccel.errors.FaccelError as error:
+        out["unbuilt"] = f"{type(error).__name__}: {error}"
+    faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
     calls = {
         "other_batch_size": lambda: faccel.forward_backward(
             dist, model, nn.functional.mse_loss, x[:4], y[:4]
         ),
-        "checkpoint": lambda: faccel.checkpoint(dist, state, root),
-        "save_model": lambda: faccel.save_model(dist, model, f"{root}/model"),
+        "whole_tensors": lambda: faccel.checkpoint(dist, state, f"{root}/whole", sharded=False),
     }
     for name, call in calls.items():
         try:
@@ -192,3 +196,102 @@ def refusals(root: str) -> dict[str, str]:
         except faccel.errors.FaccelError as error:
             out[name] = f"{type(error).__name__}: {error}"
     return out
+
+
+# Checkpoints of a pipelined model (issue 32): 3 steps, a checkpoint, 2 more; restored at other layouts.
+def _ckpt_setup(layout: str | None, world_batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any, Any]:
+    import faccel
+
+    dist = faccel.detect({}) if layout is None else faccel.detect(layout=layout)
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    if dist.parallel.pipeline > 1:
+        x = world_batch[0].chunk(dist.data_world_size)[dist.data_rank]
+        schedule = faccel.Schedule(kind="1f1b", microbatches=4)
+        # example=: the stages are built now (a restore needs them), from this rank's batch's shapes
+        model, optimizer = faccel.prepare(dist, net, optimizer, split=SPLITS[2], schedule=schedule, example=x)
+    else:
+        model, optimizer = faccel.prepare(dist, net, optimizer)
+    return dist, model, optimizer
+
+
+def _ckpt_steps(dist: Any, model: Any, optimizer: Any, data: list[Any]) -> list[float]:
+    import faccel
+
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        if dist.distributed:
+            part = dist.data_rank, dist.data_world_size
+            x, y = x.chunk(part[1])[part[0]], y.chunk(part[1])[part[0]]
+        loss = faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
+        loss = faccel.reduce(dist, loss, op="mean") if dist.distributed and dist.data_world_size > 1 else loss
+        faccel.optimizer_step(dist, optimizer)
+        losses.append(float(loss))
+    return losses
+
+
+def _ckpt_values(model: Any, optimizer: Any) -> dict[str, list[float]]:
+    """This rank's weights and Adam moments, whole, by the model's own names (bitwise: exact floats)."""
+    import faccel
+
+    modules = model.stages if isinstance(model, faccel.PipelinedModel) else [model]
+    out: dict[str, list[float]] = {}
+    for module in modules:
+        for name, param in faccel.unwrap_model(module).named_parameters():
+            for what, value in [("weight", param), *sorted(optimizer.state.get(param, {}).items())]:
+                if not isinstance(value, torch.Tensor):
+                    continue
+                whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+                out[f"{name}:{what}"] = whole.detach().flatten().tolist()
+    return out
+
+
+def ckpt_save(layout: str | None, root: str) -> dict[str, Any]:
+    """3 Adam steps at ``layout``, a checkpoint at step 3, 2 more steps: the values at 3, the later losses."""
+    import faccel
+
+    data = batches(5)
+    dist, model, optimizer = _ckpt_setup(layout, data[0])
+    before = _ckpt_steps(dist, model, optimizer, data[:3])
+    values = _ckpt_values(model, optimizer)
+    faccel.checkpoint(dist, faccel.TrainState(model=model, optimizer=optimizer, step=3), root)
+    after = _ckpt_steps(dist, model, optimizer, data[3:])
+    return {"before": before, "values": values, "after": after}
+
+
+def ckpt_resume(layout: str | None, root: str) -> dict[str, Any]:
+    """A fresh model at ``layout`` restored from ``root``: the values restored, then the 2 later steps."""
+    import faccel
+
+    data = batches(5)
+    dist, model, optimizer = _ckpt_setup(layout, data[0])
+    state = faccel.restore(dist, faccel.TrainState(model=model, optimizer=optimizer), root)
+    values = _ckpt_values(model, optimizer)
+    after = _ckpt_steps(dist, model, optimizer, data[3:])
+    return {"step": state.step, "values": values, "after": after}
+
+
+def ckpt_other_model(root: str) -> str:
+    """A checkpoint of a model with one tensor more (written in one process), restored into stages."""
+    import faccel
+
+    data = batches(5)
+    dist, model, optimizer = _ckpt_setup("pipeline=2", data[0])
+    try:
+        faccel.restore(dist, faccel.TrainState(model=model, optimizer=optimizer), root)
+    except faccel.errors.CheckpointError as error:
+        return str(error)
+    return "restored"
+
+
+def ckpt_save_model(out: str) -> dict[str, Any]:
+    """save_model of a pipelined model after 3 steps: each rank writes its stage's tensors."""
+    import faccel
+
+    data = batches(3)
+    dist, model, optimizer = _ckpt_setup("pipeline=2", data[0])
+    _ckpt_steps(dist, model, optimizer, data)
+    faccel.save_model(dist, model, out)
+    return {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}

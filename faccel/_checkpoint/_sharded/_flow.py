@@ -35,6 +35,7 @@ from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
+from faccel._marks import OTHER_STAGE, WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -83,10 +84,23 @@ def plan_pieces(
                 sharded.append(name)
             specs[name] = (tensor.dtype, tuple(tensor.shape))
             tensors[name] = tensor
-    placed = assign(specs, sharded, world)
+    # Pipeline stages (faccel._checkpoint._strategies._pipeline): another rank's tensor is a meta
+    # tensor marked with the rank that writes it; then this rank writes its own whole.
+    writers = {name: getattr(t, WRITTEN_BY) for name, t in tensors.items() if hasattr(t, WRITTEN_BY)}
+    if writers:
+        writers |= {name: rank for name in tensors if name not in writers}
+    placed = assign({k: v for k, v in specs.items() if k not in writers}, sharded, world)
+    for name, writer in writers.items():
+        dtype, shape = specs[name]
+        placed[name] = Placed(dtype=dtype, shape=shape, block=max(1, rows_of(shape)), first=writer)
+    placed = {name: placed[name] for name in specs}
     pieces: dict[str, torch.Tensor] = {}
     for name, spot in placed.items():
         tensor = tensors[name]
+        if name in writers:
+            if writers[name] == rank:
+                pieces[name] = tensor.detach()
+            continue
         if name in sharded:
             local = tensor.to_local()
             start = min(rows_of(spot.shape), rank * spot.block)
@@ -176,10 +190,11 @@ def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[
         groups = decode(groups, tensors={}, where=where)
     except CheckpointError:
         return found
-    if not isinstance(groups, list) or len(groups) != len(state.optimizer.param_groups):
+    live_groups, _ = strategy.optimizer_view(state.optimizer)
+    if not isinstance(groups, list) or len(groups) != len(live_groups):
         return found
     params: dict[int, Any] = {}
-    for group, live in zip(groups, state.optimizer.param_groups, strict=True):
+    for group, live in zip(groups, live_groups, strict=True):
         ids = group.get("params") if isinstance(group, dict) else None
         if isinstance(ids, list) and len(ids) == len(live["params"]):
             params.update({i: p for i, p in zip(ids, live["params"], strict=True) if type(i) is int})
@@ -205,6 +220,8 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     parts = key.split(".")
     number = int(parts[1]) if len(parts) == 3 and parts[0] == "state" and parts[1].isdigit() else None
     live = targets.get("param_of", {}).get(number)
+    if getattr(live, OTHER_STAGE, False):
+        return None  # another pipeline stage's optimizer state: its rank reads it
     # Elementwise state (exp_avg) is sharded as its parameter; anything else (a 0-d step) is whole.
     if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype):
         return live

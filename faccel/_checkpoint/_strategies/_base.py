@@ -62,6 +62,9 @@ class Ownership:
 
     names: frozenset[str] | None = None
     rows: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)
+    # Where ``names`` is some of the model's: every name of the whole model (the union of the stages),
+    # so that each rank checks that a checkpoint holds the whole model, no more, no less.
+    model_names: frozenset[str] | None = None
 
     def owns(self, name: str) -> bool:
         """Whether this rank holds ``name`` (whole, or some of its rows)."""
