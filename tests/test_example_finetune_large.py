@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.budget import example_run
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "finetune_large.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -46,6 +48,7 @@ def _logits(folder: Path, ids: object) -> object:
         return model(input_ids=ids).logits
 
 
+@example_run
 def test_two_processes_load_by_rows_fine_tune_checkpoint_resume_and_export(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers", reason="the example needs transformers")
     import torch

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.budget import example_run
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,7 @@ def _epochs(command: list[str], **env: str) -> list[float]:
     return [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("epoch")]
 
 
+@example_run
 def test_the_pipeline_example_prints_the_losses_of_one_process() -> None:
     one = _epochs([sys.executable, "examples/pipeline_loop.py"])
     staged = _epochs(

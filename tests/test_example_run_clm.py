@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.budget import example_run
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "run_clm.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -157,6 +159,7 @@ def test_one_process_trains_and_from_pretrained_loads_the_saved_folder(one_proce
         assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
 
 
+@example_run
 def test_two_processes_killed_mid_epoch_resume_to_the_uninterrupted_weights(corpus: Path) -> None:
     # Dropout on, accumulation 2 (a partial last group: loss by token count), clipping, tracking:
     # the weights, AdamW, the schedule, every rank's generators, the data position and the

@@ -1,0 +1,32 @@
+"""Marks for tests kept out of the default suite's time budget (2 cores, ~8 minutes with ``-n 2``).
+
+``EXAMPLE_RUN``: an example script run end to end under torchrun on 2 processes, several launches
+each (30-60 s a test here). What each proves is also proved by the suite's own 2-rank tests on
+smaller set-ups; these add the examples' full loops. ``scripts/prove_examples.sh`` runs them
+(``FACCEL_TEST_EXAMPLES=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T", bound=Callable[..., object])
+
+EXAMPLE_RUN = (
+    pytest.mark.example_runs,
+    pytest.mark.skipif(
+        os.environ.get("FACCEL_TEST_EXAMPLES") != "1",
+        reason="an example's full run under torchrun: FACCEL_TEST_EXAMPLES=1 (scripts/prove_examples.sh)",
+    ),
+)
+
+
+def example_run(test: T) -> T:
+    """Apply both marks of :data:`EXAMPLE_RUN` to ``test``."""
+    for mark in EXAMPLE_RUN:
+        test = mark(test)
+    return test
