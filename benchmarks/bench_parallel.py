@@ -53,7 +53,8 @@ def _by_hand(ex: Any, layout: Any) -> Any:
 
     torch.manual_seed(0)
     model = ex.TinyTransformer()
-    mesh = init_device_mesh("cpu", layout.shape, mesh_dim_names=("replicate", "shard", "tensor"))
+    names = ("replicate", "shard", "tensor")
+    mesh = init_device_mesh("cpu", tuple(layout.size(name) for name in names), mesh_dim_names=names)
     if layout.tensor > 1:
         parallelize_module(model, mesh["tensor"], ex.PLAN)
     if layout.data_size > 1:
