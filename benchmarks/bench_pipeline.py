@@ -1,7 +1,8 @@
 """Two-process pipeline stages over gloo: faccel's pipelined step vs the same schedule by hand.
 
-Two processes are spawned (``pipeline=2``). For each schedule (GPipe, 1F1B; 4 micro-batches of a
-batch of 16) each rank trains a model of an input layer, four blocks of width 64 and a read-out,
+Two processes are spawned (``pipeline=2``). For each schedule (GPipe, 1F1B; 4 micro-batches) and
+each size (width 64 with a batch of 16, where a step is mostly the messages' latency; width 512
+with a batch of 64) each rank trains a model of an input layer, four blocks and a read-out,
 cut after block 2, three ways: twice by hand with ``torch.distributed.pipelining`` (the stage built
 the way torchtitan builds one, a ``PipelineStage`` over the default group, the schedule's ``step``
 with the batch on the first stage and the targets on the last, ``optimizer.step()``), and once
@@ -25,10 +26,12 @@ from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows,
 RAW = "torch.distributed.pipelining by hand"
 AGAIN = "by hand, again"
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-WORLD, WIDTH, BATCH, MICRO = 2, 64, 16, 4
+WORLD, MICRO = 2, 4
+# (width, batch) of each case: a toy step that is mostly latency, and one with some arithmetic in it.
+SIZES = ((64, 16), (512, 64))
 
 
-def _stage(stage: int, stages: int) -> Any:
+def _stage(stage: int, stages: int, width: int) -> Any:
     import torch
     from torch import nn
 
@@ -36,12 +39,12 @@ def _stage(stage: int, stages: int) -> Any:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(stage)
-            self.embed = nn.Linear(8, WIDTH) if stage == 0 else None
+            self.embed = nn.Linear(8, width) if stage == 0 else None
             first = stage * 4 // stages
             self.layers = nn.ModuleDict(
-                {str(i): nn.Linear(WIDTH, WIDTH) for i in range(first, first + 4 // stages)}
+                {str(i): nn.Linear(width, width) for i in range(first, first + 4 // stages)}
             )
-            self.head = nn.Linear(WIDTH, 1) if stage == stages - 1 else None
+            self.head = nn.Linear(width, 1) if stage == stages - 1 else None
 
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             if self.embed is not None:
@@ -56,12 +59,14 @@ def _stage(stage: int, stages: int) -> Any:
 class _Whole:
     """The whole model's names, for faccel's prepare (a stage keeps the model's names)."""
 
-    @staticmethod
-    def build() -> Any:
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def build(self) -> Any:
         from torch import nn
 
         whole = nn.Module()
-        parts = [_stage(s, WORLD) for s in range(WORLD)]
+        parts = [_stage(s, WORLD, self.width) for s in range(WORLD)]
         whole.embed = parts[0].embed
         whole.layers = nn.ModuleDict({k: v for p in parts for k, v in p.layers.items()})
         whole.head = parts[-1].head
@@ -80,25 +85,26 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
     rounds, steps = plan
     dist = faccel.detect(layout=f"pipeline={WORLD}")
     generator = torch.Generator().manual_seed(1)
-    pool = [
-        (torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 1, generator=generator))
-        for _ in range(4)
-    ]
     mse = torch.nn.functional.mse_loss
     results: dict[str, dict[str, list[float]]] = {}
-    for kind, cls in SCHEDULES.items():
+    for (width, batch), (kind, cls) in itertools.product(SIZES, SCHEDULES.items()):
+        pool = [
+            (torch.randn(batch, 8, generator=generator), torch.randn(batch, 1, generator=generator))
+            for _ in range(4)
+        ]
         blocks = {}
         for name in (RAW, AGAIN):
-            module = _stage(rank, WORLD)
+            module = _stage(rank, WORLD, width)
             optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
             stage = pipelining.PipelineStage(module, rank, WORLD, dist.device)
             schedule = getattr(pipelining, cls)(stage, n_microbatches=MICRO, loss_fn=mse)
             blocks[name] = _timed(lambda b, s=schedule, o=optimizer: _by_hand(rank, s, o, b), pool, steps)
+        whole = _Whole(width)
         model, optimizer = faccel.prepare(
             dist,
-            _Whole.build(),
-            torch.optim.SGD(_Whole.build().parameters(), lr=0.01),
-            split=_stage,
+            whole.build(),
+            torch.optim.SGD(whole.build().parameters(), lr=0.01),
+            split=lambda stage, stages, width=width: _stage(stage, stages, width),
             schedule=faccel.Schedule(kind=kind, microbatches=MICRO),
         )
 
@@ -108,7 +114,7 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
             optimizer.step()
 
         blocks[FACCEL] = _timed(through_faccel, pool, steps)
-        results[kind] = interleave(blocks, rounds=rounds)
+        results[f"{width}/{kind}"] = interleave(blocks, rounds=rounds)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     faccel.shutdown(dist)
@@ -141,11 +147,11 @@ def run(quick: bool) -> list[Row]:
     plan = (4, 8) if quick else (15, 30)
     samples: Any = run_ranks(_worker, plan, what="pipeline benchmark", world_size=WORLD)
     out: list[Row] = []
-    for kind in SCHEDULES:
+    for (width, batch), kind in itertools.product(SIZES, SCHEDULES):
         out += rows(
-            f"pipeline=2, {kind}, {MICRO} micro-batches of {BATCH // MICRO}, width {WIDTH}, "
+            f"pipeline=2, {kind}, {MICRO} micro-batches of {batch // MICRO}, width {width}, "
             f"{WORLD} gloo processes ({plan[1]} steps a block)",
-            samples[kind],
+            samples[f"{width}/{kind}"],
             baseline=RAW,
             unit="ms/step",
             scale=1e3,
