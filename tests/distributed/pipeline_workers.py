@@ -295,3 +295,39 @@ def ckpt_save_model(out: str) -> dict[str, Any]:
     _ckpt_steps(dist, model, optimizer, data)
     faccel.save_model(dist, model, out)
     return {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+
+
+def load_into_stages(layout: str, folder: str) -> dict[str, Any]:
+    """load_model of a one-process save_model (``Net`` at seed 0) into stages of ``Net`` at seed 7, then
+    one Adam step: the weights as loaded (this rank's, by name) and the step's loss."""
+    import faccel
+
+    data = batches(1)
+    dist = faccel.detect(layout=layout)
+    torch.manual_seed(7)  # other weights than the saved ones: load_model must replace every one
+    net = Net()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    x = data[0][0].chunk(dist.data_world_size)[dist.data_rank]
+    schedule = faccel.Schedule(kind="1f1b", microbatches=4)
+    model, optimizer = faccel.prepare(dist, net, optimizer, split=SPLITS[2], schedule=schedule, example=x)
+    faccel.load_model(dist, model, folder)
+    loaded = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+    losses = _ckpt_steps(dist, model, optimizer, data)
+    after = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+    return {"loaded": loaded, "loss": losses, "after": after}
+
+
+def one_process_step(folder: str | None) -> dict[str, Any]:
+    """``Net`` at seed 0 in one process (saved with save_model into ``folder`` first), one Adam step."""
+    import faccel
+
+    dist = faccel.detect({})
+    torch.manual_seed(0)
+    net = Net()
+    if folder is not None:
+        faccel.save_model(dist, net, folder)
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    before = {f"{k}:weight": v.detach().flatten().tolist() for k, v in net.named_parameters()}
+    losses = _ckpt_steps(dist, net, optimizer, batches(1))
+    after = {f"{k}:weight": v.detach().flatten().tolist() for k, v in net.named_parameters()}
+    return {"loaded": before, "loss": losses, "after": after}

@@ -128,3 +128,23 @@ def test_save_model_of_stages_loads_into_the_whole_model(tmp_path: Path) -> None
     assert {f"{name}:weight" for name, _ in net.named_parameters()} == set(values)
     for name, param in net.named_parameters():
         assert param.detach().flatten().tolist() == values[f"{name}:weight"], name
+
+
+def test_load_model_into_stages_reads_each_stage_and_steps_like_one_process(tmp_path: Path) -> None:
+    """save_model of the whole model in one process; load_model into pipeline=2 stages (each rank
+    takes its own stage's names only); the weights are the saved floats and one step equals one
+    process's step within the float32 tolerance (micro-batches)."""
+    folder = str(tmp_path / "hf")
+    with torch.random.fork_rng():
+        one = pipeline_workers.one_process_step(folder)
+    ranks = harness.run(
+        pipeline_workers.load_into_stages, world_size=2, timeout=240, layout="pipeline=2", folder=folder
+    )
+    assert set(ranks[0]["loaded"]).isdisjoint(ranks[1]["loaded"])  # each rank its own stage
+    assert set(ranks[0]["loaded"]) | set(ranks[1]["loaded"]) == set(one["loaded"])
+    for r in ranks:
+        for name, value in r["loaded"].items():
+            assert value == one["loaded"][name], name  # bitwise: the saved floats
+        assert r["loss"] == pytest.approx(one["loss"], **TOLERANCE)
+        for name, value in r["after"].items():
+            assert value == pytest.approx(one["after"][name], **TOLERANCE), name

@@ -271,9 +271,9 @@ class PipelineState(PlainState):
         return "spread"
 
     def load_weights(self, model: object, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refused: load_model into pipeline stages is not supported yet (nothing is loaded)."""
-        msg = (
-            "load_model into a PipelinedModel is not supported yet: load_model at pipeline=1, "
-            "checkpoint, and restore that checkpoint into the stages"
-        )
-        raise UsageError(msg)
+        """``load_model``'s tensors of this rank's stages (names checked before), each into its stage."""
+        for stage in _pipelined(model).stages:
+            module = unwrap_model(stage)
+            own = {name: tensors[name] for name in module.state_dict() if name in tensors}
+            if own:
+                module.load_state_dict(own, strict=False)
