@@ -54,6 +54,7 @@ from faccel._hf._naming import (
 )
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._model import unwrap_model
+from faccel._loop._pipeline import PipelinedModel
 from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json, read_verified
 from faccel._storage._local import local_spot, present
@@ -248,7 +249,9 @@ def save_model(
     target = spot_of(directory)
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
-    configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
+    # A pipelined model's config is its whole model's (the one given to prepare), as for any model.
+    whole = unwrap_model(model.source if isinstance(model, PipelinedModel) else model)
+    configs = {name: content.encode() for name, content in _configs(whole).items()}
     strategy = strategy_of(model)
     # Who writes: the main process; every rank its share (FSDP2, HSDP, tensor parallelism); or
     # the main process as all ranks gather tensor by tensor (DeepSpeed ZeRO-3).

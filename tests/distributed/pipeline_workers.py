@@ -331,3 +331,81 @@ def one_process_step(folder: str | None) -> dict[str, Any]:
     losses = _ckpt_steps(dist, net, optimizer, batches(1))
     after = {f"{k}:weight": v.detach().flatten().tolist() for k, v in net.named_parameters()}
     return {"loaded": before, "loss": losses, "after": after}
+
+
+def tiny_llama() -> Any:
+    """A tiny Llama from its config (no hub), its head not tied to the embedding (the two are in
+    different stages), sdpa attention (causal when no mask is given)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class LlamaStage(nn.Module):
+    """One stage of a ``LlamaForCausalLM`` built from its own modules, with the model's names:
+    the embedding on the first, the final norm and the head on the last, the rotary table on each."""
+
+    def __init__(self, whole: Any, stage: int, stages: int) -> None:
+        super().__init__()
+        inner = whole.model
+        per = len(inner.layers) // stages
+        self.model = nn.Module()
+        self.model.embed_tokens = inner.embed_tokens if stage == 0 else None
+        self.model.layers = nn.ModuleDict(
+            {str(i): inner.layers[i] for i in range(stage * per, (stage + 1) * per)}
+        )
+        self.model.norm = inner.norm if stage == stages - 1 else None
+        self.model.rotary_emb = inner.rotary_emb
+        self.lm_head = whole.lm_head if stage == stages - 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is not None:
+            h = self.model.embed_tokens(h)
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        cos_sin = self.model.rotary_emb(h, positions)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
+
+
+def _token_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = output if isinstance(output, torch.Tensor) else output.logits  # a stage gives the tensor
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def llama_export(layout: str | None, out: str) -> None:
+    """A tiny Llama, 2 SGD steps on random tokens (one process, or stages built from its modules),
+    then save_model into ``out``."""
+    import faccel
+
+    dist = faccel.detect({}) if layout is None else faccel.detect(layout=layout)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, 64, (4, 9), generator=g) for _ in range(2)]
+    if layout is not None:
+        whole = model
+
+        def build(stage: int, stages: int) -> nn.Module:
+            return LlamaStage(whole, stage, stages)
+
+        schedule = faccel.Schedule(kind="1f1b", microbatches=2)
+        model, optimizer = faccel.prepare(dist, model, optimizer, split=build, schedule=schedule)
+    for batch in tokens:
+        optimizer.zero_grad()
+        faccel.forward_backward(dist, model, _token_loss, batch[:, :-1], batch[:, 1:])
+        faccel.optimizer_step(dist, optimizer)
+    faccel.save_model(dist, model, out)

@@ -148,3 +148,27 @@ def test_load_model_into_stages_reads_each_stage_and_steps_like_one_process(tmp_
         assert r["loss"] == pytest.approx(one["loss"], **TOLERANCE)
         for name, value in r["after"].items():
             assert value == pytest.approx(one["after"][name], **TOLERANCE), name
+
+
+def test_save_model_of_llama_stages_loads_with_from_pretrained(tmp_path: Path) -> None:
+    """A tiny Llama trained 2 steps at pipeline=2 (stages built from its own modules) and exported with
+    save_model: transformers' from_pretrained loads it (config.json written from the whole model) and
+    its logits equal those of the same training's one-process export within the float32 tolerance."""
+    import transformers
+
+    with torch.random.fork_rng():
+        pipeline_workers.llama_export(None, str(tmp_path / "one"))
+    harness.run(
+        pipeline_workers.llama_export,
+        world_size=2,
+        timeout=240,
+        layout="pipeline=2",
+        out=str(tmp_path / "pp"),
+    )
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        one = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one").eval()(tokens).logits
+        staged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pp").eval()(tokens).logits
+        fresh = pipeline_workers.tiny_llama().eval()(tokens).logits
+    assert not torch.allclose(one, fresh)  # the export holds the trained weights, not a fresh model's
+    assert torch.allclose(staged, one, rtol=1e-5, atol=1e-6), (staged - one).abs().max()
