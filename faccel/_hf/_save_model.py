@@ -365,13 +365,18 @@ def _save_spread(
     # Largest element size first, as plan() lays out a file: every tensor aligned to its element size.
     walk = sorted(stored, key=lambda name: -specs[name][0].itemsize)
     owner = assign(sizes, dist.world_size)
-    # Pipeline stages (faccel._checkpoint._strategies._pipeline): another stage's tensor is a meta tensor
-    # marked with the rank that holds it, which writes it; this rank writes its own.
-    written_by = {
-        name: getattr(state[name], WRITTEN_BY) for name in stored if hasattr(state[name], WRITTEN_BY)
-    }
-    if written_by:
-        owner = {name: written_by.get(name, dist.rank) for name in stored}
+    # Pipeline stages (faccel._checkpoint._strategies._pipeline): each tensor is marked with the ranks
+    # of the stage that holds it; those ranks share its stage's tensors, balanced by bytes.
+    held = {name: getattr(state[name], WRITTEN_BY) for name in stored if hasattr(state[name], WRITTEN_BY)}
+    if held:
+        blocks: dict[tuple[int, int], dict[str, int]] = {}
+        for name in stored:
+            blocks.setdefault((held[name].first, held[name].ranks), {})[name] = sizes[name]
+        owner = {
+            name: first + rank
+            for (first, ranks), block in blocks.items()
+            for name, rank in assign(block, ranks).items()
+        }
     planned = rank_files(walk, sizes, owner, dist.world_size, limit)
     # Every rank builds every header: a dtype safetensors cannot hold is refused alike on all ranks.
     headers = [header_bytes(specs, list(file.names), METADATA) for file in planned]

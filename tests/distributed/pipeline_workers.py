@@ -199,11 +199,13 @@ def refusals(root: str) -> dict[str, str]:
 
 
 # Checkpoints of a pipelined model (issue 32): 3 steps, a checkpoint, 2 more; restored at other layouts.
-def _ckpt_setup(layout: str | None, world_batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any, Any]:
+def _ckpt_setup(
+    layout: str | None, world_batch: tuple[torch.Tensor, torch.Tensor], seed: int = 0
+) -> tuple[Any, Any, Any]:
     import faccel
 
     dist = faccel.detect({}) if layout is None else faccel.detect(layout=layout)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     net = Net()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     if dist.parallel.pipeline > 1:
@@ -248,17 +250,34 @@ def _ckpt_values(model: Any, optimizer: Any) -> dict[str, list[float]]:
     return out
 
 
-def ckpt_save(layout: str | None, root: str) -> dict[str, Any]:
-    """3 Adam steps at ``layout``, a checkpoint at step 3, 2 more steps: the values at 3, the later losses."""
+def ckpt_save(
+    layout: str | None, root: str, load: str | None = None, blocking: bool = True
+) -> dict[str, Any]:
+    """3 Adam steps at ``layout``, a checkpoint at step 3, 2 more steps: the values at 3, the later losses.
+
+    ``load``: the model is built from another seed and its weights loaded with load_model from that
+    folder (a one-process save_model of the seed's weights); ``loaded`` is what this rank then holds.
+    ``blocking=False``: the checkpoint is written in the background while the 2 steps run.
+    """
     import faccel
 
     data = batches(5)
-    dist, model, optimizer = _ckpt_setup(layout, data[0])
+    dist, model, optimizer = _ckpt_setup(layout, data[0], seed=0 if load is None else 7)
+    loaded = None
+    if load is not None:
+        faccel.load_model(dist, model, load)
+        loaded = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
     before = _ckpt_steps(dist, model, optimizer, data[:3])
     values = _ckpt_values(model, optimizer)
-    faccel.checkpoint(dist, faccel.TrainState(model=model, optimizer=optimizer, step=3), root)
+    faccel.checkpoint(
+        dist, faccel.TrainState(model=model, optimizer=optimizer, step=3), root, blocking=blocking
+    )
     after = _ckpt_steps(dist, model, optimizer, data[3:])
-    return {"before": before, "values": values, "after": after}
+    if not blocking:  # committed before the process ends (as the next checkpoint, restore or shutdown would)
+        from faccel._checkpoint._background import wait as wait_for_background
+
+        wait_for_background(dist.runtime, dist)
+    return {"before": before, "values": values, "after": after, "loaded": loaded}
 
 
 def ckpt_resume(layout: str | None, root: str) -> dict[str, Any]:

@@ -172,3 +172,60 @@ def test_save_model_of_llama_stages_loads_with_from_pretrained(tmp_path: Path) -
         fresh = pipeline_workers.tiny_llama().eval()(tokens).logits
     assert not torch.allclose(one, fresh)  # the export holds the trained weights, not a fresh model's
     assert torch.allclose(staged, one, rtol=1e-5, atol=1e-6), (staged - one).abs().max()
+
+
+@pytest.fixture(scope="module")
+def saved_by_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """At pipeline=2,shard=2 (4 gloo ranks; each stage FSDP2 over its 2 ranks): the weights loaded with
+    load_model from a one-process export (each rank reads its own rows), 3 steps, a checkpoint, 2 more."""
+    tmp = tmp_path_factory.mktemp("pipeshard")
+    folder, root = str(tmp / "hf"), str(tmp / "ckpt")
+    with torch.random.fork_rng():
+        one = pipeline_workers.one_process_step(folder)
+    ranks = harness.run(
+        pipeline_workers.ckpt_save,
+        world_size=4,
+        timeout=300,
+        layout="pipeline=2,shard=2",
+        root=root,
+        load=folder,
+    )
+    values: dict[str, Any] = {}
+    for r in ranks:
+        for name, value in r["loaded"].items():  # load_model by rows: the exported floats
+            assert value == one["loaded"][name], name
+        values |= r["values"]
+    assert {n for r in ranks for n in r["loaded"]} == set(one["loaded"])
+    assert all(r["after"] == ranks[0]["after"] for r in ranks)
+    return root, {"values": values, "after": ranks[0]["after"]}
+
+
+def test_pipeline_by_shard_checkpoint_writes_each_rank_its_own_rows(
+    saved_by_rows: tuple[str, dict[str, Any]],
+) -> None:
+    """The index: each stage's tensors are cut in chunks of ceil(rows / 2) rows over its 2 ranks
+    (stage 0 on ranks 0-1, stage 1 on ranks 2-3), each rank writing its own FSDP2 rows."""
+    import json
+
+    root, _ = saved_by_rows
+    state = json.loads((Path(root) / "step-000000000003" / "state.json").read_text())
+    model = state["tensors"]["model"]
+    for name, entry in model.items():
+        stage = 0 if name.startswith(("embed.", "layers.0.", "layers.1.")) else 1
+        assert entry["first"] == 2 * stage, name
+        assert entry["block"] == -(-entry["shape"][0] // 2), name
+
+
+def test_pipeline_by_shard_checkpoint_restores_at_shard_2(saved_by_rows: tuple[str, dict[str, Any]]) -> None:
+    root, values = saved_by_rows
+    ranks = harness.run(pipeline_workers.ckpt_resume, world_size=2, timeout=240, layout="shard=2", root=root)
+    _check(ranks, values, same_layout=False)
+
+
+def test_pipeline_by_shard_checkpoint_restores_in_one_process(
+    saved_by_rows: tuple[str, dict[str, Any]],
+) -> None:
+    root, values = saved_by_rows
+    with torch.random.fork_rng():
+        one = pipeline_workers.ckpt_resume(None, root)
+    _check([one], values, same_layout=False)
