@@ -208,13 +208,19 @@ def _ckpt_setup(
     torch.manual_seed(seed)
     net = Net()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    if dist.parallel.pipeline > 1:
+    layout_ = dist.parallel
+    # tensor parallelism needs stages built from the model's modules (a function split)
+    plan = tp_plan() if layout_.tensor > 1 else None
+    if layout_.pipeline > 1:
         x = world_batch[0].chunk(dist.data_world_size)[dist.data_rank]
         schedule = faccel.Schedule(kind="1f1b", microbatches=4)
+        split: Any = _stage_builder() if layout_.tensor > 1 else SPLITS[layout_.pipeline]
         # example=: the stages are built now (a restore needs them), from this rank's batch's shapes
-        model, optimizer = faccel.prepare(dist, net, optimizer, split=SPLITS[2], schedule=schedule, example=x)
+        model, optimizer = faccel.prepare(
+            dist, net, optimizer, split=split, schedule=schedule, example=x, tp_plan=plan
+        )
     else:
-        model, optimizer = faccel.prepare(dist, net, optimizer)
+        model, optimizer = faccel.prepare(dist, net, optimizer, tp_plan=plan)
     return dist, model, optimizer
 
 
