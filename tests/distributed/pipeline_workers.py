@@ -182,6 +182,18 @@ def refusals(root: str) -> dict[str, str]:
         out["unbuilt"] = "written"
     except faccel.errors.FaccelError as error:
         out["unbuilt"] = f"{type(error).__name__}: {error}"
+    import pathlib
+
+    from safetensors.torch import save_file
+
+    weights = pathlib.Path(root) / f"weights-{dist.rank}"
+    weights.mkdir()
+    save_file({k: v.contiguous() for k, v in Net().state_dict().items()}, str(weights / "model.safetensors"))
+    try:
+        faccel.load_model(dist, model, weights)
+        out["unbuilt_load"] = "written"
+    except faccel.errors.FaccelError as error:
+        out["unbuilt_load"] = f"{type(error).__name__}: {error}"
     faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
     calls = {
         "other_batch_size": lambda: faccel.forward_backward(

@@ -50,9 +50,9 @@ def _pipelined(model: object) -> Any:
 def _unbuilt(model: Any) -> str:
     return (
         "the PipelinedModel's stages are not built yet (they are built at the first "
-        "forward_backward, from a batch's shapes), so there is nothing to checkpoint or restore into: "
-        "pass prepare(..., example=batch) (this rank's batch, as forward_backward gets it) to build "
-        "the stages at prepare"
+        "forward_backward, from a batch's shapes), so there is nothing to checkpoint, restore or "
+        "load_model into: pass prepare(..., example=batch) (this rank's batch, as forward_backward "
+        "gets it) to build the stages at prepare"
     )
 
 
