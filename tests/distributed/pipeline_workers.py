@@ -200,7 +200,13 @@ def refusals(root: str) -> dict[str, str]:
             dist, model, nn.functional.mse_loss, x[:4], y[:4]
         ),
         "whole_tensors": lambda: faccel.checkpoint(dist, state, f"{root}/whole", sharded=False),
+        # a file without the head's bias (the last stage's): every rank names it, none loads anything
+        "missing_name": lambda: faccel.load_model(dist, model, partial),
     }
+    partial = pathlib.Path(root) / f"partial-{dist.rank}"
+    partial.mkdir()
+    tensors = {k: v.contiguous() for k, v in Net().state_dict().items() if k != "head.bias"}
+    save_file(tensors, str(partial / "model.safetensors"))
     for name, call in calls.items():
         try:
             call()
@@ -269,13 +275,14 @@ def _ckpt_values(model: Any, optimizer: Any) -> dict[str, list[float]]:
 
 
 def ckpt_save(
-    layout: str | None, root: str, load: str | None = None, blocking: bool = True
+    layout: str | None, root: str, load: str | None = None, blocking: bool = True, export: str | None = None
 ) -> dict[str, Any]:
     """3 Adam steps at ``layout``, a checkpoint at step 3, 2 more steps: the values at 3, the later losses.
 
     ``load``: the model is built from another seed and its weights loaded with load_model from that
     folder (a one-process save_model of the seed's weights); ``loaded`` is what this rank then holds.
     ``blocking=False``: the checkpoint is written in the background while the 2 steps run.
+    ``export``: after the 2 steps, save_model into that folder; ``final`` is this rank's weights then.
     """
     import faccel
 
@@ -295,7 +302,11 @@ def ckpt_save(
         from faccel._checkpoint._background import wait as wait_for_background
 
         wait_for_background(dist.runtime, dist)
-    return {"before": before, "values": values, "after": after, "loaded": loaded}
+    final = None
+    if export is not None:
+        faccel.save_model(dist, model, export)
+        final = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+    return {"before": before, "values": values, "after": after, "loaded": loaded, "final": final}
 
 
 def ckpt_resume(layout: str | None, root: str) -> dict[str, Any]:

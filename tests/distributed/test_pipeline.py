@@ -91,6 +91,9 @@ def test_what_checkpoints_of_stages_refuse_is_refused_loudly(tmp_path: Path) -> 
         "stages are not built yet" in r["unbuilt_load"] and "load_model" in r["unbuilt_load"] for r in ranks
     )
     assert all("sharded=False" in r["whole_tensors"] for r in ranks)
+    # load_model checks the whole model on every rank: the stage without the name says whose it is
+    assert "missing 'head.bias' (another pipeline stage's)" in ranks[0]["missing_name"]
+    assert "missing 'head.bias'" in ranks[1]["missing_name"]
     # torch's stages exchange activations of the first batch's shapes: another size is refused, not hung
     assert all("drop_last=True" in r["other_batch_size"] for r in ranks)
     assert not (tmp_path / "early").exists() and not (tmp_path / "whole").exists()

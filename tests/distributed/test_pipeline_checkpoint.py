@@ -174,12 +174,28 @@ def test_save_model_of_llama_stages_loads_with_from_pretrained(tmp_path: Path) -
     assert torch.allclose(staged, one, rtol=1e-5, atol=1e-6), (staged - one).abs().max()
 
 
+def _check_export(folder: Path, ranks: list[dict[str, Any]]) -> None:
+    """save_model of stages over several ranks each: the whole model, every weight the final floats."""
+    import faccel
+
+    with torch.random.fork_rng():
+        net = pipeline_workers.Net()
+    faccel.load_model(faccel.detect({}), net, folder)
+    final: dict[str, Any] = {}
+    for r in ranks:
+        final |= r["final"]
+    assert {f"{name}:weight" for name, _ in net.named_parameters()} == set(final)
+    for name, param in net.named_parameters():
+        assert param.detach().flatten().tolist() == final[f"{name}:weight"], name
+
+
 @pytest.fixture(scope="module")
 def saved_by_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     """At pipeline=2,shard=2 (4 gloo ranks; each stage FSDP2 over its 2 ranks): the weights loaded with
-    load_model from a one-process export (each rank reads its own rows), 3 steps, a checkpoint, 2 more."""
+    load_model from a one-process export (each rank reads its own rows), 3 steps, a checkpoint, 2 more,
+    save_model (its weights the final floats: each stage's tensors shared among its 2 ranks)."""
     tmp = tmp_path_factory.mktemp("pipeshard")
-    folder, root = str(tmp / "hf"), str(tmp / "ckpt")
+    folder, root, export = str(tmp / "hf"), str(tmp / "ckpt"), tmp / "export"
     with torch.random.fork_rng():
         one = pipeline_workers.one_process_step(folder)
     ranks = harness.run(
@@ -189,7 +205,9 @@ def saved_by_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[s
         layout="pipeline=2,shard=2",
         root=root,
         load=folder,
+        export=str(export),
     )
+    _check_export(export, ranks)
     values: dict[str, Any] = {}
     for r in ranks:
         for name, value in r["loaded"].items():  # load_model by rows: the exported floats
