@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -82,19 +82,25 @@ class Held:
 
     The ``ranks`` consecutive ranks from ``first`` hold the stage; the tensor is cut into chunks
     of ``block`` rows, chunk ``i`` written by rank ``first + i`` (the chunk rule's ``block`` and
-    ``first``). ``piece``: on a rank that writes a chunk, that chunk's rows; else None. Set on the
-    state's tensor under the mark ``WRITTEN_BY`` (``faccel._marks``).
+    ``first``). ``cut``: on a rank of the stage, what gives the chunk this rank writes (None past
+    the last row), called only by a checkpoint's plan (a collective of the stage's ranks where the
+    tensor must be made whole first; an export never calls it). Set on the state's tensor under the
+    mark ``WRITTEN_BY`` (``faccel._marks``).
 
     Example:
         >>> held = Held(block=3, first=2, ranks=2)
-        >>> held.chunk_of(3, rows=5), held.chunk_of(0, rows=5)
-        ((3, 5), None)
+        >>> held.chunk_of(3, rows=5), held.chunk_of(0, rows=5), held.piece()
+        ((3, 5), None, None)
     """
 
     block: int
     first: int
     ranks: int
-    piece: torch.Tensor | None = None
+    cut: Callable[[], torch.Tensor | None] | None = None
+
+    def piece(self) -> torch.Tensor | None:
+        """The rows this rank writes (``cut``'s), or None (another stage's tensor, or none of its rows)."""
+        return self.cut() if self.cut is not None else None
 
     def chunk_of(self, rank: int, *, rows: int) -> tuple[int, int] | None:
         """The rows ``rank`` writes, or None (not the stage's rank, or past the last row)."""

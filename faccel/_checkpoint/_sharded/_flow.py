@@ -107,7 +107,7 @@ def plan_pieces(
     for name, spot in placed.items():
         tensor = tensors[name]
         if name in writers:
-            piece = writers[name].piece
+            piece = writers[name].piece()  # every rank of a stage, in one order: it may gather
             if piece is not None:
                 pieces[name] = piece
             continue

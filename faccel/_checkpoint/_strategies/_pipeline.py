@@ -114,15 +114,23 @@ def _meta(spec: list[Any], first: int, ranks: int) -> torch.Tensor:
 
 
 def _own(tensor: torch.Tensor, rank: int, first: int, ranks: int) -> torch.Tensor:
-    """This rank's stage's tensor, marked with its chunk rule and the chunk this rank writes.
+    """This rank's stage's tensor, marked with its chunk rule and how to get the chunk this rank writes.
 
     Within a stage of several ranks each writes its rows only: an FSDP2 shard over the block's
     ranks (``Shard(0)`` over ``first ... first + ranks - 1``) is that chunk as it is held; any other
     DTensor (tensor parallelism, HSDP replicas) is made whole (``full_tensor``, a collective of the
-    stage's ranks, which all walk the same names in one order) and cut, one tensor at a time.
+    stage's ranks, which all plan the same names in one order) and cut, one tensor at a time, when
+    a checkpoint's plan asks for it (an export gathers its own way and never does).
     """
     held = Held(block=_rule(tuple(tensor.shape), ranks), first=first, ranks=ranks)
     rows = held.chunk_of(rank, rows=rows_of(tuple(tensor.shape)))
+    out = tensor.detach()
+    setattr(out, WRITTEN_BY, attrs.evolve(held, cut=lambda: _cut(out, rows, first, ranks)))
+    return out
+
+
+def _cut(tensor: torch.Tensor, rows: tuple[int, int] | None, first: int, ranks: int) -> torch.Tensor | None:
+    """The rows ``rows`` of this stage's ``tensor`` (None: none), gathered first unless held as they are."""
     piece: torch.Tensor | None = None
     with torch.no_grad():
         if is_dtensor(tensor):
@@ -136,13 +144,11 @@ def _own(tensor: torch.Tensor, rank: int, first: int, ranks: int) -> torch.Tenso
                     piece = whole.clone() if whole.dim() == 0 else whole[rows[0] : rows[1]].clone()
                 del whole
         elif rows is not None:
-            piece = tensor.detach() if tensor.dim() == 0 else tensor.detach()[rows[0] : rows[1]]
+            piece = tensor if tensor.dim() == 0 else tensor[rows[0] : rows[1]]
     if piece is not None and rows is not None and rows_of(tuple(piece.shape)) != rows[1] - rows[0]:
-        msg = f"rank {rank}'s part of a stage's tensor has {piece.shape[0]} rows, not rows {rows}"
+        msg = f"this rank's part of a stage's tensor has {piece.shape[0]} rows, not rows {rows}"
         raise CheckpointError(msg)
-    out = tensor.detach()
-    setattr(out, WRITTEN_BY, attrs.evolve(held, piece=piece))
-    return out
+    return piece
 
 
 def _entry(live: Any, key: str, spec: list[Any], rank: int, holder: int, ranks: int) -> Any:
