@@ -274,3 +274,19 @@ def test_whole_tensor_checkpoint_restores_into_stages_over_shards(tmp_path: Path
         pipeline_workers.ckpt_resume, world_size=4, timeout=300, layout="pipeline=2,shard=2", root=root
     )
     _check(back, one, same_layout=False)
+
+
+def test_consolidate_of_a_pipeline_by_shard_checkpoint(
+    saved_by_rows: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """consolidate (no process group) reads each stage's tensors from its ranks' chunks of rows."""
+    import faccel
+    from faccel._hf._consolidate import consolidate
+
+    root, values = saved_by_rows
+    out = consolidate(root, tmp_path / "hf")
+    with torch.random.fork_rng():
+        net = pipeline_workers.Net()
+    faccel.load_model(faccel.detect({}), net, out)
+    for name, param in net.named_parameters():
+        assert param.detach().flatten().tolist() == values["values"][f"{name}:weight"], name
