@@ -40,8 +40,10 @@ itself, under these names, and nowhere else:
   given (every stage's), so that a checkpoint numbers the optimizer state as
   the whole model's optimizer does, and restores at any layout.
 - ``_faccel_written_by`` (:data:`WRITTEN_BY`), not on an object of yours: on
-  the ``meta`` tensor that stands in, in a sharded checkpoint's plan, for a
-  tensor another pipeline stage holds: the rank that writes it
+  each tensor of a pipelined model's sharded checkpoint plan (this rank's
+  stages' tensors, detached, and the ``meta`` tensors that stand in for
+  another stage's): where it lies, a ``Held`` (the ranks of its stage that
+  write its chunks of rows, and the chunk this rank writes)
   (``faccel._checkpoint._strategies._pipeline``).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
@@ -104,8 +106,8 @@ TENSOR_PARALLEL = "_faccel_tensor_parallel"
 REPLACED_BY = "_faccel_replaced_by"
 DEEPSPEED_ENGINE = "_faccel_deepspeed_engine"
 PROCESS_GROUP = "_faccel_process_group"
-# On a meta tensor standing in for another pipeline stage's tensor in a sharded checkpoint's plan:
-# the rank that holds (and writes) it (faccel._checkpoint._strategies._pipeline).
+# On each tensor of a pipelined model's sharded checkpoint plan: a Held, the ranks of its stage that
+# write its chunks and this rank's chunk (faccel._checkpoint._strategies._pipeline).
 WRITTEN_BY = "_faccel_written_by"
 # On an optimizer that steps one pipeline stage: its param groups' parameters as given (every stage's),
 # so that checkpoints number them as the whole model's optimizer does (faccel._loop._prepare._rebind).

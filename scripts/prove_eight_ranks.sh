@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The 8-process layouts (three dimensions larger than 1 at once: pipeline x shard x tensor and
-# replicate x shard x tensor) against one process; kept out of the default suite's budget.
+# replicate x shard x tensor) against one process, and the pipeline x shard x tensor checkpoint
+# restored at pipeline=1 and pipeline=4; kept out of the default suite's budget.
 # Set PYTHON to choose the interpreter (default python3). faccel is used from this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."

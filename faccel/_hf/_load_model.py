@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from faccel._checkpoint._format import shard_name
-from faccel._checkpoint._strategies import strategy_of
+from faccel._checkpoint._strategies import Ownership, strategy_of
 from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
 from faccel._hf._naming import INDEX_NAME, WEIGHTS_NAME
@@ -126,6 +126,29 @@ def _spec(entry: Any) -> tuple[torch.dtype, tuple[int, ...]]:
     return entry.dtype, tuple(entry.shape)
 
 
+def _stage_names(
+    ownership: Ownership, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], *, strict: bool
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[str]]:
+    """The file's names this rank compares and loads, and what is wrong with the others.
+
+    A rank that holds every name takes every name. A pipeline stage's rank takes its stages'
+    names; the names of the model's other stages are theirs (neither read nor unexpected here),
+    and, when ``strict``, every rank checks that the file holds each of them.
+    """
+    if ownership.every_name:
+        return specs, []
+    model_names = ownership.model_names or frozenset()
+    mine = {name: spec for name, spec in specs.items() if ownership.owns(name) or name not in model_names}
+    problems = []
+    if strict:
+        problems = [
+            f"missing {name!r} (another pipeline stage's)"
+            for name in sorted(model_names - set(specs))
+            if not ownership.owns(name)
+        ]
+    return mine, problems
+
+
 @setup_checked
 def load_model(
     dist: DistState,
@@ -181,7 +204,10 @@ def load_model(
     for later, first in strategy.whole_specs(model)[1].items():
         if later not in specs and first in specs:
             specs[later] = specs[first]
+    # Pipeline stages: this rank takes its stages' names only; another stage's are not unexpected.
+    specs, elsewhere = _stage_names(strategy.ownership(model), specs, strict=strict)
     missing, unexpected, problems = compare_tensors(specs, target, strict=strict)
+    problems += elsewhere
     if problems:
         msg = f"{folder}: the weights do not fit the model: " + "; ".join(problems)
         raise CheckpointError(msg)

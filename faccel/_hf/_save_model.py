@@ -54,6 +54,7 @@ from faccel._hf._naming import (
 )
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._model import unwrap_model
+from faccel._loop._pipeline import PipelinedModel
 from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json, read_verified
 from faccel._storage._local import local_spot, present
@@ -248,7 +249,9 @@ def save_model(
     target = spot_of(directory)
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
-    configs = {name: content.encode() for name, content in _configs(unwrap_model(model)).items()}
+    # A pipelined model's config is its whole model's (the one given to prepare), as for any model.
+    whole = unwrap_model(model.source if isinstance(model, PipelinedModel) else model)
+    configs = {name: content.encode() for name, content in _configs(whole).items()}
     strategy = strategy_of(model)
     # Who writes: the main process; every rank its share (FSDP2, HSDP, tensor parallelism); or
     # the main process as all ranks gather tensor by tensor (DeepSpeed ZeRO-3).
@@ -362,13 +365,18 @@ def _save_spread(
     # Largest element size first, as plan() lays out a file: every tensor aligned to its element size.
     walk = sorted(stored, key=lambda name: -specs[name][0].itemsize)
     owner = assign(sizes, dist.world_size)
-    # Pipeline stages (faccel._checkpoint._strategies._pipeline): another stage's tensor is a meta tensor
-    # marked with the rank that holds it, which writes it; this rank writes its own.
-    written_by = {
-        name: getattr(state[name], WRITTEN_BY) for name in stored if hasattr(state[name], WRITTEN_BY)
-    }
-    if written_by:
-        owner = {name: written_by.get(name, dist.rank) for name in stored}
+    # Pipeline stages (faccel._checkpoint._strategies._pipeline): each tensor is marked with the ranks
+    # of the stage that holds it; those ranks share its stage's tensors, balanced by bytes.
+    held = {name: getattr(state[name], WRITTEN_BY) for name in stored if hasattr(state[name], WRITTEN_BY)}
+    if held:
+        blocks: dict[tuple[int, int], dict[str, int]] = {}
+        for name in stored:
+            blocks.setdefault((held[name].first, held[name].ranks), {})[name] = sizes[name]
+        owner = {
+            name: first + rank
+            for (first, ranks), block in blocks.items()
+            for name, rank in assign(block, ranks).items()
+        }
     planned = rank_files(walk, sizes, owner, dist.world_size, limit)
     # Every rank builds every header: a dtype safetensors cannot hold is refused alike on all ranks.
     headers = [header_bytes(specs, list(file.names), METADATA) for file in planned]

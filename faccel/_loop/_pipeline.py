@@ -214,6 +214,12 @@ class PipelinedModel(nn.Module):
         return torch.nn.modules.module._IncompatibleKeys(missing, [])
 
     @property
+    def source(self) -> nn.Module:
+        """The whole model given to ``prepare``: its config, its names (its other stages' parameters
+        are never trained here)."""
+        return self._source
+
+    @property
     def built(self) -> bool:
         """Whether the stages exist (after the first :func:`forward_backward`)."""
         return self._driver is not None

@@ -182,13 +182,31 @@ def refusals(root: str) -> dict[str, str]:
         out["unbuilt"] = "written"
     except faccel.errors.FaccelError as error:
         out["unbuilt"] = f"{type(error).__name__}: {error}"
+    import pathlib
+
+    from safetensors.torch import save_file
+
+    weights = pathlib.Path(root) / f"weights-{dist.rank}"
+    weights.mkdir()
+    save_file({k: v.contiguous() for k, v in Net().state_dict().items()}, str(weights / "model.safetensors"))
+    try:
+        faccel.load_model(dist, model, weights)
+        out["unbuilt_load"] = "written"
+    except faccel.errors.FaccelError as error:
+        out["unbuilt_load"] = f"{type(error).__name__}: {error}"
     faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)
     calls = {
         "other_batch_size": lambda: faccel.forward_backward(
             dist, model, nn.functional.mse_loss, x[:4], y[:4]
         ),
         "whole_tensors": lambda: faccel.checkpoint(dist, state, f"{root}/whole", sharded=False),
+        # a file without the head's bias (the last stage's): every rank names it, none loads anything
+        "missing_name": lambda: faccel.load_model(dist, model, partial),
     }
+    partial = pathlib.Path(root) / f"partial-{dist.rank}"
+    partial.mkdir()
+    tensors = {k: v.contiguous() for k, v in Net().state_dict().items() if k != "head.bias"}
+    save_file(tensors, str(partial / "model.safetensors"))
     for name, call in calls.items():
         try:
             call()
@@ -199,20 +217,28 @@ def refusals(root: str) -> dict[str, str]:
 
 
 # Checkpoints of a pipelined model (issue 32): 3 steps, a checkpoint, 2 more; restored at other layouts.
-def _ckpt_setup(layout: str | None, world_batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any, Any]:
+def _ckpt_setup(
+    layout: str | None, world_batch: tuple[torch.Tensor, torch.Tensor], seed: int = 0
+) -> tuple[Any, Any, Any]:
     import faccel
 
     dist = faccel.detect({}) if layout is None else faccel.detect(layout=layout)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     net = Net()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    if dist.parallel.pipeline > 1:
+    layout_ = dist.parallel
+    # tensor parallelism needs stages built from the model's modules (a function split)
+    plan = tp_plan() if layout_.tensor > 1 else None
+    if layout_.pipeline > 1:
         x = world_batch[0].chunk(dist.data_world_size)[dist.data_rank]
         schedule = faccel.Schedule(kind="1f1b", microbatches=4)
+        split: Any = _stage_builder() if layout_.tensor > 1 else SPLITS[layout_.pipeline]
         # example=: the stages are built now (a restore needs them), from this rank's batch's shapes
-        model, optimizer = faccel.prepare(dist, net, optimizer, split=SPLITS[2], schedule=schedule, example=x)
+        model, optimizer = faccel.prepare(
+            dist, net, optimizer, split=split, schedule=schedule, example=x, tp_plan=plan
+        )
     else:
-        model, optimizer = faccel.prepare(dist, net, optimizer)
+        model, optimizer = faccel.prepare(dist, net, optimizer, tp_plan=plan)
     return dist, model, optimizer
 
 
@@ -248,17 +274,39 @@ def _ckpt_values(model: Any, optimizer: Any) -> dict[str, list[float]]:
     return out
 
 
-def ckpt_save(layout: str | None, root: str) -> dict[str, Any]:
-    """3 Adam steps at ``layout``, a checkpoint at step 3, 2 more steps: the values at 3, the later losses."""
+def ckpt_save(
+    layout: str | None, root: str, load: str | None = None, blocking: bool = True, export: str | None = None
+) -> dict[str, Any]:
+    """3 Adam steps at ``layout``, a checkpoint at step 3, 2 more steps: the values at 3, the later losses.
+
+    ``load``: the model is built from another seed and its weights loaded with load_model from that
+    folder (a one-process save_model of the seed's weights); ``loaded`` is what this rank then holds.
+    ``blocking=False``: the checkpoint is written in the background while the 2 steps run.
+    ``export``: after the 2 steps, save_model into that folder; ``final`` is this rank's weights then.
+    """
     import faccel
 
     data = batches(5)
-    dist, model, optimizer = _ckpt_setup(layout, data[0])
+    dist, model, optimizer = _ckpt_setup(layout, data[0], seed=0 if load is None else 7)
+    loaded = None
+    if load is not None:
+        faccel.load_model(dist, model, load)
+        loaded = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
     before = _ckpt_steps(dist, model, optimizer, data[:3])
     values = _ckpt_values(model, optimizer)
-    faccel.checkpoint(dist, faccel.TrainState(model=model, optimizer=optimizer, step=3), root)
+    faccel.checkpoint(
+        dist, faccel.TrainState(model=model, optimizer=optimizer, step=3), root, blocking=blocking
+    )
     after = _ckpt_steps(dist, model, optimizer, data[3:])
-    return {"before": before, "values": values, "after": after}
+    if not blocking:  # committed before the process ends (as the next checkpoint, restore or shutdown would)
+        from faccel._checkpoint._background import wait as wait_for_background
+
+        wait_for_background(dist.runtime, dist)
+    final = None
+    if export is not None:
+        faccel.save_model(dist, model, export)
+        final = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+    return {"before": before, "values": values, "after": after, "loaded": loaded, "final": final}
 
 
 def ckpt_resume(layout: str | None, root: str) -> dict[str, Any]:
@@ -295,3 +343,117 @@ def ckpt_save_model(out: str) -> dict[str, Any]:
     _ckpt_steps(dist, model, optimizer, data)
     faccel.save_model(dist, model, out)
     return {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+
+
+def load_into_stages(layout: str, folder: str) -> dict[str, Any]:
+    """load_model of a one-process save_model (``Net`` at seed 0) into stages of ``Net`` at seed 7, then
+    one Adam step: the weights as loaded (this rank's, by name) and the step's loss."""
+    import faccel
+
+    data = batches(1)
+    dist = faccel.detect(layout=layout)
+    torch.manual_seed(7)  # other weights than the saved ones: load_model must replace every one
+    net = Net()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    x = data[0][0].chunk(dist.data_world_size)[dist.data_rank]
+    schedule = faccel.Schedule(kind="1f1b", microbatches=4)
+    model, optimizer = faccel.prepare(dist, net, optimizer, split=SPLITS[2], schedule=schedule, example=x)
+    faccel.load_model(dist, model, folder)
+    loaded = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+    losses = _ckpt_steps(dist, model, optimizer, data)
+    after = {k: v for k, v in _ckpt_values(model, optimizer).items() if k.endswith(":weight")}
+    return {"loaded": loaded, "loss": losses, "after": after}
+
+
+def one_process_step(folder: str | None) -> dict[str, Any]:
+    """``Net`` at seed 0 in one process (saved with save_model into ``folder`` first), one Adam step."""
+    import faccel
+
+    dist = faccel.detect({})
+    torch.manual_seed(0)
+    net = Net()
+    if folder is not None:
+        faccel.save_model(dist, net, folder)
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    before = {f"{k}:weight": v.detach().flatten().tolist() for k, v in net.named_parameters()}
+    losses = _ckpt_steps(dist, net, optimizer, batches(1))
+    after = {f"{k}:weight": v.detach().flatten().tolist() for k, v in net.named_parameters()}
+    return {"loaded": before, "loss": losses, "after": after}
+
+
+def tiny_llama() -> Any:
+    """A tiny Llama from its config (no hub), its head not tied to the embedding (the two are in
+    different stages), sdpa attention (causal when no mask is given)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class LlamaStage(nn.Module):
+    """One stage of a ``LlamaForCausalLM`` built from its own modules, with the model's names:
+    the embedding on the first, the final norm and the head on the last, the rotary table on each."""
+
+    def __init__(self, whole: Any, stage: int, stages: int) -> None:
+        super().__init__()
+        inner = whole.model
+        per = len(inner.layers) // stages
+        self.model = nn.Module()
+        self.model.embed_tokens = inner.embed_tokens if stage == 0 else None
+        self.model.layers = nn.ModuleDict(
+            {str(i): inner.layers[i] for i in range(stage * per, (stage + 1) * per)}
+        )
+        self.model.norm = inner.norm if stage == stages - 1 else None
+        self.model.rotary_emb = inner.rotary_emb
+        self.lm_head = whole.lm_head if stage == stages - 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is not None:
+            h = self.model.embed_tokens(h)
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        cos_sin = self.model.rotary_emb(h, positions)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
+
+
+def _token_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = output if isinstance(output, torch.Tensor) else output.logits  # a stage gives the tensor
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def llama_export(layout: str | None, out: str) -> None:
+    """A tiny Llama, 2 SGD steps on random tokens (one process, or stages built from its modules),
+    then save_model into ``out``."""
+    import faccel
+
+    dist = faccel.detect({}) if layout is None else faccel.detect(layout=layout)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, 64, (4, 9), generator=g) for _ in range(2)]
+    if layout is not None:
+        whole = model
+
+        def build(stage: int, stages: int) -> nn.Module:
+            return LlamaStage(whole, stage, stages)
+
+        schedule = faccel.Schedule(kind="1f1b", microbatches=2)
+        model, optimizer = faccel.prepare(dist, model, optimizer, split=build, schedule=schedule)
+    for batch in tokens:
+        optimizer.zero_grad()
+        faccel.forward_backward(dist, model, _token_loss, batch[:, :-1], batch[:, 1:])
+        faccel.optimizer_step(dist, optimizer)
+    faccel.save_model(dist, model, out)

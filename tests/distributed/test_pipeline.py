@@ -87,10 +87,16 @@ def test_what_checkpoints_of_stages_refuse_is_refused_loudly(tmp_path: Path) -> 
     for r in ranks:
         assert "written" not in r.values()
     assert all("stages are not built yet" in r["unbuilt"] and "example=" in r["unbuilt"] for r in ranks)
+    assert all(
+        "stages are not built yet" in r["unbuilt_load"] and "load_model" in r["unbuilt_load"] for r in ranks
+    )
     assert all("sharded=False" in r["whole_tensors"] for r in ranks)
+    # load_model checks the whole model on every rank: the stage without the name says whose it is
+    assert "missing 'head.bias' (another pipeline stage's)" in ranks[0]["missing_name"]
+    assert "missing 'head.bias'" in ranks[1]["missing_name"]
     # torch's stages exchange activations of the first batch's shapes: another size is refused, not hung
     assert all("drop_last=True" in r["other_batch_size"] for r in ranks)
-    assert not list(tmp_path.iterdir()) or not (tmp_path / "model" / "config.json").exists()
+    assert not (tmp_path / "early").exists() and not (tmp_path / "whole").exists()
 
 
 def test_bf16_stages_train_like_one_process_in_bf16() -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -40,6 +40,7 @@ from faccel.errors import CheckpointError
 __all__ = [
     "HASH_BYTES",
     "Chunk",
+    "Held",
     "Placed",
     "assign",
     "chunks",
@@ -48,6 +49,7 @@ __all__ = [
     "parse_index",
     "row_split",
     "rows_of",
+    "split_by_rows",
 ]
 
 # Bytes per hash block: small enough that a partial read wastes little, large enough that
@@ -72,6 +74,41 @@ class Placed:
             "block": self.block,
             "first": self.first,
         }
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Held:
+    """Where a pipeline stage's tensor lies in a sharded checkpoint (``_strategies/_pipeline.py``).
+
+    The ``ranks`` consecutive ranks from ``first`` hold the stage; the tensor is cut into chunks
+    of ``block`` rows, chunk ``i`` written by rank ``first + i`` (the chunk rule's ``block`` and
+    ``first``). ``cut``: on a rank of the stage, what gives the chunk this rank writes (None past
+    the last row), called only by a checkpoint's plan (a collective of the stage's ranks where the
+    tensor must be made whole first; an export never calls it). Set on the state's tensor under the
+    mark ``WRITTEN_BY`` (``faccel._marks``).
+
+    Example:
+        >>> held = Held(block=3, first=2, ranks=2)
+        >>> held.chunk_of(3, rows=5), held.chunk_of(0, rows=5), held.piece()
+        ((3, 5), None, None)
+    """
+
+    block: int
+    first: int
+    ranks: int
+    cut: Callable[[], torch.Tensor | None] | None = None
+
+    def piece(self) -> torch.Tensor | None:
+        """The rows this rank writes (``cut``'s), or None (another stage's tensor, or none of its rows)."""
+        return self.cut() if self.cut is not None else None
+
+    def chunk_of(self, rank: int, *, rows: int) -> tuple[int, int] | None:
+        """The rows ``rank`` writes, or None (not the stage's rank, or past the last row)."""
+        index = rank - self.first
+        start = index * self.block
+        if not 0 <= index < self.ranks or start >= rows:
+            return None
+        return start, min(rows, start + self.block)
 
 
 @attrs.frozen(kw_only=True)
@@ -212,6 +249,29 @@ def row_split(tensor: Any, world: int) -> bool:
         and mesh.mesh.flatten().tolist() == list(range(world))
         and len(tensor.placements) == 1
         and isinstance(tensor.placements[0], Shard)
+        and tensor.placements[0].dim == 0
+        and tensor.dim() > 0
+    )
+
+
+def split_by_rows(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor split by rows over one mesh dimension (``Shard(0)``), whatever
+    its ranks: each rank's part is one run of rows (``local_rows``), as FSDP2 shards a pipeline
+    stage over the ranks of its block.
+
+    Example:
+        >>> import torch
+        >>> split_by_rows(torch.zeros(2))
+        False
+    """
+    if not is_dtensor(tensor):
+        return False
+    from torch.distributed.tensor import Shard
+
+    return (
+        tensor.device_mesh.ndim == 1
+        and len(tensor.placements) == 1
+        and type(tensor.placements[0]) is Shard
         and tensor.placements[0].dim == 0
         and tensor.dim() > 0
     )

@@ -29,7 +29,16 @@ import torch.distributed as tdist
 
 from faccel._checkpoint._format import MODEL, OPTIMIZER, PAGE_RANKS, page_name, shard_name
 from faccel._checkpoint._manifest import RankPage
-from faccel._checkpoint._sharded._chunks import Placed, assign, overlaps, parse_index, row_split, rows_of
+from faccel._checkpoint._sharded._chunks import (
+    Held,
+    Placed,
+    assign,
+    overlaps,
+    parse_index,
+    row_split,
+    rows_of,
+    split_by_rows,
+)
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
 from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
@@ -73,7 +82,7 @@ def plan_pieces(
     for file, group in GROUPS.items():
         for key, value in files.get(file, {}).items():
             name, tensor = f"{group}/{key}", value
-            if is_dtensor(tensor):
+            if is_dtensor(tensor) and not hasattr(tensor, WRITTEN_BY):
                 if not row_split(tensor, world):
                     msg = (
                         f"{name} is a DTensor placed {tensor.placements} on a mesh of "
@@ -84,22 +93,23 @@ def plan_pieces(
                 sharded.append(name)
             specs[name] = (tensor.dtype, tuple(tensor.shape))
             tensors[name] = tensor
-    # Pipeline stages (faccel._checkpoint._strategies._pipeline): another rank's tensor is a meta
-    # tensor marked with the rank that writes it; then this rank writes its own whole.
-    writers = {name: getattr(t, WRITTEN_BY) for name, t in tensors.items() if hasattr(t, WRITTEN_BY)}
-    if writers:
-        writers |= {name: rank for name in tensors if name not in writers}
+    # Pipeline stages (faccel._checkpoint._strategies._pipeline): every tensor is marked with where it
+    # lies (a Held: the chunk rule over its stage's ranks, and the chunk this rank writes, if any).
+    writers: dict[str, Held] = {
+        name: getattr(t, WRITTEN_BY) for name, t in tensors.items() if hasattr(t, WRITTEN_BY)
+    }
     placed = assign({k: v for k, v in specs.items() if k not in writers}, sharded, world)
-    for name, writer in writers.items():
+    for name, held in writers.items():
         dtype, shape = specs[name]
-        placed[name] = Placed(dtype=dtype, shape=shape, block=max(1, rows_of(shape)), first=writer)
+        placed[name] = Placed(dtype=dtype, shape=shape, block=held.block, first=held.first)
     placed = {name: placed[name] for name in specs}
     pieces: dict[str, torch.Tensor] = {}
     for name, spot in placed.items():
         tensor = tensors[name]
         if name in writers:
-            if writers[name] == rank:
-                pieces[name] = tensor.detach()
+            piece = writers[name].piece()  # every rank of a stage, in one order: it may gather
+            if piece is not None:
+                pieces[name] = piece
             continue
         if name in sharded:
             local = tensor.to_local()
@@ -263,7 +273,7 @@ def read_tensors(
                 continue  # another rank's (a pipeline stage's): neither read nor checked here
             live = _target_for(targets, group, key, placed)
             start, stop = 0, rows_of(placed.shape)
-            if is_dtensor(live) and row_split(live, live.device_mesh.size()):
+            if split_by_rows(live):  # FSDP2's Shard(0), over all ranks or a pipeline stage's block
                 start, stop = local_rows(live)
             jobs.append((group, key, placed, live, start, stop))
     if any(group == "model" and live is None for group, _, _, live, _, _ in jobs):
@@ -366,7 +376,7 @@ def _as_target(out: torch.Tensor, live: Any, placed: Placed) -> torch.Tensor:
 
     stride = tuple(math.prod(placed.shape[i + 1 :]) for i in range(len(placed.shape)))
     out = out.to(live.to_local().device)
-    if row_split(live, live.device_mesh.size()):
+    if split_by_rows(live):
         return DTensor.from_local(
             out,
             live.device_mesh,
