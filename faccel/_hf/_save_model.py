@@ -392,7 +392,8 @@ def _save_spread(
     }
 
     def write() -> None:
-        if not target.store.is_folder(target.key):
+        # (On object storage a folder is a prefix: nothing to see until objects are in it.)
+        if target.store.local and not target.store.is_folder(target.key):
             msg = (
                 f"save_model: rank {dist.rank} does not see the folder {target} that rank 0 created: "
                 "a sharded model's save is written by every rank, into one folder all ranks share "
