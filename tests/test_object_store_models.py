@@ -230,3 +230,34 @@ def test_the_consolidate_command_reads_a_checkpoint_on_s3(
     faccel.checkpoint(faccel.detect({}), state, f"{s3.url}/run")
     assert main(["consolidate", f"{s3.url}/run", str(tmp_path / "out")]) == 0, capsys.readouterr().err
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["weight"], state.model.weight)
+
+
+def test_a_failed_log_upload_is_a_storage_error_and_the_next_flush_keeps_every_record(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import faccel
+    from faccel._report import _tracking
+    from faccel._storage._objects import ObjectStore
+
+    monkeypatch.setattr(_tracking, "FLUSH_SECONDS", 0.0)  # every record flushed at once
+    dist = faccel.detect({})
+    tracker = faccel.init_tracker(dist, f"{s3.url}/logs")
+    faccel.log(dist, tracker, 1, {"loss": 1.0})
+    real = ObjectStore.replace
+
+    def down(self: ObjectStore, key: str, chunks: Any) -> Any:
+        raise faccel.errors.CheckpointError(f"{self.display(key)}: uploading failed 6 times (injected)")
+
+    monkeypatch.setattr(ObjectStore, "replace", down)
+    with pytest.raises(
+        faccel.errors.StorageError, match=r"could not upload the log.*step 2.*uploading failed.*kept"
+    ):
+        faccel.log(dist, tracker, 2, {"loss": 2.0})
+    monkeypatch.setattr(ObjectStore, "replace", real)
+    faccel.log(dist, tracker, 3, {"loss": 3.0})
+    faccel.end_training(dist, tracker)
+    fs = s3.fs()
+    text = fs.cat_file(f"{s3.url.removeprefix('s3://')}/logs/metrics.jsonl").decode()
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3]

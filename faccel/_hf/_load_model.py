@@ -1,7 +1,9 @@
 """``load_model``: weights in the Hugging Face layout (or the legacy ``.bin``) into a model, checked first.
 
 Either layout is read (the single file, or the index and its shards; names in ``_naming``),
-safetensors by byte ranges and ``.bin`` through torch's restricted loader. Every header is
+safetensors by byte ranges and ``.bin`` through torch's restricted loader, from a local folder or
+a URL of object storage alike: every file is an open ``Reader`` of the storage seam (``pread`` on
+the disk, ranged GETs on an object store), each read bounded by the size the store reports. Every header is
 read and every name, shape and dtype compared with the model's before any weight is copied; a
 sharded model's DTensors take only their own rows (``_shard_read``), and the model's strategy
 loads the rest (``_checkpoint/_strategies``: ZeRO into its partitions).

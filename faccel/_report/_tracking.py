@@ -617,6 +617,12 @@ def log(
                 "disk (or raise its size limit) and log on, or catch faccel.errors.StorageError to "
                 "train on without this record"
             )
+            if isinstance(tracker.folder, str):  # object storage: the records wait for the next upload
+                msg = (
+                    f"rank {dist.rank} could not upload the log in {tracker.folder} at step {step} "
+                    f"({error}); this record and those not yet uploaded are kept and go with the next "
+                    "upload (the next log or the close). Catch faccel.errors.StorageError to train on"
+                )
             raise StorageError(msg) from error
 
 
