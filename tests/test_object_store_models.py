@@ -153,6 +153,7 @@ def test_a_tracker_logs_to_s3_and_a_resumed_run_appends(
 
     import faccel
     from faccel._report import _tracking
+    from faccel._report._metrics_file import read_metrics
 
     monkeypatch.setattr(_tracking, "FLUSH_SECONDS", 10**6)  # only the first record and the close flush
     dist, fs = faccel.detect({}), s3.fs()
@@ -177,6 +178,10 @@ def test_a_tracker_logs_to_s3_and_a_resumed_run_appends(
     got = lines()
     if kind == "jsonl":
         assert [json.loads(line)["metrics"]["loss"] for line in got] == [0.5, 0.25, 0.125]
+        curves = read_metrics(f"{s3.url}/logs/p/r")  # read back from the store too
+        assert curves == {"loss": [(1, 0.5), (2, 0.25), (3, 0.125)]}
+        with pytest.raises(faccel.errors.ArgumentValueError, match=r"metrics.jsonl.*missing"):
+            read_metrics(f"{s3.url}/logs/nothing")
     else:
         assert got[0] == "step,time,source,metric,value" and [r.split(",")[0] for r in got[1:]] == [
             "1",
