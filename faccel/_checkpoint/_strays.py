@@ -38,12 +38,10 @@ def stray_names(folder: Spot, manifest: Any) -> str | None:
     sharded = manifest.get("version") == VERSION_SHARDED
     extra = []
     for entry in folder.entries():
-        if entry.folder:
-            extra.append(entry.name + "/")
-        elif (
-            entry.name != MANIFEST and entry.name not in files and not (sharded and _ranks(entry.name, world))
-        ):
-            extra.append(entry.name)
+        name = entry.name
+        if name != MANIFEST and name not in files and not (sharded and _ranks(name, world)):
+            extra.append(name + "/" if entry.folder else name)
+        # (A listed name that is a folder, a link or a FIFO: the read of that file says so by name.)
     if not extra:
         return None
     extra.sort()
