@@ -267,7 +267,8 @@ def open_file(file: Path | Spot, *, where: str, within: Sequence[Path] = ()) -> 
     its store (each read bounded by the size the store reports)."""
     if isinstance(file, Spot) and not file.store.local:
         return file.store.open(file.key, where=where)
-    return LOCAL.open(file.key if isinstance(file, Spot) else os.fspath(file), where=where, within=within)
+    key = file.key if isinstance(file, Spot) else os.fspath(file)
+    return LOCAL.open(key, where=where, within=within, direct=False)  # one descriptor, as a pread needs
 
 
 def header_of_reader(reader: Reader, *, where: str) -> Header:
