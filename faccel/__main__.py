@@ -62,10 +62,14 @@ def _env(args: argparse.Namespace) -> int:
 def _check_folders(command: str, source: str, what: str, target: str, size: str) -> None:
     """A source folder that exists, a target that is not one of its files, a shard size that parses."""
     from faccel._hf._save_model import parse_size
+    from faccel._storage._roots import is_url, refuse_url
 
     if not source:
         _refuse(f"{command}: {what} is empty")
-    if not Path(source).exists():
+    if command != "consolidate":  # consolidate reads a checkpoint on object storage
+        refuse_url(source, what=f"{command}: {what}")
+    refuse_url(target, what=f"{command}: the output folder")
+    if not is_url(source) and not Path(source).exists():
         _refuse(f"{command}: {what} {source} does not exist")
     if not target:
         _refuse(f"{command}: the output folder is empty")
@@ -246,9 +250,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from faccel._report._metrics_file import plot
+    from faccel._storage._roots import refuse_url
 
     if not args.run:
         _refuse("plot: RUN is empty; give a run's folder (with metrics.jsonl) or the file itself")
+    refuse_url(args.run, what="plot: RUN")
     if args.out is not None and not args.out:
         _refuse("plot: --out is empty; give the image's path (e.g. RUN/metrics.png)")
     print(f"wrote {plot(args.run, args.out)}")

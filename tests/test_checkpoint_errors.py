@@ -315,9 +315,10 @@ def no_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.serialization, "load", _refuse)
 
 
-def test_restore_ignores_pickles_left_in_the_folder(
+def test_restore_refuses_pickles_left_in_the_folder_by_name_and_never_opens_them(
     folder: Path, tmp_path: Path, no_unpickling: None
 ) -> None:
+    """A file the manifest does not list is an extra object (issue 33): named, never read."""
     import faccel
 
     marker = tmp_path / "pwned"
@@ -325,9 +326,13 @@ def test_restore_ignores_pickles_left_in_the_folder(
     for name in ("evil.pkl", "optimizer.bin", "random_states_0.pkl", "scheduler.bin", "pytorch_model.bin"):
         (folder / name).write_bytes(payload)
     target = _state(1)
-    restored = faccel.restore(faccel.detect({}), target, folder)
-    assert restored.step == 3
+    before = cw.observe(target)
+    with pytest.raises(
+        faccel.errors.CheckpointError, match=r"holds evil\.pkl, optimizer\.bin.*does not list"
+    ):
+        faccel.restore(faccel.detect({}), target, folder)
     assert not marker.exists()
+    cw.assert_same(cw.observe(target), before)
 
 
 @pytest.mark.parametrize("name", ["optimizer.safetensors", "state.json", "rng-00000.json", "manifest.json"])

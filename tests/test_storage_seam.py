@@ -104,7 +104,8 @@ def test_restore_lists_the_root_once_and_reads_the_chosen_manifest_once(
     monkeypatch.setattr(LocalStore, "list", counting_list)
     monkeypatch.setattr(LocalStore, "read", counting_read)
     assert faccel.restore(dist, state, tmp_path).step == 3
-    assert listed == Counter({tmp_path.name: 1})
+    # The root once; the chosen checkpoint once (the extra-object check, on the main process only).
+    assert listed == Counter({tmp_path.name: 1, "step-000000000003": 1})
     manifests = {name: n for name, n in read.items() if name.endswith("manifest.json")}
     assert manifests == {"manifest.json": 1, "step-000000000003/manifest.json": 1}  # the root's: absent
 

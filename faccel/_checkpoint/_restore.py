@@ -45,6 +45,7 @@ from faccel._checkpoint._load import load
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
 )
+from faccel._checkpoint._strays import stray_names
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng, model_target
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
@@ -435,6 +436,12 @@ def _read_unless_broken(
     manifest = candidate if isinstance(candidate, Manifest) else read_manifest(candidate)
     if manifest.step is None and not counted(manifest):
         return _Uncommitted()
+    # One listing of the folder, on one rank: a name the manifest does not list is damage.
+    stray = stray_names(manifest.folder, manifest.content) if dist.is_main_process else None
+    if stray is not None:
+        if single:
+            raise CheckpointError(stray)
+        return manifest.step or 0, _Broken(why=stray)
     try:
         return manifest.step or 0, _read_checkpoint(dist, state, manifest)
     except _BrokenError as error:

@@ -27,7 +27,7 @@ from faccel._checkpoint._format import MANIFEST, MODEL_METADATA
 from faccel._checkpoint._weights_reader import byte_view, open_weights
 from faccel._hf._naming import INDEX_NAME, parse_size, shard_names, split_shards
 from faccel._storage._local import local_spot, occupied_bytes
-from faccel._storage._roots import spot_of
+from faccel._storage._roots import refuse_url, spot_of
 from faccel._storage._safetensors import header_bytes
 from faccel._storage._store import Spot
 from faccel.errors import CheckpointError, StorageError
@@ -83,6 +83,7 @@ def consolidate(
             weights that claim more than the files occupy (see ``allow_sparse``),
             before anything is written.
         StorageError: ``out`` is a file, or already holds weights.
+        ArgumentValueError: ``out`` is a URL (it writes a local folder: copy it up after).
 
     Example:
         >>> import tempfile, torch, faccel
@@ -94,6 +95,7 @@ def consolidate(
         ['model.safetensors']
     """
     limit = parse_size(max_shard_size)
+    refuse_url(out, what="consolidate's out")  # (the checkpoint may be on object storage)
     folder = latest_checkpoint(checkpoint)
     if folder is None:
         msg = f"{checkpoint}: no checkpoint there (no step-NNNNNNNNNNNN folder with a {MANIFEST})"

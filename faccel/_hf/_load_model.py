@@ -1,7 +1,9 @@
 """``load_model``: weights in the Hugging Face layout (or the legacy ``.bin``) into a model, checked first.
 
 Either layout is read (the single file, or the index and its shards; names in ``_naming``),
-safetensors by byte ranges and ``.bin`` through torch's restricted loader. Every header is
+safetensors by byte ranges and ``.bin`` through torch's restricted loader, from a local folder or
+a URL of object storage alike: every file is an open ``Reader`` of the storage seam (``pread`` on
+the disk, ranged GETs on an object store), each read bounded by the size the store reports. Every header is
 read and every name, shape and dtype compared with the model's before any weight is copied; a
 sharded model's DTensors take only their own rows (``_shard_read``), and the model's strategy
 loads the rest (``_checkpoint/_strategies``: ZeRO into its partitions).
@@ -23,10 +25,12 @@ from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
 from faccel._hf._naming import INDEX_NAME, WEIGHTS_NAME
 from faccel._hf._shard_read import load_rows
-from faccel._storage._durable import read_json
+from faccel._storage._durable import MAX_JSON, parse_json, read_json
 from faccel._storage._local import LOCAL, present, resolved
+from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import TensorInfo, read_header, read_tensors
-from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin
+from faccel._storage._store import Spot
+from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin, load_bin_bytes
 from faccel._storage._weights import compare_tensors
 from faccel._torch_compat import is_dtensor
 from faccel._typecheck import setup_checked
@@ -34,16 +38,25 @@ from faccel.errors import CheckpointError
 
 __all__ = ["find_layout", "load_model", "read_weights"]
 
-_Reader = Callable[[Path, Sequence[Path]], Mapping[str, Any]]
+_Reader = Callable[[Spot, Sequence[Path]], Mapping[str, Any]]
 
 
-def _from_index(index_path: Path, read: _Reader, within: Sequence[Path]) -> dict[str, tuple[str, Any]]:
+def _json(file: Spot, within: Sequence[Path]) -> Any:
+    """An index: on the disk read as the weights are (a regular file, links as ``within`` allows), on
+    object storage by one ranged GET capped at ``MAX_JSON``."""
+    if file.store.local:
+        return read_json(Path(file.key), where=str(file), within=within)
+    buffer, _ = file.read(None, where=str(file), limit=MAX_JSON)
+    return parse_json(buffer.numpy().data, str(file))
+
+
+def _from_index(index_path: Spot, read: _Reader, within: Sequence[Path]) -> dict[str, tuple[str, Any]]:
     """``name -> (shard, entry)`` for every tensor of a sharded layout, checked against its index.
 
     ``read`` gives a shard's entries: safetensors headers, or the tensors of ``.bin`` shards.
     Every shard is read and checked before this returns (nothing is loaded into a model yet).
     """
-    index = read_json(index_path, where=str(index_path), within=within)
+    index = _json(index_path, within)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str)
@@ -78,42 +91,66 @@ def _from_index(index_path: Path, read: _Reader, within: Sequence[Path]) -> dict
     return layout
 
 
-def _header(path: Path, within: Sequence[Path]) -> dict[str, TensorInfo]:
+def _header(path: Spot, within: Sequence[Path]) -> dict[str, TensorInfo]:
     return dict(read_header(path, where=str(path), within=within).tensors)
+
+
+def _bin(path: Spot, within: Sequence[Path]) -> dict[str, torch.Tensor]:
+    """A ``.bin`` file's tensors: memory-mapped on the disk, read whole from object storage."""
+    if path.store.local:
+        return load_bin(Path(path.key), within)
+    buffer, _ = path.read(None, where=str(path))
+    return load_bin_bytes(buffer.numpy().tobytes(), where=str(path))
 
 
 # The layouts load_model reads, in order of preference: (single file, index, reader of a file).
 # safetensors is read by byte ranges; the legacy .bin through torch's restricted loader.
 _LAYOUTS: tuple[tuple[str, str, _Reader], ...] = (
     (WEIGHTS_NAME, INDEX_NAME, _header),
-    (BIN_NAME, BIN_INDEX_NAME, load_bin),
+    (BIN_NAME, BIN_INDEX_NAME, _bin),
 )
 
 
-def _roots(directory: Path) -> tuple[Path, ...]:
+def _roots(directory: Spot) -> tuple[Path, ...]:
     """The folders load_model follows symbolic links into: ``directory`` itself (its real path)
     and, for a Hugging Face cache snapshot (``.../snapshots/<revision>``, whose files are links
-    to ``../../blobs/<hash>``), that cache's ``blobs`` folder."""
-    real = resolved(directory)
+    to ``../../blobs/<hash>``), that cache's ``blobs`` folder. None on object storage (no links)."""
+    if not directory.store.local:
+        return ()
+    real = resolved(directory.key)
     blobs = real.parent.parent / "blobs"
     return (real, blobs) if real.parent.name == "snapshots" and LOCAL.is_folder(str(blobs)) else (real,)
 
 
-def find_layout(directory: Path) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ...]]:
+def _names(directory: Spot) -> Callable[[str], bool]:
+    """Whether a name is in ``directory``: on the disk each asked for (lexists: a FIFO, a folder or
+    a link in a file's place is refused by the reader, not skipped); on object storage by the one
+    listing of the prefix (one request, not one per name)."""
+    if directory.store.local:
+        return lambda name: present(directory.store.join(directory.key, name))
+    names = {entry.name for entry in directory.entries()}
+    return names.__contains__
+
+
+def find_layout(
+    directory: str | os.PathLike[str] | Spot,
+) -> tuple[dict[str, tuple[str, Any]], tuple[Path, ...]]:
     """Every stored tensor: ``name -> (file, TensorInfo or tensor)``, from a single file or an index;
-    and the folders its files may link into (see :func:`_roots`)."""
+    and the folders its files may link into (see :func:`_roots`). ``directory``: a path, or a URL
+    (or :class:`Spot`) of object storage, whose objects are read by ranged GETs."""
+    directory = spot_of(directory)
     within = _roots(directory)
+    there = _names(directory)
     for single, index, read in _LAYOUTS:
-        # lexists: a FIFO, a folder or a link in a file's place is refused by the reader, not skipped.
-        if present(directory / single):
+        if there(single):
             return {name: (single, entry) for name, entry in read(directory / single, within).items()}, within
-        if present(directory / index):
+        if there(index):
             return _from_index(directory / index, read, within), within
     msg = (
         f"{directory}: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there (nor the legacy {BIN_NAME} or "
         f"{BIN_INDEX_NAME}); pass the folder that faccel.save_model (or save_pretrained) wrote"
     )
-    if present(directory / shard_name(0)):  # a sharded checkpoint (version 2)
+    if there(shard_name(0)):  # a sharded checkpoint (version 2)
         msg = (
             f"{directory}: a sharded checkpoint (each rank's shard-RANK.safetensors): its weights are "
             "not one model.safetensors; write them in the Hugging Face layout with "
@@ -173,7 +210,8 @@ def load_model(
     Args:
         dist: The run's :class:`DistState`.
         model: The model, wrapped by :func:`prepare` or not.
-        directory: The folder holding the weights.
+        directory: The folder holding the weights: a path, or a URL of object
+            storage (``s3://bucket/model``: each tensor's bytes read by ranged GETs).
         strict: Refuse missing and unexpected names.
 
     Returns:
@@ -195,7 +233,7 @@ def load_model(
         ...
         faccel.errors.CheckpointError: ...'weight' has shape [2, 3] in the file, [2, 4] in the model
     """
-    folder = Path(directory)
+    folder = spot_of(directory)
     layout, within = find_layout(folder)
     strategy = strategy_of(model)
     target = strategy.target(model)
@@ -238,6 +276,6 @@ def load_model(
 
 
 def read_weights(
-    path: Path, infos: Mapping[str, TensorInfo], within: Sequence[Path]
+    path: Path | Spot, infos: Mapping[str, TensorInfo], within: Sequence[Path]
 ) -> dict[str, torch.Tensor]:
     return read_tensors(path, infos, where=str(path), within=within)

@@ -58,7 +58,7 @@ from faccel._loop._pipeline import PipelinedModel
 from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json, read_verified
 from faccel._storage._local import local_spot, present
-from faccel._storage._roots import shown, spot_of
+from faccel._storage._roots import refuse_url, shown, spot_of
 from faccel._storage._safetensors import TensorInfo, header_bytes, plan
 from faccel._storage._store import Spot
 from faccel._storage._weights import alias_groups, model_tensors
@@ -400,7 +400,8 @@ def _save_spread(
     }
 
     def write() -> None:
-        if not target.store.is_folder(target.key):
+        # (On object storage a folder is a prefix: nothing to see until objects are in it.)
+        if target.store.local and not target.store.is_folder(target.key):
             msg = (
                 f"save_model: rank {dist.rank} does not see the folder {target} that rank 0 created: "
                 "a sharded model's save is written by every rank, into one folder all ranks share "
@@ -488,6 +489,7 @@ def convert_weights(
             anything but tensors, an inconsistent index.
         StorageError: ``target`` is a file; the writing failed (a full disk,
             a permission), with nothing of it kept.
+        ArgumentValueError: ``source`` or ``target`` is a URL (copy it down first).
 
     Example:
         >>> import pathlib, tempfile, torch
@@ -496,6 +498,8 @@ def convert_weights(
         >>> sorted(p.name for p in convert_weights(folder, folder / "out").iterdir())
         ['model.safetensors']
     """
+    refuse_url(source, what="convert's source")
+    refuse_url(target, what="convert's target")
     folder, out = Path(source), Path(target)
     found, within = find_layout(folder)
     by_file: dict[str, dict[str, TensorInfo]] = {}

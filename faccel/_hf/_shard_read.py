@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from faccel._storage._local import LOCAL
-from faccel._storage._safetensors import TensorInfo, read_header
-from faccel._storage._store import Reader
+from faccel._storage._safetensors import TensorInfo, header_of_reader, open_file
+from faccel._storage._store import Reader, Spot
 from faccel._torch_compat import local_box
 from faccel.errors import CheckpointError
 
@@ -29,18 +28,19 @@ BLOCK_BYTES = 16 * 1024 * 1024
 
 
 def load_rows(
-    path: Path, targets: Mapping[str, tuple[TensorInfo, Any]], *, within: Sequence[Path] = ()
+    path: Path | Spot, targets: Mapping[str, tuple[TensorInfo, Any]], *, within: Sequence[Path] = ()
 ) -> None:
-    """Copy into each DTensor target its box of the tensor in the safetensors file at ``path``, in place.
+    """Copy into each DTensor target its box of the tensor in the safetensors file at ``path`` (a
+    path, or a :class:`Spot` of any store: an object's rows are ranged GETs), in place.
 
     ``targets``: name -> (its ``TensorInfo`` as the header was checked, the
     DTensor). The file's header must still say the same (else
     :class:`CheckpointError`: it changed since it was checked).
     """
     where = str(path)
-    file = LOCAL.open(str(path), where=where, within=within)
+    file = open_file(path, where=where, within=within)
     try:
-        header = read_header(path, where=where, within=within)
+        header = header_of_reader(file, where=where)
         if any(header.tensors.get(name) != info for name, (info, _) in targets.items()):
             msg = f"{where}: the file changed since its header was checked; load again"
             raise CheckpointError(msg)

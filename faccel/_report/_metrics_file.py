@@ -21,6 +21,7 @@ import stat
 from pathlib import Path
 from typing import cast
 
+from faccel._storage._roots import is_url, spot_of
 from faccel.errors import ArgumentValueError, StorageError
 
 __all__ = [
@@ -171,8 +172,23 @@ def _value(name: str, value: object, where: str) -> float:
         raise ArgumentValueError(msg) from None
 
 
+def _metrics_object(url: str) -> tuple[str, bytes]:
+    """The URL and bytes of a run's metrics object (``url`` names it, or the logdir that holds it)."""
+    from faccel.errors import CheckpointError
+
+    spot = spot_of(url)
+    if not spot.name.endswith(".jsonl"):
+        spot = spot / METRICS_FILE
+    try:
+        buffer, _ = spot.read(None, where=f"the metrics file {spot}", limit=MAX_BYTES)
+    except CheckpointError as error:  # missing, larger than MAX_BYTES, or the store refused
+        raise ArgumentValueError(str(error)) from None
+    return str(spot), buffer.numpy().tobytes()
+
+
 def read_metrics(run: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Metric name -> ``(step, value)`` pairs from a run's ``metrics.jsonl`` (or the file itself).
+    """Metric name -> ``(step, value)`` pairs from a run's ``metrics.jsonl`` (or the file itself),
+    on the disk or at a URL of object storage (a tracker's URL logdir).
 
     Reads at most :data:`MAX_BYTES` (64 MiB) from a regular file, lines of at
     most :data:`MAX_LINE` (1 MiB); blank lines are skipped.
@@ -190,8 +206,12 @@ def read_metrics(run: str | os.PathLike[str]) -> dict[str, list[tuple[int, float
         >>> read_metrics(run)["loss"]
         [(0, 1.0), (1, 0.5), (2, 0.3333333333333333)]
     """
-    path = _metrics_path(run)
-    data = open_user_file(path, what="the metrics file", limit=MAX_BYTES)
+    path: Path | str
+    if is_url(run):  # a tracker's logdir on object storage: one ranged GET, at most MAX_BYTES
+        path, data = _metrics_object(os.fspath(run))
+    else:
+        path = _metrics_path(run)
+        data = open_user_file(path, what="the metrics file", limit=MAX_BYTES)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:

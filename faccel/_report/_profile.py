@@ -20,6 +20,7 @@ import torch
 
 from faccel._dist._process_group import wait_for_everyone
 from faccel._dist._state import DistState
+from faccel._storage._roots import refuse_url
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError
 
@@ -68,7 +69,8 @@ def profile(
         The running ``torch.profiler.profile``.
 
     Raises:
-        ArgumentValueError: a ``schedule`` key torch's schedule does not take.
+        ArgumentValueError: a ``schedule`` key torch's schedule does not take; a URL
+            ``trace_dir`` (torch writes local files: profile locally, copy the traces up).
 
     Example:
         >>> import tempfile, torch, faccel
@@ -82,6 +84,7 @@ def profile(
     if unknown:
         msg = f"schedule keys {unknown} are not torch.profiler.schedule's; it takes {list(_SCHEDULE_KEYS)}"
         raise ArgumentValueError(msg)
+    refuse_url(trace_dir, what="profile's trace_dir")
     folder = None if trace_dir is None else Path(trace_dir)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,10 @@ collective every rank must call). Close it with :func:`end_training` or a
 Back-ends, one small writer each (the table ``_WRITERS``): ``jsonl`` (the default)
 and ``csv`` need nothing (each record appended whole or not at all);
 ``tensorboard``, ``wandb`` (offline) and ``mlflow`` (a local SQLite store) use
-their package when it is installed.
+their package when it is installed. ``jsonl`` and ``csv`` also take a URL
+``logdir`` (``s3://bucket/run``): an object store cannot append, so the file is
+kept in memory and its whole object rewritten (one PUT, atomic) at the first
+record, then at most once every :data:`FLUSH_SECONDS`, and at the close.
 """
 
 from __future__ import annotations
@@ -34,12 +37,18 @@ import torch
 from faccel._choices import TRACKER_KIND, TrackerKind
 from faccel._dist._state import DistState
 from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
+from faccel._storage._roots import is_url, shown, spot_of
+from faccel._storage._store import Spot
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentError, ArgumentValueError, StorageError
+from faccel.errors import ArgumentError, ArgumentValueError, CheckpointError, StorageError
 
 __all__ = ["Tracker", "end_training", "init_tracker", "log", "plot", "read_metrics"]
 
 CONFIG_FILE = "config.json"
+# On object storage, a log's object is rewritten at most this often (and at the first record and the close).
+FLUSH_SECONDS = 10.0
+# The back-ends that write to a URL logdir (the others' libraries write local files).
+_URL_KINDS = ("jsonl", "csv")
 # The back-ends kind="all" opens when their package is installed (jsonl always: read_metrics, plot).
 _ALL = (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"))
 
@@ -114,8 +123,12 @@ def _check_int(where: str, value: int) -> None:
         raise ArgumentValueError(msg) from None
 
 
-def _write_config(folder: Path, text: str) -> None:
-    """``config.json`` whole or not at all: written beside, then renamed (a full disk leaves none)."""
+def _write_config(folder: Path | Spot, text: str) -> None:
+    """``config.json`` whole or not at all: written beside, then renamed (a full disk leaves none);
+    on object storage one upload, whole or not at all."""
+    if isinstance(folder, Spot):
+        _stored(folder / CONFIG_FILE, lambda spot: spot.store.replace(spot.key, [text.encode()]))
+        return
     target = folder / CONFIG_FILE
     partial = folder / f".{CONFIG_FILE}.tmp"
     try:
@@ -140,47 +153,107 @@ def _append(fd: int, data: bytes) -> None:
         raise
 
 
+def _stored(spot: Spot, call: Callable[[Spot], Any]) -> Any:
+    """``call(spot)`` on object storage; the store's named error (retries spent, a refusal) as an
+    ``OSError``, which ``init_tracker`` and ``log`` report as a :class:`StorageError`."""
+    try:
+        return call(spot)
+    except CheckpointError as error:
+        raise OSError(errno.EIO, str(error)) from None
+
+
+class _FileAppender:
+    """A local log file, each record appended whole or not at all (``_append``)."""
+
+    def __init__(self, path: Path, head: bytes) -> None:
+        fresh = not path.exists()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if fresh and head:
+            _append(self._fd, head)
+
+    def append(self, data: bytes) -> None:
+        _append(self._fd, data)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class _ObjectAppender:
+    """A log object: an object store cannot append, so the file is kept here and its whole object
+    rewritten (one upload: readers see the old object or the new one, never a part) at the first
+    record, then at most once every :data:`FLUSH_SECONDS`, and at :meth:`close`. An object already
+    there (a resumed run's) is read first and appended to. A failed upload keeps the records here:
+    the next flush uploads them."""
+
+    def __init__(self, spot: Spot, head: bytes) -> None:
+        self._spot = spot
+        there = _stored(spot, lambda s: s.size()) is not None
+        old = _stored(spot, lambda s: s.read(None, where=str(s))[0].numpy().tobytes()) if there else b""
+        self._data = bytearray(old if there else head)
+        self._uploaded = len(old) if there else -1
+        self._last = -FLUSH_SECONDS
+
+    def append(self, data: bytes) -> None:
+        self._data += data
+        if time.monotonic() - self._last >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if len(self._data) != self._uploaded:
+            _stored(self._spot, lambda s: s.store.replace(s.key, [bytes(self._data)]))
+            self._uploaded = len(self._data)
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _appender(folder: Path | Spot, name: str, head: bytes = b"") -> _FileAppender | _ObjectAppender:
+    """The log file ``name`` in ``folder`` opened for appending (``head`` first when it is new)."""
+    if isinstance(folder, Spot):
+        return _ObjectAppender(folder / name, head)
+    return _FileAppender(folder / name, head)
+
+
 class _JsonLines:
     """One JSON object a line: ``{"step", "time", "source", "metrics": {<name>: value ...}}``.
 
     The metrics sit in their own object, so any name (``step`` too) is a metric's.
     """
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
+    def __init__(self, folder: Path | Spot, config: Mapping[str, Any], name: str, project: str) -> None:
         _write_config(folder, _config_text(config))
-        self._fd = os.open(
-            folder / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-        )
+        self._out = _appender(folder, METRICS_FILE)
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
         record = {"step": step, "time": round(elapsed, 6), "source": source, "metrics": dict(values)}
-        _append(self._fd, (json.dumps(record) + "\n").encode())
+        self._out.append((json.dumps(record) + "\n").encode())
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._out.close()
+
+
+def _csv_text(rows: list[list[Any]]) -> bytes:
+    text = io.StringIO()
+    csv.writer(text).writerows(rows)
+    return text.getvalue().encode()
 
 
 class _Csv:
     """Long format (``step,time,source,metric,value``), so new metric names need no new header."""
 
-    def __init__(self, folder: Path, config: Mapping[str, Any], name: str, project: str) -> None:
+    def __init__(self, folder: Path | Spot, config: Mapping[str, Any], name: str, project: str) -> None:
         _write_config(folder, _config_text(config))
-        path = folder / "metrics.csv"
-        fresh = not path.exists()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if fresh:
-            self._rows([["step", "time", "source", "metric", "value"]])
-
-    def _rows(self, rows: list[list[Any]]) -> None:
-        text = io.StringIO()
-        csv.writer(text).writerows(rows)
-        _append(self._fd, text.getvalue().encode())
+        self._out = _appender(
+            folder, "metrics.csv", _csv_text([["step", "time", "source", "metric", "value"]])
+        )
 
     def write(self, step: int, elapsed: float, source: str, values: Mapping[str, float]) -> None:
-        self._rows([[step, f"{elapsed:.6f}", source, name, repr(value)] for name, value in values.items()])
+        rows = [[step, f"{elapsed:.6f}", source, name, repr(value)] for name, value in values.items()]
+        self._out.append(_csv_text(rows))
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._out.close()
 
 
 def _hparam(value: Any) -> int | float | str | bool:
@@ -264,7 +337,7 @@ class _Each:
 
 
 # kind -> how to open its writer in a folder, with the hyperparameters, a run name and a project.
-_WRITERS: Mapping[str, Callable[[Path, Mapping[str, Any], str, str], _Writer]] = {
+_WRITERS: Mapping[str, Callable[[Any, Mapping[str, Any], str, str], _Writer]] = {
     "jsonl": _JsonLines,
     "csv": _Csv,
     "tensorboard": _TensorBoard,
@@ -283,7 +356,8 @@ class Tracker:
 
     Attributes:
         kind: The back-end (``jsonl``, ``csv``, ``tensorboard``, ``wandb``, ``mlflow``, ``all``).
-        folder: Where this rank writes; None on ranks that do not write.
+        folder: Where this rank writes (a path, or the URL of a ``logdir`` on object
+            storage); None on ranks that do not write.
         per_rank: Whether every rank writes (each in a folder of its own).
 
     Example:
@@ -294,7 +368,7 @@ class Tracker:
     """
 
     kind: str
-    folder: Path | None
+    folder: Path | str | None
     per_rank: bool = False
     _writer: _Writer | None = None
     _started: float = attrs.field(factory=time.monotonic)
@@ -322,7 +396,10 @@ def init_tracker(
 
     Args:
         dist: The run's :class:`DistState`.
-        logdir: The run's folder; created if missing.
+        logdir: The run's folder; created if missing. A URL (``s3://bucket/run``,
+            through the optional extra that provides it) for ``jsonl`` and ``csv``:
+            each log object rewritten whole, at most every ``FLUSH_SECONDS``
+            (10 s) and at the close (docs/object-storage.md).
         kind: ``"jsonl"`` (default; ``metrics.jsonl`` and ``config.json``), ``"csv"``,
             ``"tensorboard"``, ``"wandb"`` (offline) or ``"mlflow"`` (``mlflow.db``, SQLite);
             ``"all"``: ``jsonl`` and every one of tensorboard, wandb and mlflow
@@ -342,7 +419,9 @@ def init_tracker(
 
     Raises:
         ArgumentValueError: An unknown ``kind``, or a ``project`` or ``run_name``
-            that is not one plain folder name.
+            that is not one plain folder name; a URL ``logdir`` for a kind other
+            than ``jsonl`` and ``csv``.
+        MissingExtraError: A URL ``logdir`` whose protocol's extra is not installed.
         ArgumentError: The back-end's package is not installed.
 
     Example:
@@ -363,7 +442,17 @@ def init_tracker(
             _check_name(what, part)
     options = dict(config or {})
     _check_config(options)
-    base = Path(logdir)
+    base: Path | Spot = Path(logdir)
+    if is_url(logdir):
+        if kind not in _URL_KINDS:
+            protocol = os.fspath(logdir).split("://", 1)[0]
+            msg = (
+                f"init_tracker: kind={kind!r} writes local files only (its library does), not to a "
+                f"{protocol}:// logdir; use kind='jsonl' or 'csv' for a URL logdir, or a local logdir "
+                "and copy it up after the run"
+            )
+            raise ArgumentValueError(msg)
+        base = spot_of(logdir)
     if project is not None:
         base = base / project / run_name if run_name is not None else base / project
     if not per_rank and not dist.is_main_process:
@@ -371,9 +460,11 @@ def init_tracker(
     folder = base / f"rank-{dist.rank:05d}" if per_rank else base
     kinds = [kind] if kind != "all" else ["jsonl", *(k for k, package in _ALL if _installed(package))]
     name = run_name or base.name
-    made = [p for p in (folder, *folder.parents) if not p.exists()]  # removed again should writing fail
+    # Removed again should writing fail (on object storage a folder is a prefix: nothing to make).
+    made = [] if isinstance(folder, Spot) else [p for p in (folder, *folder.parents) if not p.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if not isinstance(folder, Spot):
+            folder.mkdir(parents=True, exist_ok=True)
         writers = [_WRITERS[k](folder, options, name, project or "faccel") for k in kinds]
     except ImportError as error:
         _remove_empty(made)
@@ -391,7 +482,8 @@ def init_tracker(
         )
         raise StorageError(msg) from error
     writer = writers[0] if len(writers) == 1 else _Each(writers)
-    return Tracker(kind=kind, folder=folder, per_rank=per_rank, writer=writer)
+    where = shown(folder) if isinstance(folder, Spot) else folder
+    return Tracker(kind=kind, folder=where, per_rank=per_rank, writer=writer)
 
 
 def _remove_empty(folders: list[Path]) -> None:
@@ -525,6 +617,12 @@ def log(
                 "disk (or raise its size limit) and log on, or catch faccel.errors.StorageError to "
                 "train on without this record"
             )
+            if isinstance(tracker.folder, str):  # object storage: the records wait for the next upload
+                msg = (
+                    f"rank {dist.rank} could not upload the log in {tracker.folder} at step {step} "
+                    f"({error}); this record and those not yet uploaded are kept and go with the next "
+                    "upload (the next log or the close). Catch faccel.errors.StorageError to train on"
+                )
             raise StorageError(msg) from error
 
 

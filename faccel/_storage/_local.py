@@ -116,11 +116,11 @@ class _LocalPublisher(_LocalWriter):
 class _LocalReader:
     """An open regular file: ``pread`` through the page cache, or ``O_DIRECT`` around it."""
 
-    def __init__(self, path: Path, where: str, within: Sequence[Path] = ()) -> None:
+    def __init__(self, path: Path, where: str, within: Sequence[Path] = (), *, direct: bool = True) -> None:
         self.where = where
         self.fd = open_regular(path, where=where, within=within)
         self.size = os.fstat(self.fd).st_size
-        self.direct_fd = _reopen_direct(self.fd)
+        self.direct_fd = _reopen_direct(self.fd) if direct else -1
         self.direct_works = True
 
     def read_into(self, target: Any, offset: int, at_least: int | None = None) -> None:
@@ -266,10 +266,12 @@ class LocalStore:
     ) -> tuple[torch.Tensor, FileRecord]:
         return read_verified(Path(key), expected, where=where, limit=limit, algorithm=algorithm)
 
-    def open(self, key: str, *, where: str, within: Sequence[Path] = ()) -> _LocalReader:
+    def open(self, key: str, *, where: str, within: Sequence[Path] = (), direct: bool = True) -> _LocalReader:
         """``within``: links are followed while the real path stays inside one of these folders
-        (``_durable.open_regular``); a checkpoint's files are never links (``within`` empty)."""
-        return _LocalReader(Path(key), where, within)
+        (``_durable.open_regular``); a checkpoint's files are never links (``within`` empty).
+        ``direct=False``: no second descriptor for reads around the page cache (a reader of
+        whole tensors through the cache, as ``load_model``'s, needs none)."""
+        return _LocalReader(Path(key), where, within, direct=direct)
 
     def delete(self, key: str) -> None:
         if os.path.isdir(key) and not os.path.islink(key):

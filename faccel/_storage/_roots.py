@@ -16,7 +16,7 @@ from pathlib import Path
 from faccel._storage._local import local_spot
 from faccel._storage._store import Spot
 
-__all__ = ["is_url", "shown", "spot_of"]
+__all__ = ["is_url", "refuse_url", "shown", "spot_of"]
 
 _URL = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
@@ -32,6 +32,33 @@ def is_url(path: str | os.PathLike[str] | Spot) -> bool:
         return not path.store.local
     match = _URL.match(os.fspath(path))
     return match is not None and match.group(1).lower() != "file"
+
+
+def refuse_url(path: str | os.PathLike[str] | None, *, what: str) -> None:
+    """Refuse a URL where only a local path is taken (``what``: the function and the argument), by
+    name and with what to do instead; a local path (or None) passes.
+
+    Raises:
+        ArgumentValueError: ``path`` is a URL of object storage.
+
+    Example:
+        >>> refuse_url("runs/a", what="convert's source")
+        >>> refuse_url("s3://bucket/model", what="convert's source")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.ArgumentValueError: convert's source is a URL (s3://...); it takes a local ...
+    """
+    if path is None or not is_url(path):
+        return
+    from faccel.errors import ArgumentValueError
+
+    protocol = os.fspath(path).split("://", 1)[0]
+    msg = (
+        f"{what} is a URL ({protocol}://...); it takes a local folder only: copy the files down first "
+        f"(aws s3 cp --recursive, gsutil -m cp -r, or fsspec's get), run it on the copy, and copy the "
+        "result up (docs/object-storage.md)"
+    )
+    raise ArgumentValueError(msg)
 
 
 def spot_of(path: str | os.PathLike[str] | Spot) -> Spot:

@@ -25,7 +25,9 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._storage._durable import open_regular, parse_json
+from faccel._storage._durable import parse_json
+from faccel._storage._local import LOCAL
+from faccel._storage._store import Reader, Spot
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -33,11 +35,12 @@ __all__ = [
     "Header",
     "TensorInfo",
     "dtype_of_code",
-    "header_of_open",
+    "header_of_reader",
+    "open_file",
     "parse_header",
     "plan",
+    "read_from",
     "read_header",
-    "read_open",
     "read_tensors",
     "tensor_views",
     "valid_shape",
@@ -258,53 +261,54 @@ def tensor_views(buffer: torch.Tensor, header: Header) -> dict[str, torch.Tensor
     return out
 
 
-def _header_of(fd: int, size: int, where: str) -> Header:
-    head = os.pread(fd, 8, 0)
+def open_file(file: Path | Spot, *, where: str, within: Sequence[Path] = ()) -> Reader:
+    """``file`` open for ranged reads, its size the store's own: a path or a local :class:`Spot`
+    through ``_durable.open_regular`` (a regular file, links as ``within`` allows), an object through
+    its store (each read bounded by the size the store reports)."""
+    if isinstance(file, Spot) and not file.store.local:
+        return file.store.open(file.key, where=where)
+    key = file.key if isinstance(file, Spot) else os.fspath(file)
+    return LOCAL.open(key, where=where, within=within, direct=False)  # one descriptor, as a pread needs
+
+
+def header_of_reader(reader: Reader, *, where: str) -> Header:
+    """The checked header of the open file ``reader`` (at most the header's bytes are read)."""
+    head = bytearray(min(8, reader.size))
+    reader.read_into(head, 0)
     if len(head) == 8:
         (length,) = struct.unpack("<Q", head)
-        if length <= _MAX_HEADER and 8 + length <= size:  # else parse_header says why
-            head += os.pread(fd, length, 8)
-    return parse_header(head, size, where=where)
+        if length <= _MAX_HEADER and 8 + length <= reader.size:  # else parse_header says why
+            rest = bytearray(length)
+            reader.read_into(rest, 8)
+            head += rest
+    return parse_header(memoryview(head), reader.size, where=where)
 
 
-def read_header(path: Path, *, where: str, within: Sequence[Path] = ()) -> Header:
-    """Read and check only the header of the safetensors file at ``path``.
-
-    The file is opened as ``_durable.open_regular`` opens it (a regular file,
-    links as ``within`` allows); at most the header's bytes are read.
-    """
-    fd = open_regular(path, where=where, within=within)
+def read_header(file: Path | Spot, *, where: str, within: Sequence[Path] = ()) -> Header:
+    """Read and check only the header of the safetensors file at ``file`` (a path, or a :class:`Spot`
+    of any store), opened as :func:`open_file` opens it; at most the header's bytes are read."""
+    reader = open_file(file, where=where, within=within)
     try:
-        return _header_of(fd, os.fstat(fd).st_size, where)
+        return header_of_reader(reader, where=where)
     finally:
-        os.close(fd)
+        reader.close()
 
 
-def header_of_open(fd: int, *, where: str) -> Header:
-    """The checked header of the open safetensors file ``fd`` (at most the header's bytes are read)."""
-    return _header_of(fd, os.fstat(fd).st_size, where)
-
-
-def read_open(
-    fd: int, header: Header, infos: Mapping[str, TensorInfo], *, where: str
-) -> dict[str, torch.Tensor]:
-    """The tensors named in ``infos`` from the open file ``fd`` whose header is ``header``.
+def read_from(reader: Reader, header: Header, infos: Mapping[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """The tensors named in ``infos`` from the open file ``reader`` whose header is ``header``, each
+    into its own buffer by ranged reads of its bytes (at most 64 MiB a read).
 
     Reading from one open file, never reopening its path, is what keeps a
     file checked once the file read: a writer that renames another file into
-    its place does not change what ``fd`` holds.
+    its place does not change what an open file holds.
     """
     out: dict[str, torch.Tensor] = {}
     for name, info in infos.items():
         buffer = torch.empty(info.end - info.start, dtype=torch.uint8)
         view = buffer.numpy().data
-        offset, start = 0, header.data_start + info.start
-        while offset < len(view):
-            got = os.preadv(fd, [view[offset : offset + _READ_CHUNK]], start + offset)
-            if not got:
-                msg = f"{where}: the file shrank while it was read"
-                raise CheckpointError(msg)
-            offset += got
+        start = header.data_start + info.start
+        for offset in range(0, len(view), _READ_CHUNK):
+            reader.read_into(view[offset : offset + _READ_CHUNK], start + offset)
         out[name] = (
             buffer.view(info.dtype).reshape(info.shape)
             if len(view)
@@ -314,22 +318,22 @@ def read_open(
 
 
 def read_tensors(
-    path: Path, infos: Mapping[str, TensorInfo], *, where: str, within: Sequence[Path] = ()
+    file: Path | Spot, infos: Mapping[str, TensorInfo], *, where: str, within: Sequence[Path] = ()
 ) -> dict[str, torch.Tensor]:
-    """The tensors named in ``infos`` of the file at ``path``, as its header was read before.
+    """The tensors named in ``infos`` of the file at ``file`` (a path, or a :class:`Spot` of any
+    store), as its header was read before.
 
     Only those tensors' bytes are read (each into its own aligned buffer), so
     memory is bounded by what is asked for, not by the file's size. The file's
     header must still say ``infos`` (else :class:`CheckpointError`: it changed
     since it was checked).
     """
-    fd = open_regular(path, where=where, within=within)
+    reader = open_file(file, where=where, within=within)
     try:
-        size = os.fstat(fd).st_size
-        header = _header_of(fd, size, where)
+        header = header_of_reader(reader, where=where)
         if any(header.tensors.get(name) != info for name, info in infos.items()):
             msg = f"{where}: the file changed since its header was checked; load again"
             raise CheckpointError(msg)
-        return read_open(fd, header, infos, where=where)
+        return read_from(reader, header, infos)
     finally:
-        os.close(fd)
+        reader.close()

@@ -21,7 +21,7 @@ import torch
 from faccel._storage._durable import open_regular
 from faccel.errors import CheckpointError
 
-__all__ = ["BIN_INDEX_NAME", "BIN_NAME", "load_bin"]
+__all__ = ["BIN_INDEX_NAME", "BIN_NAME", "load_bin", "load_bin_bytes"]
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -59,13 +59,41 @@ def load_bin(path: Path, within: Sequence[Path] = ()) -> dict[str, torch.Tensor]
             # Files from torch < 1.6 (the legacy, non-zip format) cannot be memory-mapped.
             loaded = torch.load(real, map_location="cpu", weights_only=True)
     except Exception as error:  # the restricted unpickler's load_problem, or a damaged file
-        msg = (
-            f"{path}: holds something other than tensors, or is damaged; faccel reads .bin weights "
-            f"with torch.load(weights_only=True) only, which refused it ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). Convert trusted files with "
-            "save_pretrained(safe_serialization=True), or use model.safetensors"
-        )
-        raise CheckpointError(msg) from None
+        raise _refused(str(path), error) from None
+    return _checked(loaded, str(path))
+
+
+def load_bin_bytes(data: bytes, *, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.bin`` file's bytes (an object read whole from object storage), read by the
+    restricted loader and checked as :func:`load_bin` checks a file.
+
+    Example:
+        >>> import io, torch
+        >>> out = io.BytesIO()
+        >>> torch.save({"w": torch.ones(2)}, out)
+        >>> load_bin_bytes(out.getvalue(), where="memory")["w"].tolist()
+        [1.0, 1.0]
+    """
+    import io
+
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # the restricted unpickler's load_problem, or damaged bytes
+        raise _refused(where, error) from None
+    return _checked(loaded, where)
+
+
+def _refused(path: str, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: holds something other than tensors, or is damaged; faccel reads .bin weights "
+        f"with torch.load(weights_only=True) only, which refused it ({type(error).__name__}: "
+        f"{str(error).splitlines()[0] if str(error) else ''}). Convert trusted files with "
+        "save_pretrained(safe_serialization=True), or use model.safetensors"
+    )
+
+
+def _checked(loaded: Any, path: str) -> dict[str, torch.Tensor]:
+    """``loaded`` when it is a flat mapping of names to tensors whose views write no more than they hold."""
     if not isinstance(loaded, dict) or not all(
         isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in loaded.items()
     ):
