@@ -70,18 +70,17 @@ def _check_data_world(manifest: Manifest, dist: DistState, where: str) -> None:
 
 
 def check_manifest(
-    manifest: Any, dist: DistState, model: nn.Module, *, where: str
+    manifest: Manifest, dist: DistState, model: nn.Module, *, where: str
 ) -> tuple[dict[str, FileRecord], int, int]:
-    """Check a parsed manifest against this faccel and run: format, version, world size, files
-    (:meth:`Manifest.decode`), and the data-parallel ranks a position inside an epoch counts.
+    """Check a decoded manifest (format, version, world size and files checked by
+    :meth:`Manifest.decode`) against this run: the data-parallel ranks a position inside an epoch counts.
 
     Returns each listed file's record (size and digest, checked as the file
     is read), the world size that wrote the checkpoint, and its format version
     (1 and 3: whole tensors, with SHA-256 and BLAKE3 records; 2: sharded).
     """
-    decoded = Manifest.decode(manifest, where=where)
-    _check_data_world(decoded, dist, where)
-    return dict(decoded.files), decoded.world_size, decoded.version
+    _check_data_world(manifest, dist, where)
+    return dict(manifest.files), manifest.world_size, manifest.version
 
 
 def elementwise_optimizer(optimizer: Any) -> bool:
