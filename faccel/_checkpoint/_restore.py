@@ -45,6 +45,7 @@ from faccel._checkpoint._load import load
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
 )
+from faccel._checkpoint._state_file import StateFile
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng, model_target
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
@@ -112,7 +113,7 @@ def _read_checkpoint(
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
         tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
-    content = parse_json(buffers[STATE].numpy().tobytes(), state_where)
+    content = StateFile.decode(parse_json(buffers[STATE].numpy().tobytes(), state_where), where=state_where)
     try:
         if version == VERSION_SHARDED:
             # Only the rows this rank's target holds, from the shard files that hold them.

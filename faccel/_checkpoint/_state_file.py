@@ -24,7 +24,7 @@ import attrs
 from faccel._checkpoint._format import STATE_FORMAT
 from faccel.errors import CheckpointError
 
-__all__ = ["Extra", "Section", "StateFile"]
+__all__ = ["Extra", "Section", "StateFile", "decode_extras"]
 
 
 @attrs.frozen(kw_only=True)
@@ -146,7 +146,8 @@ class StateFile:
         optimizer = _section(raw, "optimizer", problems, named=True)
         scheduler = _section(raw, "scheduler", problems, named=True)
         scaler = _section(raw, "scaler", problems, named=False)
-        extras = _extras(raw.get("extras"), problems)
+        extras, malformed = decode_extras(raw.get("extras"), label="extras")
+        problems += malformed
         if problems:
             raise CheckpointError(f"{where}: " + "; ".join(problems))
         return cls(
@@ -203,15 +204,25 @@ def _section(raw: Mapping[str, Any], key: str, problems: list[str], *, named: bo
     return Section(state_dict=section["state_dict"], class_name=name if named else None)
 
 
-def _extras(section: Any, problems: list[str]) -> dict[str, Extra]:
+def decode_extras(section: Any, *, label: str) -> tuple[dict[str, Extra], list[str]]:
+    """The extras of a parsed ``extras`` object (``state.json``'s, or a generator file's rank
+    extras), and what is wrong with it (empty when nothing is).
+
+    Example:
+        >>> decode_extras({"seen": {"kind": "value", "value": 3}}, label="extras")
+        ({'seen': Extra(stateful=False, value=3)}, [])
+        >>> decode_extras([], label="rank_extras")
+        ({}, ['rank_extras must be a JSON object'])
+    """
     if not isinstance(section, dict):
-        problems.append("extras must be a JSON object")
-        return {}
-    extras = {}
+        return {}, [f"{label} must be a JSON object"]
+    extras, problems = {}, []
     for name, entry in section.items():
         kind = entry.get("kind") if isinstance(entry, dict) else None
         if kind not in ("stateful", "value") or "value" not in entry:
-            problems.append(f"extras[{name!r}] must be an object with a kind (stateful or value) and a value")
+            problems.append(
+                f"{label}[{name!r}] must be an object with a kind (stateful or value) and a value"
+            )
             continue
         extras[name] = Extra(stateful=kind == "stateful", value=entry["value"])
-    return extras
+    return extras, problems
