@@ -485,3 +485,54 @@ def atom_layouts(draw: st.DrawFn, *, max_log_atoms: int = 7) -> dict:
         "numels": draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)),
         "seed": draw(st.integers(0, 2**31 - 1)),
     }
+
+
+_json_leaves = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8)
+# A tagged-JSON tree as state.json holds one (its tensors are references: {"__tensor__": [file, key]}).
+_json_trees = st.recursive(
+    _json_leaves
+    | st.tuples(st.sampled_from(["optimizer.safetensors", "extras.safetensors"]), st.text(max_size=6)).map(
+        lambda ref: {"__tensor__": list(ref)}
+    ),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+_counters = st.integers(min_value=0, max_value=2**40)
+_names = st.text(alphabet="abcdefgh._0123", min_size=1, max_size=10)
+
+
+@st.composite
+def state_files(draw: st.DrawFn) -> Any:
+    """A ``StateFile`` (``faccel._checkpoint._state_file``): what any faccel may have written."""
+    from faccel._checkpoint._state_file import Extra, Section, StateFile
+
+    def section(named: bool) -> st.SearchStrategy[Any]:
+        made = st.builds(
+            Section,
+            state_dict=_json_trees,
+            class_name=st.text(min_size=1, max_size=20) if named else st.none(),
+        )
+        return st.none() | made
+
+    keys = draw(st.lists(_names, max_size=5, unique=True))
+    return StateFile(
+        step=draw(_counters),
+        epoch=draw(_counters),
+        position=draw(_counters),
+        world_size=draw(st.integers(min_value=1, max_value=2**20)),
+        model_keys=tuple(keys),
+        model_aliases=draw(st.dictionaries(_names, _names, max_size=3)),
+        optimizer=draw(section(True)),
+        scheduler=draw(section(True)),
+        scaler=draw(section(False)),
+        extras=draw(
+            st.dictionaries(_names, st.builds(Extra, stateful=st.booleans(), value=_json_trees), max_size=3)
+        ),
+        consumed=draw(st.none() | _counters),
+        resumed_at=draw(st.none() | st.tuples(_counters, _counters)),
+        tensors=draw(
+            st.none() | st.dictionaries(st.sampled_from(["model", "optimizer"]), st.just({}), max_size=2)
+        ),
+    )

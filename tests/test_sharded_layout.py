@@ -207,6 +207,7 @@ def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tm
     """At the format's largest world (1,024 pages of 1,024 ranks) the manifest is still small; one
     rank more is refused when writing and when reading, so what a rank reads at start stays bounded."""
     import faccel
+    from faccel._checkpoint._manifest import Manifest
     from faccel._checkpoint._save import _use_shards
     from faccel._checkpoint._strategies import strategy_of
     from faccel._checkpoint._verify import check_manifest
@@ -218,11 +219,12 @@ def test_the_manifest_has_a_fixed_bound_and_larger_worlds_are_refused_by_name(tm
     assert len(manifest["files"]) == 2 + PAGE_RANKS
     assert len(json.dumps(manifest)) < 128 * 1024
     model = torch.nn.Linear(2, 2)
-    found, world, version = check_manifest(manifest, faccel.detect({}), model, where="m")
+    decoded = Manifest.decode(manifest, where="m")
+    found, world, version = check_manifest(decoded, faccel.detect({}), model, where="m")
     assert (world, version) == (MAX_SHARDED_WORLD, 2) and found == listed
     manifest["world_size"] = MAX_SHARDED_WORLD + 1
     with pytest.raises(CheckpointError, match=r"world_size 1048577 is over the sharded format's 1,048,576"):
-        check_manifest(manifest, faccel.detect({}), model, where="m")
+        Manifest.decode(manifest, where="m")
     huge = faccel.DistState.simulated(rank=0, world_size=MAX_SHARDED_WORLD + 1)
     with pytest.raises(ArgumentValueError, match=r"holds up to 1,048,576 ranks.*sharded=False"):
         _use_shards(strategy_of(model), model, huge, sharded=True)

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER, RNG_FORMAT, STATE_FORMAT
+from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER, RNG_FORMAT
+from faccel._checkpoint._state_file import Extra, Section, StateFile
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
 from faccel._storage._tagged_json import TensorSink, encode
@@ -57,8 +58,8 @@ def capture(
     whole: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None,
     *,
     shards: bool = False,
-) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """``state.json``'s content and each safetensors file's tensors, for ``state``.
+) -> tuple[StateFile, dict[str, dict[str, torch.Tensor]]]:
+    """``state.json``'s record (:class:`StateFile`) and each safetensors file's tensors, for ``state``.
 
     Tensors are the live ones (no copy): write them before training goes on.
     ``whole``: an FSDP2 model's gathered model and optimizer state dicts, which
@@ -75,45 +76,42 @@ def capture(
     scheduler = state.scheduler
     scaler = state.scaler
     extras = _encode_extras(state.extras, extras_sink, "extras")
-    content = {
-        "format": STATE_FORMAT,
-        "step": state.step,
-        "epoch": state.epoch,
-        "position": state.position,
-        "consumed": global_position(state),
-        "resumed_at": None if state.resumed_at is None else list(state.resumed_at),
-        "world_size": dist.world_size,
-        "model": {
-            "keys": list(unwrap_model(state.model).state_dict() if model_state is None else model_state),
-            "aliases": aliases,
-        },
-        "optimizer": None
+    content = StateFile(
+        step=state.step,
+        epoch=state.epoch,
+        position=state.position,
+        consumed=global_position(state),
+        resumed_at=state.resumed_at,
+        world_size=dist.world_size,
+        model_keys=tuple(unwrap_model(state.model).state_dict() if model_state is None else model_state),
+        model_aliases=aliases,
+        optimizer=None
         if state.optimizer is None
-        else {
-            "class": class_name(state.optimizer),
-            "state_dict": encode(optimizer_state, sink=optimizer_sink),
-        },
-        "scheduler": None
+        else Section(
+            class_name=class_name(state.optimizer),
+            state_dict=encode(optimizer_state, sink=optimizer_sink),
+        ),
+        scheduler=None
         if scheduler is None
-        else {
-            "class": class_name(scheduler),
-            "state_dict": encode(scheduler.state_dict(), sink=extras_sink, path="scheduler"),
-        },
-        "scaler": None
+        else Section(
+            class_name=class_name(scheduler),
+            state_dict=encode(scheduler.state_dict(), sink=extras_sink, path="scheduler"),
+        ),
+        scaler=None
         if scaler is None
-        else {"state_dict": encode(scaler.state_dict(), sink=extras_sink, path="scaler")},
-        "extras": extras,
-    }
+        else Section(state_dict=encode(scaler.state_dict(), sink=extras_sink, path="scaler")),
+        extras=extras,
+    )
     files = {MODEL: stored, OPTIMIZER: optimizer_sink.tensors, EXTRAS: extras_sink.tensors}
     return content, files
 
 
-def _encode_extras(extras: Mapping[str, Any], sink: TensorSink | None, label: str) -> dict[str, Any]:
+def _encode_extras(extras: Mapping[str, Any], sink: TensorSink | None, label: str) -> dict[str, Extra]:
     encoded = {}
     for name, value in extras.items():
         stateful = is_stateful(value)
         tree = encode(value.state_dict() if stateful else value, sink=sink, path=f"{label}.{name}")
-        encoded[name] = {"kind": "stateful" if stateful else "value", "value": tree}
+        encoded[name] = Extra(stateful=stateful, value=tree)
     return encoded
 
 
@@ -131,7 +129,7 @@ def extras_digests(extras: Mapping[str, Any]) -> dict[str, int]:
         except Exception:  # refused by encode; capture raises the named error
             digests[name] = -1
             continue
-        h = hashlib.sha256(json.dumps(encoded, sort_keys=True).encode())
+        h = hashlib.sha256(json.dumps({k: e.encode() for k, e in encoded.items()}, sort_keys=True).encode())
         for key, tensor in sorted(sink.tensors.items()):
             h.update(key.encode())
             h.update(str((tensor.dtype, tuple(tensor.shape))).encode())
@@ -150,5 +148,8 @@ def capture_rng(dist: DistState, rank_extras: Mapping[str, Any] | None = None) -
         "numpy": encode(np.random.get_state(legacy=False)),
         "torch": encode(torch.get_rng_state()),
         "cuda": None if cuda is None else encode(cuda),
-        "extras": _encode_extras(rank_extras or {}, None, "rank_extras"),
+        "extras": {
+            name: extra.encode()
+            for name, extra in _encode_extras(rank_extras or {}, None, "rank_extras").items()
+        },
     }

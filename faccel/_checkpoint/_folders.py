@@ -17,7 +17,7 @@ first one, and whoever holds the lock may treat every uncommitted folder as a
 dead writer's leftover.
 
 A root is listed once per question: :func:`scan` lists it and returns the
-step folders newest first; :func:`read_manifest` reads one folder's manifest,
+step folders newest first; :func:`read_folder_manifest` reads one folder's manifest,
 once, and the bytes read are those restore checks.
 """
 
@@ -27,12 +27,11 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import attrs
 
 from faccel._checkpoint._format import MANIFEST, REPLACED, STEP_FOLDER
-from faccel._checkpoint._manifest import step_of
+from faccel._checkpoint._manifest import Manifest, step_of
 from faccel._storage._durable import MAX_MANIFEST, parse_json
 from faccel._storage._roots import shown, spot_of
 from faccel._storage._store import Lease, Spot
@@ -40,8 +39,8 @@ from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
 
 __all__ = [
+    "FolderManifest",
     "Listing",
-    "Manifest",
     "blocking_file",
     "check_lock",
     "complete_checkpoints",
@@ -51,7 +50,7 @@ __all__ = [
     "hold_lock",
     "latest_checkpoint",
     "manifest_step",
-    "read_manifest",
+    "read_folder_manifest",
     "remove_leftovers",
     "rotate",
     "scan",
@@ -59,34 +58,44 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class Manifest:
-    """A folder's manifest, read once: its parsed content and step, or why it does not count."""
+class FolderManifest:
+    """A folder's manifest, read once: its step, or why the folder does not count.
+
+    A folder counts when its manifest is faccel's and names an integer step (``step``). Its
+    record (:class:`~faccel._checkpoint._manifest.Manifest`) is decoded once, here: ``manifest``, or
+    ``refused`` (why :meth:`Manifest.decode` refuses it; a folder that counts whose manifest is
+    refused is a named error at restore, not passed over).
+    """
 
     folder: Spot
-    content: Any = None
     step: int | None = None
     why: str | None = None
+    manifest: Manifest | None = None
+    refused: str | None = None
 
 
-def read_manifest(folder: Spot) -> Manifest:
-    """``folder``'s faccel manifest, read and parsed once (a missing or damaged one says why)."""
+def read_folder_manifest(folder: Spot) -> FolderManifest:
+    """``folder``'s faccel manifest, read, parsed and decoded once (a missing or damaged one says why)."""
     where = str(folder / MANIFEST)
     store = folder.store
     try:
         buffer, _ = store.read((folder / MANIFEST).key, None, where=where, limit=MAX_MANIFEST)
-        manifest = parse_json(buffer.numpy().tobytes(), where)
+        raw = parse_json(buffer.numpy().tobytes(), where)
     except (CheckpointError, OSError) as error:
         why = str(error) if isinstance(error, CheckpointError) else f"{where}: {error}"
-        return Manifest(folder=folder, why=why)
-    step = step_of(manifest, where=where)
+        return FolderManifest(folder=folder, why=why)
+    step = step_of(raw, where=where)
     if isinstance(step, str):
-        return Manifest(folder=folder, why=step)
-    return Manifest(folder=folder, content=manifest, step=step)
+        return FolderManifest(folder=folder, why=step)
+    try:
+        return FolderManifest(folder=folder, step=step, manifest=Manifest.decode(raw, where=where))
+    except CheckpointError as error:
+        return FolderManifest(folder=folder, step=step, refused=str(error))
 
 
 def manifest_step(directory: Spot | str | os.PathLike[str]) -> int | None:
     """The step of a complete checkpoint folder (one with a faccel manifest), else None."""
-    return read_manifest(spot_of(directory)).step
+    return read_folder_manifest(spot_of(directory)).step
 
 
 @attrs.frozen(kw_only=True)
@@ -96,9 +105,9 @@ class Listing:
     root: Spot
     folders: tuple[tuple[int, Spot], ...]
 
-    def steps(self) -> Iterator[Manifest]:
+    def steps(self) -> Iterator[FolderManifest]:
         """Each step folder's manifest, newest first, read as it is reached (a lazy walk)."""
-        return (read_manifest(folder) for _, folder in self.folders)
+        return (read_folder_manifest(folder) for _, folder in self.folders)
 
 
 def scan(root: Spot) -> Listing:
@@ -119,7 +128,7 @@ def scan(root: Spot) -> Listing:
     return Listing(root=root, folders=tuple(sorted(folders.items(), reverse=True)))
 
 
-def counted(manifest: Manifest) -> bool:
+def counted(manifest: FolderManifest) -> bool:
     """Whether a folder without a valid manifest is damaged (a disk: it was committed by a rename)
     rather than a write never committed (an object store)."""
     if manifest.step is not None:
@@ -136,7 +145,7 @@ def damaged_checkpoints(root: Spot | Path, *, after: int) -> list[tuple[Spot, st
     for step, folder in listing.folders:
         if step <= after:
             break
-        manifest = read_manifest(folder)
+        manifest = read_folder_manifest(folder)
         if manifest.step is None and counted(manifest):
             found.append((folder, manifest.why or ""))
     return found
@@ -148,10 +157,10 @@ def complete_checkpoints(root: Spot | Path) -> list[tuple[int, Spot]]:
     return sorted((step, folder) for step, folder in listing.folders if manifest_step(folder) is not None)
 
 
-def find_latest(path: Spot) -> Manifest | None:
+def find_latest(path: Spot) -> FolderManifest | None:
     """The manifest of ``path`` itself when it is a checkpoint, else of its newest complete one
     (one listing; manifests read newest first until one counts)."""
-    own = read_manifest(path)
+    own = read_folder_manifest(path)
     if own.step is not None:
         return own
     for manifest in scan(path).steps():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from faccel._checkpoint._folders import counted, hold_lock, read_manifest, remove_leftovers, scan
+from faccel._checkpoint._folders import counted, hold_lock, read_folder_manifest, remove_leftovers, scan
 from faccel._checkpoint._format import NAMED, STEP_FOLDER, checkpoint_name
 from faccel._storage._store import Spot
 from faccel.errors import ArgumentValueError, CheckpointError
@@ -83,7 +83,7 @@ def _later(root: Spot, step: int) -> list[Spot]:
     for later_step, folder in scan(root).folders:
         if later_step <= step:
             break
-        if counted(read_manifest(folder)):
+        if counted(read_folder_manifest(folder)):
             later.append(folder)
     return later
 

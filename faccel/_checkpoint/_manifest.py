@@ -4,9 +4,10 @@
 :class:`Manifest` holds what it says (format version, step, epoch, position, world size, and
 every listed file's size and hash), :meth:`Manifest.encode` is its JSON object, and
 :meth:`Manifest.decode` the only place that reads one, checking the format, the version, the
-world size and the file list before any other file is opened. :func:`read_manifest` is the one
-reader of a folder's manifest, for ``restore`` (and DeepSpeed's checkpoints, which are the
-whole-tensor format) and ``consolidate`` alike. :class:`RankPage` is the same for the sharded
+world size and the file list before any other file is opened. :func:`read_manifest` reads and
+decodes one folder's manifest (``consolidate``, the weights reader); ``restore`` reads it through
+``_folders.read_folder_manifest``, which decodes it with the same :meth:`Manifest.decode`, once.
+:class:`RankPage` is the same for the sharded
 format's rank pages. The keys of these files are spelled here only; the file names and versions
 are ``_format``'s.
 """
@@ -147,7 +148,8 @@ class Manifest:
 
 def read_manifest(directory: Spot | Path) -> Manifest:
     """``directory``'s manifest, read (at most ``MAX_MANIFEST`` bytes, a regular file) and decoded:
-    the one reader of a checkpoint's manifest (``restore``, ``consolidate``), on any store."""
+    (``consolidate``, the weights reader; ``restore``'s is ``_folders.read_folder_manifest``), on any
+    store."""
     folder = spot_of(directory)
     where = str(folder / MANIFEST)
     buffer, _ = (folder / MANIFEST).read(None, where=where, limit=MAX_MANIFEST)

@@ -24,10 +24,10 @@ from torch import nn
 
 from faccel._checkpoint._background import wait as wait_for_background
 from faccel._checkpoint._folders import (
-    Manifest,
+    FolderManifest,
     counted,
     latest_checkpoint,
-    read_manifest,
+    read_folder_manifest,
     scan,
 )
 from faccel._checkpoint._format import (
@@ -45,6 +45,7 @@ from faccel._checkpoint._load import load
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
 )
+from faccel._checkpoint._state_file import StateFile
 from faccel._checkpoint._strays import stray_names
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng, model_target
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
@@ -69,19 +70,21 @@ class _BrokenError(CheckpointError):
 
 
 def _read_manifest(
-    directory: Spot | Path, dist: DistState, model: nn.Module, manifest: Manifest | None = None
+    directory: Spot | Path, dist: DistState, model: nn.Module, manifest: FolderManifest | None = None
 ) -> tuple[dict[str, FileRecord], int, int]:
     """The checked records of ``directory``'s manifest (``manifest``: already read, not read again)."""
     folder = spot_of(directory)
-    found = manifest if manifest is not None else read_manifest(folder)
+    found = manifest if manifest is not None else read_folder_manifest(folder)
     where = str(folder / MANIFEST)
     if found.step is None:
         raise _BrokenError(found.why or f"{where}: the file is missing")
-    return check_manifest(found.content, dist, model, where=where)
+    if found.manifest is None:  # a step, but refused by Manifest.decode: named, never passed over
+        raise CheckpointError(found.refused or f"{where}: not a faccel checkpoint manifest")
+    return check_manifest(found.manifest, dist, model, where=where)
 
 
 def _read_checkpoint(
-    dist: DistState, state: TrainState, manifest: Manifest
+    dist: DistState, state: TrainState, manifest: FolderManifest
 ) -> tuple[Loadable, dict[str, Any] | None]:
     directory = manifest.folder
     records, world, version = _read_manifest(directory, dist, state.model, manifest)
@@ -111,7 +114,7 @@ def _read_checkpoint(
         header = parse_header(buffers[name].numpy().data, records[name].size, where=f"{directory}/{name}")
         tensors[name] = tensor_views(buffers[name], header)
     state_where = f"{directory}/{STATE}"
-    content = parse_json(buffers[STATE].numpy().tobytes(), state_where)
+    content = StateFile.decode(parse_json(buffers[STATE].numpy().tobytes(), state_where), where=state_where)
     try:
         if version == VERSION_SHARDED:
             # Only the rows this rank's target holds, from the shard files that hold them.
@@ -312,7 +315,7 @@ def restore(
         raises=CheckpointError,
     )
     passed: list[tuple[Spot, str]] = list(found.passed)
-    candidates: list[Manifest | Spot] = [found.chosen, *found.older]
+    candidates: list[FolderManifest | Spot] = [found.chosen, *found.older]
     for candidate in candidates:
         got = together(
             dist,
@@ -360,11 +363,11 @@ def restore(
     raise CheckpointError(msg)
 
 
-def _folder(candidate: Manifest | Spot) -> Spot:
-    return candidate.folder if isinstance(candidate, Manifest) else candidate
+def _folder(candidate: FolderManifest | Spot) -> Spot:
+    return candidate.folder if isinstance(candidate, FolderManifest) else candidate
 
 
-def _name(candidate: Manifest | Spot) -> str:
+def _name(candidate: FolderManifest | Spot) -> str:
     return _folder(candidate).name
 
 
@@ -373,7 +376,7 @@ class _Found:
     """What one listing of a root gave: the chosen checkpoint's manifest (read once), the damaged
     later folders passed over, the older step folders to fall back to (their manifests unread)."""
 
-    chosen: Manifest
+    chosen: FolderManifest
     single: bool
     passed: tuple[tuple[Spot, str], ...] = ()
     older: tuple[Spot, ...] = ()
@@ -383,7 +386,7 @@ def _find(path: Spot, *, into: Spot | None, rollback: Rollback | None) -> _Found
     """``path`` as one checkpoint, or a root's newest complete one: one listing, manifests read newest
     first until one counts (a damaged one is passed over, an uncommitted one on an object store is
     not a checkpoint at all)."""
-    own = read_manifest(path)
+    own = read_folder_manifest(path)
     if own.step is not None:
         # Restoring one folder of a root that holds later checkpoints: the run would collide with
         # them at its first later checkpoint, hours in, or leave them as a "latest" not this run's.
@@ -392,7 +395,7 @@ def _find(path: Spot, *, into: Spot | None, rollback: Rollback | None) -> _Found
     listing = scan(path)
     passed: list[tuple[Spot, str]] = []
     for index, (_, folder) in enumerate(listing.folders):
-        manifest = read_manifest(folder)
+        manifest = read_folder_manifest(folder)
         if manifest.step is not None:
             refuse_later(path, manifest.step, folder=False, into=into, rollback=rollback)
             older = tuple(f for _, f in listing.folders[index + 1 :])
@@ -429,15 +432,15 @@ class _Uncommitted:
 
 
 def _read_unless_broken(
-    dist: DistState, state: TrainState, candidate: Manifest | Spot, *, single: bool
+    dist: DistState, state: TrainState, candidate: FolderManifest | Spot, *, single: bool
 ) -> tuple[int, tuple[Loadable, dict[str, Any] | None] | _Broken] | _Uncommitted:
     """The checkpoint's step and its content read and checked, or (from a root) why its files are
     broken; its manifest is read here only when it was not read yet (an older one to fall back to)."""
-    manifest = candidate if isinstance(candidate, Manifest) else read_manifest(candidate)
+    manifest = candidate if isinstance(candidate, FolderManifest) else read_folder_manifest(candidate)
     if manifest.step is None and not counted(manifest):
         return _Uncommitted()
     # One listing of the folder, on one rank: a name the manifest does not list is damage.
-    stray = stray_names(manifest.folder, manifest.content) if dist.is_main_process else None
+    stray = stray_names(manifest.folder, manifest.manifest) if dist.is_main_process else None
     if stray is not None:
         if single:
             raise CheckpointError(stray)

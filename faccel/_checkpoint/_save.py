@@ -68,6 +68,7 @@ from faccel._checkpoint._history import check_checkpoint_name
 from faccel._checkpoint._manifest import Manifest, RankPage
 from faccel._checkpoint._sharded._flow import exchange_records, plan_pieces
 from faccel._checkpoint._sharded._shard_file import write_shard
+from faccel._checkpoint._state_file import StateFile
 from faccel._checkpoint._strategies import StrategyState, strategy_of
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
@@ -91,7 +92,7 @@ def _json_bytes(value: Any) -> bytes:
 
 
 def _write_rank0(
-    temporary: Spot, content: dict[str, Any], files: Mapping[str, Mapping[str, torch.Tensor]]
+    temporary: Spot, content: StateFile, files: Mapping[str, Mapping[str, torch.Tensor]]
 ) -> dict[str, FileRecord]:
     def write(name: str) -> Callable[[], FileRecord]:
         metadata = MODEL_METADATA if name == MODEL else None
@@ -100,7 +101,7 @@ def _write_rank0(
     # Side by side: one file's fsync overlaps the next one's writing and hashing.
     names = [MODEL, OPTIMIZER, EXTRAS]
     records = dict(zip(names, in_parallel([write(name) for name in names]), strict=True))
-    records[STATE] = (temporary / STATE).write([_json_bytes(content)], algorithm=_WHOLE_HASH)
+    records[STATE] = (temporary / STATE).write([_json_bytes(content.encode())], algorithm=_WHOLE_HASH)
     return records
 
 
@@ -149,7 +150,7 @@ def _commit(
     temporary: Spot,
     final: Spot,
     listed: dict[str, FileRecord],
-    content: dict[str, Any],
+    content: StateFile,
     keep: int | None,
     lock: Lease,
     *,
@@ -158,9 +159,10 @@ def _commit(
 ) -> None:
     """Check every file (``present`` too), then write the manifest of ``listed`` files last: the commit
     (``Store.commit``: on a disk, then one rename; on an object store, the manifest's write itself)."""
-    manifest = manifest_content(content, dist.world_size, listed, version, dist.data_world_size)
+    counters = {"step": content.step, "epoch": content.epoch, "position": content.position}
+    manifest = manifest_content(counters, dist.world_size, listed, version, dist.data_world_size)
     written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
-    what = f"the checkpoint of step {content['step']}"
+    what = f"the checkpoint of step {content.step}"
 
     def check(folder: str) -> None:
         check_written(Spot(root.store, folder), written, what=what)
@@ -171,7 +173,7 @@ def _commit(
 
     root.store.commit(temporary.key, final.key, MANIFEST, [_json_bytes(manifest)], check=check)
     if keep is not None:
-        rotate(root, keep, content["step"])
+        rotate(root, keep, content.step)
 
 
 def manifest_content(
@@ -491,7 +493,7 @@ def _whole_job(
         raises=CheckpointError,
     )
 
-    def prepare() -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], Lease] | None:
+    def prepare() -> tuple[StateFile, dict[str, dict[str, torch.Tensor]], Lease] | None:
         if not dist.is_main_process:
             return None
         content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
@@ -572,15 +574,14 @@ def _sharded_job(
     step = train_state.step
     root = final.parent
 
-    def planned() -> tuple[
-        dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]
-    ]:
+    def planned() -> tuple[StateFile, dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
         own = strategy.shard_state(train_state.model, train_state.optimizer)
         content, files = capture(dist, train_state, own, shards=True)  # refuses unstorable values first
         index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size)
-        content["tensors"] = {
-            group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()
-        }
+        content = attrs.evolve(
+            content,
+            tensors={group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()},
+        )
         if copy:
             pieces = host_copies(dist.runtime, "shards", pieces)
             files = {EXTRAS: host_copies(dist.runtime, EXTRAS, files[EXTRAS])}
@@ -604,7 +605,8 @@ def _sharded_job(
             lambda: write_shard(shard_file, pieces, placed, rank=dist.rank, world=dist.world_size, step=step),
         ]
         if lock is not None:
-            tasks.append(lambda: (temporary / STATE).write([_json_bytes(content)], algorithm=_SHARDED_HASH))
+            encoded = _json_bytes(content.encode())
+            tasks.append(lambda: (temporary / STATE).write([encoded], algorithm=_SHARDED_HASH))
             tasks.append(lambda: (temporary / EXTRAS).write(plan(files[EXTRAS]), algorithm=_SHARDED_HASH))
         done = in_parallel(tasks)
         names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]

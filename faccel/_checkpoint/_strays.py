@@ -14,9 +14,9 @@ a prefix not yet committed), which restore does not open.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from faccel._checkpoint._format import MANIFEST, VERSION_SHARDED
+from faccel._checkpoint._manifest import Manifest
 from faccel._storage._store import Spot
 
 __all__ = ["stray_names"]
@@ -25,17 +25,16 @@ _SHOWN = 5
 _RANK_FILE = re.compile(r"(?:shard-(\d+)\.safetensors|rng-(\d+)\.json)")
 
 
-def stray_names(folder: Spot, manifest: Any) -> str | None:
-    """Why ``folder`` holds names its parsed ``manifest`` does not account for, or None.
+def stray_names(folder: Spot, manifest: Manifest | None) -> str | None:
+    """Why ``folder`` holds names its decoded ``manifest`` does not account for, or None.
 
-    A manifest whose file list or world size is malformed is not judged here
-    (its decoding says what is wrong with it).
+    A manifest that does not decode (None) is not judged here: its decoding says what is
+    wrong with it.
     """
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    world = manifest.get("world_size") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or type(world) is not int:
+    if manifest is None:
         return None
-    sharded = manifest.get("version") == VERSION_SHARDED
+    files, world = manifest.files, manifest.world_size
+    sharded = manifest.version == VERSION_SHARDED
     extra = []
     for entry in folder.entries():
         name = entry.name

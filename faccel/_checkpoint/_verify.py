@@ -27,10 +27,10 @@ from faccel._checkpoint._format import (
     OPTIMIZER,
     RNG_FORMAT,
     STATE,
-    STATE_FORMAT,
 )
 from faccel._checkpoint._manifest import Manifest
 from faccel._checkpoint._stage import load_problem, stand_ins
+from faccel._checkpoint._state_file import Extra, Section, StateFile, decode_extras
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
@@ -70,18 +70,17 @@ def _check_data_world(manifest: Manifest, dist: DistState, where: str) -> None:
 
 
 def check_manifest(
-    manifest: Any, dist: DistState, model: nn.Module, *, where: str
+    manifest: Manifest, dist: DistState, model: nn.Module, *, where: str
 ) -> tuple[dict[str, FileRecord], int, int]:
-    """Check a parsed manifest against this faccel and run: format, version, world size, files
-    (:meth:`Manifest.decode`), and the data-parallel ranks a position inside an epoch counts.
+    """Check a decoded manifest (format, version, world size and files checked by
+    :meth:`Manifest.decode`) against this run: the data-parallel ranks a position inside an epoch counts.
 
     Returns each listed file's record (size and digest, checked as the file
     is read), the world size that wrote the checkpoint, and its format version
     (1 and 3: whole tensors, with SHA-256 and BLAKE3 records; 2: sharded).
     """
-    decoded = Manifest.decode(manifest, where=where)
-    _check_data_world(decoded, dist, where)
-    return dict(decoded.files), decoded.world_size, decoded.version
+    _check_data_world(manifest, dist, where)
+    return dict(manifest.files), manifest.world_size, manifest.version
 
 
 def elementwise_optimizer(optimizer: Any) -> bool:
@@ -159,47 +158,20 @@ class _Problems:
             raise CheckpointError(msg)
 
 
-def _int_field(content: Mapping[str, Any], key: str, problems: _Problems) -> int:
-    value = content.get(key)
-    if type(value) is not int or value < 0:
-        problems.add(STATE, f"{key} must be an int >= 0, got {value!r}")
-        return 0
-    return value
-
-
-def _data_position(
-    content: Mapping[str, Any], problems: _Problems
-) -> tuple[int | None, tuple[int, int] | None]:
-    """``consumed`` and ``resumed_at`` of ``state.json`` (absent in checkpoints from before them)."""
-    consumed = content.get("consumed")
-    if consumed is not None and (type(consumed) is not int or consumed < 0):
-        problems.add(STATE, f"consumed must be null or an int >= 0, got {consumed!r}")
-        consumed = None
-    at = content.get("resumed_at")
-    if at is None:
-        return consumed, None
-    if not (isinstance(at, list) and len(at) == 2 and all(type(v) is int and v >= 0 for v in at)):
-        problems.add(STATE, f"resumed_at must be null or [epoch, consumed] of ints >= 0, got {at!r}")
-        return consumed, None
-    return consumed, (at[0], at[1])
-
-
 def check(
     dist: DistState,
     state: TrainState,
-    content: Any,
+    content: StateFile,
     tensors: Mapping[str, Mapping[str, torch.Tensor]],
     *,
     where: str,
 ) -> Loadable:
-    """Decode ``content`` (``state.json``) and ``tensors`` and check them against ``state``.
+    """Decode ``content`` (``state.json``'s record, its shape checked by :meth:`StateFile.decode`)
+    and ``tensors`` and check them against ``state``.
 
     Raises one :class:`CheckpointError` listing every problem; touches nothing.
     """
     problems = _Problems(where)
-    if not isinstance(content, dict) or content.get("format") != STATE_FORMAT:
-        problems.add(STATE, f"not a faccel checkpoint state (format should be {STATE_FORMAT!r})")
-        problems.raise_if_any()
     for file, refs in _refs_by_file(content).items():
         held = set(tensors.get(file, {}))
         if file not in tensors:
@@ -216,25 +188,21 @@ def check(
     def decoded(value: Any) -> Any:
         return decode(value, tensors=tensors, where=f"{where}/{STATE}")
 
-    model = _check_model(state, content.get("model"), tensors[MODEL], problems)
-    optimizer = _check_optimizer(state, content.get("optimizer"), decoded, problems)
-    scheduler = _check_scheduler(state, content.get("scheduler"), decoded, problems)
-    scaler = _check_scaler(state, content.get("scaler"), decoded, problems)
-    extras = _check_extras(state, content.get("extras"), decoded, problems)
-    step = _int_field(content, "step", problems)
-    epoch = _int_field(content, "epoch", problems)
-    position = _int_field(content, "position", problems)
-    consumed, resumed_at = _data_position(content, problems)
+    model = _check_model(state, content, tensors[MODEL], problems)
+    optimizer = _check_optimizer(state, content.optimizer, decoded, problems)
+    scheduler = _check_scheduler(state, content.scheduler, decoded, problems)
+    scaler = _check_scaler(state, content.scaler, decoded, problems)
+    extras = _check_extras(state, content.extras, decoded, problems)
     problems.raise_if_any()
     _stage(state, model, optimizer, scheduler, scaler, extras, problems)
     problems.raise_if_any()
     return Loadable(
         where=where,
-        step=step,
-        epoch=epoch,
-        position=position,
-        consumed=consumed,
-        resumed_at=resumed_at,
+        step=content.step,
+        epoch=content.epoch,
+        position=content.position,
+        consumed=content.consumed,
+        resumed_at=content.resumed_at,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -285,10 +253,12 @@ def _stage(
             )
 
 
-def _refs_by_file(content: Mapping[str, Any]) -> dict[str, set[str]]:
+def _refs_by_file(content: StateFile) -> dict[str, set[str]]:
     refs: dict[str, set[str]] = {OPTIMIZER: set(), EXTRAS: set()}
-    for part in ("optimizer", "scheduler", "scaler", "extras"):
-        for file, key in tensor_refs(content.get(part)):
+    sections = [content.optimizer, content.scheduler, content.scaler]
+    trees = [s.state_dict for s in sections if s is not None] + [e.value for e in content.extras.values()]
+    for tree in trees:
+        for file, key in tensor_refs(tree):
             refs.setdefault(file, set()).add(key)
     return refs
 
@@ -300,19 +270,10 @@ def model_target(state: TrainState) -> dict[str, torch.Tensor]:
 
 
 def _check_model(
-    state: TrainState, section: Any, stored: Mapping[str, torch.Tensor], problems: _Problems
+    state: TrainState, content: StateFile, stored: Mapping[str, torch.Tensor], problems: _Problems
 ) -> dict[str, torch.Tensor]:
-    if (
-        not isinstance(section, dict)
-        or not isinstance(section.get("keys"), list)
-        or not isinstance(section.get("aliases"), dict)
-        or not all(isinstance(k, str) for k in section["keys"])
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in section["aliases"].items())
-    ):
-        problems.add(STATE, "model needs keys (a list of names) and aliases (names to names)")
-        return {}
-    aliases: dict[str, str] = section["aliases"]
-    keys: list[str] = section["keys"]
+    aliases = content.model_aliases
+    keys = list(content.model_keys)
     ownership = strategy_of(state.model).ownership(state.model)
     if ownership.model_names is not None:  # the union of the stages is the whole model: every rank checks it
         for key in sorted(set(keys) - ownership.model_names - set(aliases)):
@@ -350,7 +311,7 @@ def _check_model(
 
 
 def _check_optimizer(
-    state: TrainState, section: Any, decoded: Callable[[Any], Any], problems: _Problems
+    state: TrainState, section: Section | None, decoded: Callable[[Any], Any], problems: _Problems
 ) -> dict[str, Any]:
     target = state.optimizer
     if target is None or section is None:
@@ -360,13 +321,10 @@ def _check_optimizer(
             target_kind = "none" if target is None else "one"
             problems.add(STATE, f"{saved_kind} was saved, and the target has {target_kind}")
         return {}
-    if not isinstance(section, dict) or "state_dict" not in section:
-        problems.add(STATE, "optimizer section is missing")
+    if section.class_name != class_name(target):
+        problems.add(STATE, f"the optimizer is a {section.class_name}, the target a {class_name(target)}")
         return {}
-    if section.get("class") != class_name(target):
-        problems.add(STATE, f"the optimizer is a {section.get('class')}, the target a {class_name(target)}")
-        return {}
-    saved = decoded(section["state_dict"])
+    saved = decoded(section.state_dict)
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     entries = saved.get("state") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not isinstance(entries, dict):
@@ -521,7 +479,7 @@ def _same_keys(saved: Any, live: Mapping[str, Any], what: str, problems: _Proble
 
 
 def _check_scheduler(
-    state: TrainState, section: Any, decoded: Callable[[Any], Any], problems: _Problems
+    state: TrainState, section: Section | None, decoded: Callable[[Any], Any], problems: _Problems
 ) -> dict[str, Any] | None:
     target = state.scheduler
     if (section is None) != (target is None):
@@ -533,14 +491,10 @@ def _check_scheduler(
         return None
     if section is None or target is None:
         return None
-    if not isinstance(section, dict) or section.get("class") != class_name(target):
-        problems.add(
-            STATE,
-            f"the scheduler is a {section.get('class') if isinstance(section, dict) else '?'}, "
-            f"the target a {class_name(target)}",
-        )
+    if section.class_name != class_name(target):
+        problems.add(STATE, f"the scheduler is a {section.class_name}, the target a {class_name(target)}")
         return None
-    saved = decoded(section.get("state_dict"))
+    saved = decoded(section.state_dict)
     live = target.state_dict()
     if not _same_keys(saved, live, "scheduler", problems):
         return None
@@ -564,7 +518,7 @@ def _check_scheduler(
 
 
 def _check_scaler(
-    state: TrainState, section: Any, decoded: Callable[[Any], Any], problems: _Problems
+    state: TrainState, section: Section | None, decoded: Callable[[Any], Any], problems: _Problems
 ) -> dict[str, Any] | None:
     target = state.scaler
     if (section is None) != (target is None):
@@ -576,14 +530,14 @@ def _check_scaler(
         return None
     if section is None or target is None:
         return None
-    saved = decoded(section.get("state_dict") if isinstance(section, dict) else None)
+    saved = decoded(section.state_dict)
     # A disabled scaler's state is {}: both must be enabled, or both disabled.
     return saved if _same_keys(saved, target.state_dict(), "grad scaler", problems) else None
 
 
 def _check_extras(
     state: TrainState,
-    section: Any,
+    section: Mapping[str, Extra],
     decoded: Callable[[Any], Any],
     problems: _Problems,
     *,
@@ -591,9 +545,6 @@ def _check_extras(
     file: str = STATE,
 ) -> dict[str, Any]:
     live_extras = state.rank_extras if label == "rank_extras" else state.extras
-    if not isinstance(section, dict):
-        problems.add(file, f"{label} must be a JSON object")
-        return {}
     saved_names, live_names = set(section), set(live_extras)
     if saved_names != live_names:
         problems.add(
@@ -607,14 +558,14 @@ def _check_extras(
     for name in sorted(section):
         entry, live = section[name], live_extras[name]
         stateful = is_stateful(live)
-        if not isinstance(entry, dict) or entry.get("kind") != ("stateful" if stateful else "value"):
+        if entry.stateful != stateful:
             problems.add(
                 file,
-                f"{label}[{name!r}] was saved as {entry.get('kind') if isinstance(entry, dict) else '?'}"
+                f"{label}[{name!r}] was saved as {entry.encode()['kind']}"
                 f", the target is {'an object with state_dict' if stateful else 'a value'}",
             )
             continue
-        value = decoded(entry.get("value"))
+        value = decoded(entry.value)
         reference = live.state_dict() if stateful else live
         if (
             stateful
@@ -685,9 +636,12 @@ def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -
             f"this process sees {torch.cuda.device_count()}",
         )
     # Checkpoints written before rank_extras existed have none.
+    rank_extras, malformed = decode_extras(content.get("extras", {}), label="rank_extras")
+    for problem in malformed:
+        problems.add(file, problem)
     states["extras"] = _check_extras(
         state,
-        content.get("extras", {}),
+        rank_extras,
         lambda value: decode(value, tensors={}, where=where),
         problems,
         label="rank_extras",

@@ -22,6 +22,7 @@ from faccel._checkpoint._manifest import read_manifest
 from faccel._checkpoint._sharded._chunks import Placed, chunks, parse_index, rows_of
 from faccel._checkpoint._sharded._flow import Pages
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._checkpoint._state_file import StateFile
 from faccel._storage._durable import MAX_JSON, FileRecord, new_hash, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import Header, TensorInfo, parse_header
@@ -60,10 +61,10 @@ def open_weights(
         )
     world = manifest.world_size
     buffer, _ = (folder / STATE).read(records.get(STATE), where=str(folder / STATE), limit=MAX_JSON)
-    content = parse_json(buffer.numpy().tobytes(), str(folder / STATE))
-    index = parse_index(
-        content.get("tensors") if isinstance(content, dict) else None, world, where=str(folder)
+    content = StateFile.decode(
+        parse_json(buffer.numpy().tobytes(), str(folder / STATE)), where=str(folder / STATE)
     )
+    index = parse_index(content.tensors, world, where=str(folder))
     model: dict[str, Placed] = index.get("model", {})
     pages = Pages(folder, records, world)
     opened: dict[int, ShardFile] = {}
@@ -74,8 +75,9 @@ def open_weights(
         for chunk in chunks(placed, world):  # sizes checked against the files before anything is allocated
             if chunk.rank not in opened:
                 path = folder / shard_name(chunk.rank)
-                step = content.get("step") if isinstance(content, dict) else None
-                opened[chunk.rank] = ShardFile(path, pages.of(chunk.rank)[0], where=str(path), step=step)
+                opened[chunk.rank] = ShardFile(
+                    path, pages.of(chunk.rank)[0], where=str(path), step=content.step
+                )
             opened[chunk.rank].info(f"model/{name}", placed, chunk)
         out = empty_rows(placed, 0, rows_of(placed.shape))
         view = byte_view(out)

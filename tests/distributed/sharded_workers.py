@@ -104,6 +104,7 @@ def read_whole(root: str) -> dict[str, Any]:
     import faccel
     from faccel._checkpoint._restore import _read_manifest
     from faccel._checkpoint._sharded._flow import read_tensors
+    from faccel._checkpoint._state_file import StateFile
     from faccel._storage._durable import read_json
 
     dist = faccel.detect()
@@ -113,7 +114,7 @@ def read_whole(root: str) -> dict[str, Any]:
     plain = Blocks()
     state = faccel.TrainState.create(model=plain, optimizer=torch.optim.AdamW(plain.parameters()))
     records, world, version = _read_manifest(folder, faccel.detect({}), plain)
-    content = read_json(folder / "state.json", where="state.json")
+    content = StateFile.decode(read_json(folder / "state.json", where="state.json"), where="state.json")
     tensors, _ = read_tensors(folder, records, world, state, content, where=str(folder))
     out = {f"model/{k}": _digest(v) for k, v in tensors["model.safetensors"].items()}
     out |= {f"optimizer/{k}": _digest(v) for k, v in tensors["optimizer.safetensors"].items()}

@@ -40,6 +40,7 @@ from faccel._checkpoint._sharded._chunks import (
     split_by_rows,
 )
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
+from faccel._checkpoint._state_file import StateFile
 from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
@@ -186,15 +187,14 @@ class Pages:
             return self.pages[page][rank % PAGE_RANKS]
 
 
-def _targets(state: TrainState, content: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _targets(state: TrainState, content: StateFile, where: str) -> dict[str, Any]:
     """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
     strategy = strategy_of(state.model)
     model = strategy.target(state.model)
     found: dict[str, Any] = {"model": model, "optimizer": {}, "ownership": strategy.ownership(state.model)}
     if state.optimizer is None:
         return found
-    section = content.get("optimizer")
-    saved = section.get("state_dict") if isinstance(section, dict) else None
+    saved = None if content.optimizer is None else content.optimizer.state_dict
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     try:
         groups = decode(groups, tensors={}, where=where)
@@ -248,7 +248,7 @@ def read_tensors(
     records: Mapping[str, FileRecord],
     world: int,
     state: TrainState,
-    content: Mapping[str, Any],
+    content: StateFile,
     *,
     where: str,
 ) -> tuple[dict[str, dict[str, torch.Tensor]], Pages]:
@@ -262,7 +262,7 @@ def read_tensors(
     and the checks report it.
     """
     directory = spot_of(directory)
-    index = parse_index(content.get("tensors"), world, where=f"{where}/state.json")
+    index = parse_index(content.tensors, world, where=f"{where}/state.json")
     targets = _targets(state, content, where)
     pages = Pages(directory, records, world)
     jobs: list[tuple[str, str, Placed, Any, int, int]] = []
@@ -286,7 +286,7 @@ def read_tensors(
     )
     opened: dict[int, ShardFile] = {}
     try:
-        step = content.get("step")
+        step = content.step
         shard_files = in_parallel([_opener(directory, pages, rank, step) for rank in needed])
         opened = dict(zip(needed, shard_files, strict=True))
         local = threading.local()
