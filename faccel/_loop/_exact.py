@@ -316,7 +316,7 @@ class ExactRun:
         self.epoch = loader.epoch
         self.consumed = loader.consumed
         self.global_batch = s.batch_size * s.world_size
-        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad])
+        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad], BUCKET)
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self.device = self.layout.params[0].device if self.layout.params else dist.device
         self._pool = _pool(dist, model, self.layout, self.device)
