@@ -316,26 +316,35 @@ class Exchange:
         self.chunk = chunk
         self.plans = [plan(rank, world, b.numel()) for b in buffers]
         self.scratch = scratch_for(buffers, world) if scratch is None else scratch
-        self.started: set[int] = set()
-        self._early: list[_Posted] = []
+        self._posted: dict[int, _Posted] = {}  # each started buffer's round in flight
 
     def start(self, indices: list[int]) -> None:
         """Post the first round of ``buffers[i]`` for each ``i`` in ``indices`` (not started before)."""
-        fresh = [i for i in indices if i not in self.started]
-        self.started.update(fresh)
-        self._early.append(self._post(0, fresh))
+        for i in indices:
+            if i not in self._posted:
+                self._posted[i] = self._post(0, [i])
+
+    @property
+    def started(self) -> set[int]:
+        """The buffers whose first round is posted."""
+        return set(self._posted)
 
     def finish(self) -> None:
-        """Post the rest of the first round, add every arrival, run the later rounds: every buffer summed."""
-        rest = [i for i in range(len(self.buffers)) if i not in self.started]
-        self.started.update(rest)
-        posted = [*self._early, self._post(0, rest)]
-        self._early = []
-        for round_ in posted:
-            self._complete(round_)
-        every = list(range(len(self.buffers)))
-        for step in range(1, max((len(p) for p in self.plans), default=0)):
-            self._complete(self._post(step, every))
+        """Post the rest of the first round, then add every arrival and post the buffer's next round.
+
+        Round by round, buffer by buffer in index order on every rank (whatever order the buffers
+        started in): a rank waits only on a round its partner posts before its own next wait, so
+        none waits for ever; a buffer's next round travels while the others' arrivals are added.
+        """
+        for i in range(len(self.buffers)):
+            self.start([i])
+        for step in range(max((len(p) for p in self.plans), default=0)):
+            for i, p in enumerate(self.plans):
+                if step < len(p):
+                    self._complete(self._posted[i])  # every message of the round, sends included
+                    if step + 1 < len(p):
+                        self._posted[i] = self._post(step + 1, [i])
+        self._posted = {}
 
     def _post(self, step: int, indices: list[int]) -> _Posted:
         import torch.distributed as tdist
