@@ -144,5 +144,8 @@ def overlapped_and_serial(bucket: int) -> dict[str, Any]:
         out[name] = digest.hexdigest()
         out[f"{name} early"] = early
         out[f"{name} buckets"] = len(_exact._layout(list(net.parameters()), bucket).spans)
+    # The last model's hooks (faccel._marks.EXACT_BUCKET_READY), before and after shutdown.
+    out["hooks"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
     faccel.shutdown(dist)
+    out["hooks after shutdown"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
     return out

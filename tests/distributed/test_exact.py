@@ -63,3 +63,6 @@ def test_the_exchange_started_bucket_by_bucket_in_the_last_backward_gives_the_se
         assert rank["overlapped buckets"] == 4
         assert rank["overlapped early"] == [rank["overlapped buckets"] - 1] * 3
         assert rank["serial early"] == [0, 0, 0]
+        # One hook per parameter; shutdown removes them.
+        assert (rank["hooks"], rank["hooks after shutdown"]) == (9, 0)
+    assert (one["hooks"], one["hooks after shutdown"]) == (0, 0)  # one process: none
