@@ -9,8 +9,10 @@ same order at every ``W``. Each atom's gradient is computed alone (same
 shapes, same kernels), under an RNG seeded from ``(seed, epoch, position,
 atom)``, into a flat buffer of -0.0 per dtype that the parameters' ``.grad``
 view; the atoms are summed along ``_tree_reduce``'s one fixed tree, locally
-then across ranks by point-to-point messages. After the step's last
-``faccel.backward`` every rank's ``.grad`` holds the bits one process gets.
+then across ranks by point-to-point messages (on CPU processes each bucket's
+first round posted during the step's last backward, from a hook on the
+parameters). After the step's last ``faccel.backward`` every rank's
+``.grad`` holds the bits one process gets.
 
 What lives here: the checks made when the iteration starts (:class:`ExactRun`,
 one per ``micro_batches`` iteration: the parameters' flat layout and its
