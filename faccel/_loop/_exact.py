@@ -182,7 +182,9 @@ class _Pool:
 
 def _pool(dist: DistState, model: nn.Module, layout: _Layout, device: torch.device) -> _Pool:
     """The pool of ``model``'s buffers in this run (a new one when its layout changed)."""
-    key = (tuple(layout.sizes), tuple(layout.dtypes), device, dist.data_world_size)
+    # The parameters themselves too: the hooks number them (their ids are unique while the model holds them).
+    ids = tuple(map(id, layout.params))
+    key = (tuple(layout.sizes), tuple(layout.dtypes), device, dist.data_world_size, ids)
     pool = dist.runtime.exact.get(model)
     if not isinstance(pool, _Pool) or pool.key != key:
         if isinstance(pool, _Pool):
@@ -587,8 +589,9 @@ class AtomGroup:
         exchange, self._exchange = self._exchange, None
         assert exchange is not None
         self.disarm()
+        started = exchange.started
         for bucket in range(len(self.run.layout.spans) + 1):
-            if bucket not in exchange.started:  # the loss slot, and any bucket a parameter left unused
+            if bucket not in started:  # the loss slot, and any bucket a parameter left unused
                 self._merge(bucket)
         current, self._current = self._current, []
         self._stack.settle(current, self._level)
