@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there: nine attributes, two hooks.
+"""Every mark faccel sets on an object of yours, and why it must be there: nine attributes, three hooks.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -55,7 +55,7 @@ itself, under these names, and nowhere else:
   must stay where it is in your tree (a wrapper module in its place would rename
   every parameter under it).
 
-Two hooks, registered through torch's own ``register_*_hook`` and held (their
+Three hooks, registered through torch's own ``register_*_hook`` and held (their
 ``RemovableHandle``) in ``dist.runtime``, which removes them at
 :func:`faccel.shutdown`; no other hook is registered on your objects:
 
@@ -75,6 +75,14 @@ Two hooks, registered through torch's own ``register_*_hook`` and held (their
   tensor-parallel model in an earlier ``prepare`` call: just before the first
   ``step()`` it points the optimizer at the parameters sharding made, then
   removes itself.
+- ``faccel: exact bucket ready`` (:data:`EXACT_BUCKET_READY`), a
+  post-accumulate-grad hook on each parameter of a model trained in exact mode
+  (``micro_batches(..., atoms=...)``) on more than one CPU process: during a
+  step's last backward, once every parameter of a bucket has its gradient, it
+  adds the bucket's last tree sums and posts the bucket's first round of the
+  exchange, so the messages travel while the backward goes on (as DDP's own
+  hooks do). Outside that backward it tests one attribute and returns
+  (``faccel._loop._exact``).
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
@@ -90,6 +98,7 @@ __all__ = [
     "CHECK_IN_GROUP",
     "DEEPSPEED_ENGINE",
     "EVAL_CHECK_IN",
+    "EXACT_BUCKET_READY",
     "HOOKS",
     "OTHER_STAGE",
     "PROCESS_GROUP",
@@ -115,9 +124,10 @@ WHOLE_GROUPS = "_faccel_whole_groups"
 
 EVAL_CHECK_IN = "faccel: evaluation check-in"
 REBIND_AT_FIRST_STEP = "faccel: rebind at first step"
+EXACT_BUCKET_READY = "faccel: exact bucket ready"
 #: Every hook faccel registers on a user's object (tests/test_no_module_state.py allows
 #: ``register_*hook`` calls only where these are registered).
-HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP)
+HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP, EXACT_BUCKET_READY)
 #: The name of the one process group faccel makes for itself, kept in ``dist.runtime.groups``.
 CHECK_IN_GROUP = "evaluation check-in"
 OTHER_STAGE = "_faccel_other_stage"

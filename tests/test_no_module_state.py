@@ -155,6 +155,7 @@ def test_every_mark_on_user_objects_is_named_in_one_module() -> None:
 ALLOWED: dict[tuple[str, str], str] = {
     ("faccel/_loop/_check_in.py", "register_forward_pre_hook"): "faccel._marks.EVAL_CHECK_IN",
     ("faccel/_loop/_prepare.py", "register_step_pre_hook"): "faccel._marks.REBIND_AT_FIRST_STEP",
+    ("faccel/_loop/_exact.py", "register_post_accumulate_grad_hook"): "faccel._marks.EXACT_BUCKET_READY",
     # launch()'s children set the launcher's variables (of _dist/_launch's table) for themselves
     ("faccel/_dist/_notebook.py", "os.environ.update"): "a launched child's own environment",
     # a group detect() started is stopped at exit; shutdown() unregisters it
@@ -229,9 +230,9 @@ def test_hooks_on_user_objects_only_where_marks_lists_them() -> None:
 
     assert _findings("hook") == []
     assert sorted(v for (_, call), v in ALLOWED.items() if call.endswith("hook")) == sorted(
-        f"faccel._marks.{name}" for name in ("EVAL_CHECK_IN", "REBIND_AT_FIRST_STEP")
+        f"faccel._marks.{name}" for name in ("EVAL_CHECK_IN", "REBIND_AT_FIRST_STEP", "EXACT_BUCKET_READY")
     )
-    assert len(marks.HOOKS) == 2
+    assert len(marks.HOOKS) == 3
 
 
 def test_no_environment_writes_outside_the_allow_list() -> None:

@@ -9,8 +9,10 @@ same order at every ``W``. Each atom's gradient is computed alone (same
 shapes, same kernels), under an RNG seeded from ``(seed, epoch, position,
 atom)``, into a flat buffer of -0.0 per dtype that the parameters' ``.grad``
 view; the atoms are summed along ``_tree_reduce``'s one fixed tree, locally
-then across ranks by point-to-point messages. After the step's last
-``faccel.backward`` every rank's ``.grad`` holds the bits one process gets.
+then across ranks by point-to-point messages (on CPU processes each bucket's
+first round posted during the step's last backward, from a hook on the
+parameters). After the step's last ``faccel.backward`` every rank's
+``.grad`` holds the bits one process gets.
 
 What lives here: the checks made when the iteration starts (:class:`ExactRun`,
 one per ``micro_batches`` iteration: the parameters' flat layout and its
@@ -33,7 +35,7 @@ from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
 from faccel._loop._micro_step import Atom, MicroStep
 from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._tree_reduce import TreeStack, bit_reversed, exchange, is_power_of_two, scratch_for
+from faccel._loop._tree_reduce import Exchange, TreeStack, bit_reversed, is_power_of_two, scratch_for
 from faccel._tree import map_tensors
 from faccel.errors import ArgumentError, ArgumentValueError, UsageError
 
@@ -102,17 +104,33 @@ def exact_problem(*, atoms: Any, data_world_size: int, batch_size: int, remainin
     return ""
 
 
+# A bucket of the exchange closes once it holds this many elements (4 MB of float32): the first
+# round of a bucket starts as soon as the last atom's backward has summed its parameters' gradients.
+BUCKET = 1 << 20
+
+
 class _Layout(NamedTuple):
-    """Where each parameter's gradient sits in the flat buffer of its dtype."""
+    """Where each parameter's gradient sits in the flat buffer of its dtype, and the exchange's buckets."""
 
     params: list[torch.Tensor]
-    bucket: list[int]  # the bucket of each parameter
+    bucket: list[int]  # the flat buffer (dtype) of each parameter
     offset: list[int]
-    sizes: list[int]  # elements per bucket
+    sizes: list[int]  # elements per flat buffer
     dtypes: list[torch.dtype]
+    spans: list[tuple[int, int, int]]  # each exchange bucket: (flat buffer, start, end)
+    span_of: list[int]  # the exchange bucket of each parameter
+    members: list[int]  # parameters per exchange bucket
 
 
-def _layout(params: Sequence[torch.Tensor]) -> _Layout:
+def _layout(params: Sequence[torch.Tensor], bucket_size: int = BUCKET) -> _Layout:
+    """The flat layout; exchange buckets are runs of parameters taken from the last, as a backward finds them.
+
+    Example:
+        >>> ps = [torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(4), torch.zeros(5)]
+        >>> lay = _layout(ps, bucket_size=6)
+        >>> lay.offset, lay.sizes, lay.spans, lay.span_of
+        ([0, 0, 3, 7], [12, 2], [(0, 3, 12), (1, 0, 2), (0, 0, 3)], [2, 1, 0, 0])
+    """
     dtypes: list[torch.dtype] = []
     sizes: list[int] = []
     bucket, offset = [], []
@@ -124,7 +142,21 @@ def _layout(params: Sequence[torch.Tensor]) -> _Layout:
         bucket.append(b)
         offset.append(sizes[b])
         sizes[b] += p.numel()
-    return _Layout(list(params), bucket, offset, sizes, dtypes)
+    spans: list[tuple[int, int, int]] = []
+    span_of = [0] * len(params)
+    members: list[int] = []
+    for i in reversed(range(len(params))):
+        b, start, end = bucket[i], offset[i], offset[i] + params[i].numel()
+        last = spans[-1] if spans else None
+        # Params of one dtype lie in order in its buffer: a run of them taken backwards is contiguous.
+        if last is not None and last[0] == b and last[1] == end and last[2] - last[1] < bucket_size:
+            spans[-1] = (b, start, last[2])
+            members[-1] += 1
+        else:
+            spans.append((b, start, end))
+            members.append(1)
+        span_of[i] = len(spans) - 1
+    return _Layout(list(params), bucket, offset, sizes, dtypes, spans, span_of, members)
 
 
 class _Pool:
@@ -135,15 +167,46 @@ class _Pool:
         self.free: list[list[torch.Tensor]] = []
         self.granted: list[torch.Tensor] | None = None  # the buffers the .grad of the last step view
         self.scratch: list[torch.Tensor] | None = None  # the exchange's receive space
+        # Start each bucket's exchange during the step's last backward (hooks on the parameters).
+        self.overlap = False
+        self.handles: list[Any] = []  # the hooks (held by dist.runtime too)
+        self.armed: AtomGroup | None = None  # the step whose last backward is running
+        self.started_early = 0  # buckets the last step started during its backward
+
+    def ready(self, index: int) -> None:
+        """The hook: parameter ``index`` has its gradient of the current backward."""
+        group = self.armed
+        if group is not None:
+            group.ready(index)
 
 
 def _pool(dist: DistState, model: nn.Module, layout: _Layout, device: torch.device) -> _Pool:
     """The pool of ``model``'s buffers in this run (a new one when its layout changed)."""
-    key = (tuple(layout.sizes), tuple(layout.dtypes), device, dist.data_world_size)
+    # The parameters themselves too: the hooks number them (their ids are unique while the model holds them).
+    ids = tuple(map(id, layout.params))
+    key = (tuple(layout.sizes), tuple(layout.dtypes), device, dist.data_world_size, ids)
     pool = dist.runtime.exact.get(model)
     if not isinstance(pool, _Pool) or pool.key != key:
+        if isinstance(pool, _Pool):
+            for handle in pool.handles:
+                dist.runtime.release(handle)
         pool = dist.runtime.exact[model] = _Pool(key)
+        if dist.data_world_size > 1 and device.type == "cpu":
+            # Overlap the exchange with the last backward: one post-accumulate-grad hook per parameter
+            # (EXACT_BUCKET_READY), held by dist.runtime so that shutdown removes it. CPU only: on CUDA
+            # the hook would run on autograd's device thread, untested here, so the exchange follows it.
+            pool.overlap = True
+            for index, param in enumerate(layout.params):
+                hook = _bucket_ready_hook(pool, index)
+                pool.handles.append(dist.runtime.hold(param.register_post_accumulate_grad_hook(hook)))
     return pool
+
+
+def _bucket_ready_hook(pool: _Pool, index: int) -> Any:
+    def bucket_ready(_param: torch.Tensor) -> None:  # faccel._marks.EXACT_BUCKET_READY
+        pool.ready(index)
+
+    return bucket_ready
 
 
 def _problem_of_setup(dist: DistState, model: nn.Module) -> str:
@@ -257,7 +320,7 @@ class ExactRun:
         self.epoch = loader.epoch
         self.consumed = loader.consumed
         self.global_batch = s.batch_size * s.world_size
-        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad])
+        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad], BUCKET)
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self.device = self.layout.params[0].device if self.layout.params else dist.device
         self._pool = _pool(dist, model, self.layout, self.device)
@@ -287,8 +350,12 @@ class ExactRun:
     def release(self, buffers: list[torch.Tensor]) -> None:
         self._pool.free.append(buffers)
 
+    def pieces_of(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the exchange sends: each bucket's span of ``buffers``, then the loss slot."""
+        return [*(buffers[b][start:end] for b, start, end in self.layout.spans), buffers[-1]]
+
     def scratch(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The exchange's receive space (half of each buffer), made once per run."""
+        """The exchange's receive space (half of each piece), made once per run."""
         if self._pool.scratch is None:
             self._pool.scratch = scratch_for(buffers, self.world)
         return self._pool.scratch
@@ -339,11 +406,14 @@ class ExactRun:
                     info = Atom(index=atom, piece=m, last=last, seed=seed, group=group)
                     sync = last and j == len(order) - 1
                     group.enter(seed)
+                    if sync:
+                        group.arm()
                     micro = MicroStep(index=first + m, sync=sync, group_size=size, items=items, atom=info)
                     yield micro, piece
                     group.leave()
         finally:
             group.restore()
+            group.disarm()
 
 
 class AtomGroup:
@@ -368,6 +438,12 @@ class AtomGroup:
         self._done = 0
         self._place = 0  # the current atom's place in the push order
         self._pending: list[torch.Tensor] = []  # a left leaf waiting for its right one
+        # The step's last backward, when its exchange overlaps it (arm): the stack entries the last
+        # leaf merges into, its level, the sum's buffers, the exchange, parameters each bucket awaits.
+        self._chain: list[list[torch.Tensor]] = []
+        self._level = 0
+        self._exchange: Exchange | None = None
+        self._awaited: list[int] = []
 
     @property
     def atoms(self) -> int:
@@ -391,6 +467,45 @@ class AtomGroup:
         else:
             self._current = self.run.take()
         self._views = self.run.point_grads(self._current)
+
+    def arm(self) -> None:
+        """Before the step's last piece: have its backward start each bucket's exchange when ready."""
+        run = self.run
+        pool = run._pool
+        if not pool.overlap:
+            return
+        self._level = 1 if self._fused(self._place) else 0
+        self._chain = self._stack.chain(self._level)
+        total = self._chain[-1] if self._chain else self._current
+        pieces = run.pieces_of(total)
+        self._exchange = Exchange(pieces, run.rank, run.world, scratch=run.scratch(pieces))
+        self._awaited = list(run.layout.members)
+        pool.started_early = 0
+        pool.armed = self
+
+    def disarm(self) -> None:
+        """No backward of this step starts an exchange any more."""
+        if self.run._pool.armed is self:
+            self.run._pool.armed = None
+
+    def ready(self, index: int) -> None:
+        """Parameter ``index``'s gradient is final: once its bucket's are, sum the bucket and send it."""
+        bucket = self.run.layout.span_of[index]
+        self._awaited[bucket] -= 1
+        if self._awaited[bucket] == 0 and self._exchange is not None:
+            self._merge(bucket)
+            self._exchange.start([bucket])
+            self.run._pool.started_early += 1
+
+    def _merge(self, bucket: int) -> None:
+        """The tree's last additions over one bucket's span (the loss slot: ``bucket == len(spans)``)."""
+        spans = self.run.layout.spans
+        b, start, end = spans[bucket] if bucket < len(spans) else (-1, 0, 1)
+        value = self._current[b][start:end]
+        for left in self._chain:
+            target = left[b][start:end]
+            target.add_(value)
+            value = target
 
     def enter(self, seed: int) -> None:
         """Seed torch's generators for a piece, keeping the caller's states to restore after it."""
@@ -448,6 +563,9 @@ class AtomGroup:
                     "zero gradients after optimizer_step, or not at all"
                 )
                 raise UsageError(msg)
+        if self._exchange is not None and micro.sync:
+            self._finish_overlapped()
+            return
         self._current = []
         j = self._place
         if self._fused(j + 1) and j + 1 < self.run.local:
@@ -461,6 +579,23 @@ class AtomGroup:
         total = self._stack.result()
         run = self.run
         if run.world > 1:
-            exchange(total, run.rank, run.world, scratch=run.scratch(total))
+            pieces = run.pieces_of(total)
+            Exchange(pieces, run.rank, run.world, scratch=run.scratch(pieces)).finish()
         run.grant(total)
+        self.loss = total[-1][0].clone()
+
+    def _finish_overlapped(self) -> None:
+        """The last backward started the buckets it finished; sum and send the rest, then wait for all."""
+        exchange, self._exchange = self._exchange, None
+        assert exchange is not None
+        self.disarm()
+        started = exchange.started
+        for bucket in range(len(self.run.layout.spans) + 1):
+            if bucket not in started:  # the loss slot, and any bucket a parameter left unused
+                self._merge(bucket)
+        current, self._current = self._current, []
+        self._stack.settle(current, self._level)
+        total = self._stack.result()
+        exchange.finish()
+        self.run.grant(total)
         self.loss = total[-1][0].clone()

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 __all__ = [
+    "Exchange",
     "Round",
     "TreeStack",
     "bit_reversed",
@@ -101,10 +102,49 @@ class TreeStack:
     def push(self, leaf: list[torch.Tensor], level: int = 0) -> None:
         """Add a leaf (or a summed subtree at its ``level``); merge equal levels, the earlier on the left."""
         value = leaf
-        while self._entries and self._entries[-1][0] == level:
-            _, left = self._entries.pop()
+        for left in self.chain(level):
             for a, b in zip(left, value, strict=True):
                 a.add_(b)
+            value = left
+        self.settle(leaf, level)
+
+    def chain(self, level: int) -> list[list[torch.Tensor]]:
+        """The entries a leaf pushed at ``level`` merges with, the first merge first (nothing changes).
+
+        Adding the leaf into the first, that into the second ... is what :meth:`push` does; a
+        caller may make those additions piece by piece (a range of each buffer at a time), then
+        call :meth:`settle`.
+
+        Example:
+            >>> stack = TreeStack()
+            >>> stack.push([torch.tensor([1.0])])
+            >>> [e[0].item() for e in stack.chain(0)], stack.chain(1)
+            ([1.0], [])
+        """
+        merged: list[list[torch.Tensor]] = []
+        for entry_level, entry in reversed(self._entries):
+            if entry_level != level:
+                break
+            merged.append(entry)
+            level += 1
+        return merged
+
+    def settle(self, leaf: list[torch.Tensor], level: int = 0) -> None:
+        """Record a push of ``leaf`` whose additions into :meth:`chain`'s entries were already made.
+
+        Example:
+            >>> stack = TreeStack()
+            >>> stack.push([torch.tensor([1.0])])
+            >>> leaf = [torch.tensor([2.0])]
+            >>> for left in stack.chain(0):
+            ...     _ = left[0].add_(leaf[0])
+            >>> stack.settle(leaf)
+            >>> stack.result()[0].item()
+            3.0
+        """
+        value = leaf
+        while self._entries and self._entries[-1][0] == level:
+            _, left = self._entries.pop()
             if self._release is not None:
                 self._release(value)
             level, value = level + 1, left
@@ -231,35 +271,111 @@ def exchange(
     made here when not given) and each is added as soon as it has arrived, in
     order, while the later ones travel. The cuts change no bit: every element
     is added to its partner's copy in the pairs and order :func:`plan` says.
+    :class:`Exchange` is the same, with a first round that may start early.
     """
-    import torch.distributed as tdist
+    Exchange(buffers, rank, world, group, scratch, chunk).finish()
 
-    plans = [plan(rank, world, b.numel()) for b in buffers]
-    if scratch is None:
-        scratch = scratch_for(buffers, world)
-    count = max((len(p) for p in plans), default=0)
-    for step in range(count):
+
+class _Posted(NamedTuple):
+    """The messages of one round posted for some buffers, and the additions waiting on them."""
+
+    requests: list[Any]
+    adds: list[tuple[int, torch.Tensor, torch.Tensor]]  # (index of the recv op, target, received)
+    small: set[int]  # receives into a buffer sent whole in the same round
+
+
+class Exchange:
+    """:func:`exchange` in two parts: the first round of each buffer posted as soon as it is final.
+
+    ``start(indices)`` posts the first round's messages of those buffers (their
+    values must not change any more) and returns; ``finish()`` posts the other
+    buffers' first round, adds what arrived, and runs the later rounds for all.
+    Exact mode starts a bucket of parameters during the step's last backward,
+    as soon as its gradients are summed, so its first round travels while the
+    backward goes on. Each element is added in the same pairs as by
+    :func:`exchange` (the buffers' plans and tags do not depend on when a round
+    is posted), so the bits are the same.
+
+    Example:
+        >>> solo = Exchange([torch.ones(3)], rank=0, world=1)   # one rank: nothing to send
+        >>> solo.start([0]); solo.finish(); solo.buffers[0].tolist()
+        [1.0, 1.0, 1.0]
+    """
+
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        rank: int,
+        world: int,
+        group: Any = None,
+        scratch: list[torch.Tensor] | None = None,
+        chunk: int = CHUNK,
+    ) -> None:
+        self.buffers = buffers
+        self.group = group
+        self.chunk = chunk
+        self.plans = [plan(rank, world, b.numel()) for b in buffers]
+        self.scratch = scratch_for(buffers, world) if scratch is None else scratch
+        self._posted: dict[int, _Posted] = {}  # each started buffer's round in flight
+
+    def start(self, indices: list[int]) -> None:
+        """Post the first round of ``buffers[i]`` for each ``i`` in ``indices`` (not started before)."""
+        for i in indices:
+            if i not in self._posted:
+                self._posted[i] = self._post(0, [i])
+
+    @property
+    def started(self) -> set[int]:
+        """The buffers whose first round is posted."""
+        return set(self._posted)
+
+    def finish(self) -> None:
+        """Post the rest of the first round, then add every arrival and post the buffer's next round.
+
+        Round by round, buffer by buffer in index order on every rank (whatever order the buffers
+        started in): a rank waits only on a round its partner posts before its own next wait, so
+        none waits for ever; a buffer's next round travels while the others' arrivals are added.
+        """
+        for i in range(len(self.buffers)):
+            self.start([i])
+        for step in range(max((len(p) for p in self.plans), default=0)):
+            for i, p in enumerate(self.plans):
+                if step < len(p):
+                    self._complete(self._posted[i])  # every message of the round, sends included
+                    if step + 1 < len(p):
+                        self._posted[i] = self._post(step + 1, [i])
+        self._posted = {}
+
+    def _post(self, step: int, indices: list[int]) -> _Posted:
+        import torch.distributed as tdist
+
         ops = []
-        adds: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index of the recv op, target, received)
-        small: set[int] = set()  # receives into a buffer sent whole in the same round
-        for i, (buffer, p, space) in enumerate(zip(buffers, plans, scratch, strict=True)):
+        adds: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        small: set[int] = set()
+        count = len(self.buffers)
+        for i in indices:
+            buffer, p, space = self.buffers[i], self.plans[i], self.scratch[i]
             if step >= len(p):  # a small buffer's rounds are over
                 continue
             r = p[step]
             # Chunk k of buffer i travels under tag k * len(buffers) + i: the partner cuts its piece alike.
-            for k, give in enumerate(_chunks(r.give, chunk)):
-                ops.append(
-                    tdist.P2POp(tdist.isend, buffer[slice(*give)], r.partner, group, k * len(buffers) + i)
-                )
-            for k, take in enumerate(_chunks(r.take, chunk)):
+            for k, give in enumerate(_chunks(r.give, self.chunk)):
+                sent = buffer[slice(*give)]
+                ops.append(tdist.P2POp(tdist.isend, sent, r.partner, self.group, k * count + i))
+            for k, take in enumerate(_chunks(r.take, self.chunk)):
                 target = buffer[slice(*take)]
                 incoming = space[take[0] - r.take[0] : take[1] - r.take[0]] if r.add else target
                 if r.add:
                     adds.append((len(ops), target, incoming))
                     if r.give == r.take:
                         small.add(len(ops))
-                ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, group, k * len(buffers) + i))
-        requests = tdist.batch_isend_irecv(ops)
+                ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, self.group, k * count + i))
+        requests = tdist.batch_isend_irecv(ops) if ops else []
+        return _Posted(requests, adds, small)
+
+    @staticmethod
+    def _complete(posted: _Posted) -> None:
+        requests, adds, small = posted
         finished = [False] * len(requests)
         for index, target, incoming in adds:
             if index in small:  # a small buffer sends what it adds to: only once its sends are done

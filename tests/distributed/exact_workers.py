@@ -84,3 +84,68 @@ def chunked_exchange() -> list[list[int]]:
     exchange(buffers, dist.rank, dist.world_size, chunk=3)
     faccel.shutdown(dist)
     return [b.view(torch.uint8).tolist() for b in buffers]
+
+
+def overlapped_and_serial(bucket: int) -> dict[str, Any]:
+    """Exact steps with each bucket's exchange started in the last backward, then without: the digests.
+
+    Buckets of ``bucket`` elements (tiny, so a tiny model has several); a float64 parameter makes a
+    second flat buffer; one parameter no forward uses stays out of every backward.
+    """
+    import hashlib
+
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import faccel
+    from faccel._loop import _exact
+
+    _exact.BUCKET = bucket  # this process only
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(0.1))
+            self.head = nn.Linear(16, 4)
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.head(self.body(x)).double() * self.scale).float()
+
+    torch.set_num_threads(1)
+    dist = faccel.detect()
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(96, 8, generator=generator), torch.randn(96, 4, generator=generator))
+    out: dict[str, Any] = {}
+    for name, overlap in (("overlapped", True), ("serial", False)):
+        torch.manual_seed(0)
+        net = Net()
+        model, optimizer, loader = faccel.prepare(
+            dist,
+            net,
+            torch.optim.AdamW(net.parameters(), lr=1e-2),
+            DataLoader(data, batch_size=32 // dist.world_size, drop_last=True),
+        )
+        early = []
+        for micro, (x, y) in faccel.micro_batches(dist, loader, atoms=8, model=model):
+            pool = dist.runtime.exact[model]
+            pool.overlap = pool.overlap and overlap
+            with faccel.accumulate(dist, model, micro):
+                faccel.backward(dist, torch.nn.functional.mse_loss(model(x), y), micro=micro)
+            if micro.sync:
+                early.append(pool.started_early if pool.overlap else 0)
+                faccel.optimizer_step(dist, optimizer)
+                optimizer.zero_grad()
+        digest = hashlib.sha256()
+        for tensor in net.parameters():
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        out[name] = digest.hexdigest()
+        out[f"{name} early"] = early
+        out[f"{name} buckets"] = len(_exact._layout(list(net.parameters()), bucket).spans)
+    # The last model's hooks (faccel._marks.EXACT_BUCKET_READY), before and after shutdown.
+    out["hooks"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+    faccel.shutdown(dist)
+    out["hooks after shutdown"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+    return out

@@ -48,3 +48,21 @@ def test_the_exchange_cut_in_chunks_leaves_every_rank_the_simulated_sum() -> Non
     expected = simulate_exchange(exact_workers.nodes(4))
     for rank, got in enumerate(results):
         assert got == [b.view(torch.uint8).tolist() for b in expected[rank]], rank
+
+
+def test_the_exchange_started_bucket_by_bucket_in_the_last_backward_gives_the_serial_bits() -> None:
+    """Two ranks start each bucket's exchange from a gradient hook; the bits are one process's."""
+    one = harness.run(exact_workers.overlapped_and_serial, world_size=1, bucket=64)[0]
+    two = harness.run(exact_workers.overlapped_and_serial, world_size=2, bucket=64)
+    assert one["overlapped"] == one["serial"]
+    assert one["overlapped early"] == [0, 0, 0]  # one process: nothing to exchange, no hooks
+    for rank in two:
+        assert rank["overlapped"] == rank["serial"] == one["overlapped"]
+        # Every bucket but the one holding the parameter no forward uses starts inside the backward.
+        # scale (float64, registered first); unused with head (contiguous, under 64); body.2; body.0
+        assert rank["overlapped buckets"] == 4
+        assert rank["overlapped early"] == [rank["overlapped buckets"] - 1] * 3
+        assert rank["serial early"] == [0, 0, 0]
+        # One hook per parameter; shutdown removes them.
+        assert (rank["hooks"], rank["hooks after shutdown"]) == (9, 0)
+    assert (one["hooks"], one["hooks after shutdown"]) == (0, 0)  # one process: none
