@@ -22,14 +22,52 @@ import sys
 import time
 
 
-def main(kills: int, seed: int) -> None:
+def run_format(env: dict[str, str], root: str, ranks: int, sharded: bool, kills: int, seed: int) -> dict:
+    """The kill loop for one format at 1 or 2 writer ranks; its figures (or the error) as a dict."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    fn = ow.crash_trials if ranks == 1 else ow.two_rank_crash_trials
+    start = time.perf_counter()
+    figures: dict = {"ranks": ranks, "format": "sharded" if sharded else "whole"}
+    try:
+        (result,) = harness.run(
+            fn,
+            world_size=1,
+            timeout=120 + 30 * kills,
+            env=env,
+            root=root,
+            trials=kills,
+            delay_in_writes=3.0,
+            seed=seed,
+            sharded=sharded,
+        )
+    except Exception as error:  # a restore that failed or mixed raised in the helper
+        return {**figures, "error": str(error)[-3000:]}
+    outcomes = result["outcomes"]
+    if ranks == 1:
+        mid_write = sum(checked == committed for committed, checked in outcomes)
+    else:
+        mid_write = result["killed_mid_write"]
+        figures["killed_ranks"] = result["killed_ranks"]
+        figures["modes"] = {m: sum(o[2] == i for o in outcomes) for i, m in enumerate(("0", "1", "both"))}
+        figures["orphan_cleaned"] = result["orphan_cleaned"]
+    return {
+        **figures,
+        "kills": len(outcomes),
+        "broken_or_mixed": 0,  # each restore checked every tensor; one bad raises
+        "killed_mid_write": mid_write,
+        "last_step": outcomes[-1][1] if outcomes else None,
+        "left_in_root": result["left"],
+        "seconds": round(time.perf_counter() - start),
+    }
+
+
+def main(kills: int, seed: int, worlds: tuple[int, ...] = (1, 2)) -> None:
     import logging
 
     import s3fs
     from moto.server import ThreadedMotoServer
-
-    from tests.distributed import harness
-    from tests.distributed import object_store_workers as ow
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -47,39 +85,18 @@ def main(kills: int, seed: int) -> None:
     s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
     failed = False
     try:
-        for sharded in (False, True):
-            start = time.perf_counter()
-            try:
-                (result,) = harness.run(
-                    ow.crash_trials,
-                    world_size=1,
-                    timeout=60 + 20 * kills,
-                    env=env,
-                    root=f"s3://{bucket}/{'sharded' if sharded else 'whole'}",
-                    trials=kills,
-                    delay_in_writes=3.0,
-                    seed=seed,
-                    sharded=sharded,
+        for ranks in worlds:
+            for sharded in (False, True):
+                result = run_format(
+                    env,
+                    f"s3://{bucket}/r{ranks}-{'sharded' if sharded else 'whole'}",
+                    ranks,
+                    sharded,
+                    kills,
+                    seed,
                 )
-            except Exception as error:  # a restore that failed or mixed raised in the helper
-                print(json.dumps({"sharded": sharded, "error": str(error)[-3000:]}))
-                failed = True
-                continue
-            outcomes = result["outcomes"]
-            mid_write = sum(checked == committed for committed, checked in outcomes)
-            print(
-                json.dumps(
-                    {
-                        "format": "sharded" if sharded else "whole",
-                        "kills": len(outcomes),
-                        "broken_or_mixed": 0,  # each restore checked every tensor; one bad raises
-                        "killed_mid_write": mid_write,
-                        "last_step": outcomes[-1][1] if outcomes else None,
-                        "left_in_root": result["left"],
-                        "seconds": round(time.perf_counter() - start),
-                    }
-                )
-            )
+                print(json.dumps(result), flush=True)
+                failed = failed or "error" in result
     finally:
         server.stop()
     if failed:
@@ -87,4 +104,8 @@ def main(kills: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200, int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    main(
+        int(sys.argv[1]) if len(sys.argv) > 1 else 200,
+        int(sys.argv[2]) if len(sys.argv) > 2 else 0,
+        tuple(int(w) for w in sys.argv[3].split(",")) if len(sys.argv) > 3 else (1, 2),
+    )

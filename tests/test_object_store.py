@@ -261,6 +261,32 @@ def test_the_server_stopped_mid_upload_gives_the_named_error(s3: S3, monkeypatch
     # checked through a disk copy in the other tests); here: the error named the object, no hang.
 
 
+@pytest.mark.parametrize(("how", "sharded"), [("503", True), ("stopped", False)])
+def test_a_fault_at_one_of_two_ranks_is_named_on_both_and_loses_nothing_committed(
+    s3: S3, how: str, sharded: bool
+) -> None:
+    """During a two-rank checkpoint one rank's uploads fail for good (a 503 burst longer than the
+    retries, or its server gone: connections refused): both ranks raise the named CheckpointError
+    (no hang: the harness's timeout), and the committed step 1 restores whole at both ranks."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    results = harness.run(
+        ow.fault_on_one_rank,
+        world_size=2,
+        timeout=180,
+        env=dict(s3.env),
+        root=f"{s3.url}/f",
+        how=how,
+        sharded=sharded,
+    )
+    for result in results:
+        assert result["raised"] is not None, results
+        assert result["raised"]["type"] == "faccel.errors.CheckpointError", results
+        assert "testing-secret" not in result["raised"]["message"], results
+        assert [result["restored"], result["marks"], result["extras"]] == [1, [1.0], 1], results
+
+
 def test_credentials_never_appear_in_reprs_or_errors(s3: S3) -> None:
     import faccel
     from faccel._storage._roots import spot_of
@@ -314,6 +340,37 @@ def test_writers_killed_at_random_moments_leave_a_whole_checkpoint_on_s3(s3: S3,
     outcomes = result["outcomes"]
     assert len(outcomes) == 6
     assert all(checked >= committed for committed, checked in outcomes)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_two_rank_writers_killed_at_random_moments_leave_whole_checkpoints_on_s3(
+    s3: S3, sharded: bool
+) -> None:
+    """The bounded two-rank kill loop (scripts/prove_object_store.py runs hundreds): one rank or
+    both SIGKILLed mid-checkpoint; every restore is whole, no committed checkpoint is damaged,
+    and the next successful checkpoint removes the orphans."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    (result,) = harness.run(
+        ow.two_rank_crash_trials,
+        world_size=1,
+        timeout=300,
+        env=dict(s3.env),
+        root=f"{s3.url}/kills2",
+        trials=3,
+        delay_in_writes=2.0,
+        seed=3,
+        sharded=sharded,
+    )
+    outcomes = result["outcomes"]
+    assert len(outcomes) == 3
+    assert all(committed <= restored <= committed + 1 for committed, restored, _ in outcomes)
+    last = outcomes[-1][1]
+    assert [name for name in result["left"] if name.startswith("step-")] == [
+        f"step-{last:012d}",
+        f"step-{last + 2:012d}",
+    ]
 
 
 @pytest.mark.parametrize(("strategy", "sharded"), [("ddp", False), ("fsdp", True)])
