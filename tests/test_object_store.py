@@ -11,6 +11,7 @@ by name.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -285,6 +286,40 @@ def test_a_fault_at_one_of_two_ranks_is_named_on_both_and_loses_nothing_committe
         assert result["raised"]["type"] == "faccel.errors.CheckpointError", results
         assert "testing-secret" not in result["raised"]["message"], results
         assert [result["restored"], result["marks"], result["extras"]] == [1, [1.0], 1], results
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_zero_run_checkpoints_into_s3_and_resumes_bitwise(s3: S3, stage: int) -> None:
+    """ZeRO-2 (blocking) and ZeRO-3 (blocking=False: uploaded by the background thread) on 2 gloo
+    ranks checkpoint at step 6 into s3://, train on to 9; a fresh engine restored from the bucket
+    trains to 9 too: masters, moments and final weights bitwise equal to the uninterrupted run."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    results = harness.run(
+        ow.deepspeed_stop_and_resume,
+        world_size=2,
+        timeout=300,
+        env=dict(s3.env),
+        root=f"{s3.url}/zero",
+        stage=stage,
+    )
+    for result in results:
+        assert result["restored_step"] == 6 and result["ended_step"] == 9
+        assert result["after_restore"] == result["saved"]  # ZeRO's masters and moments, bitwise
+        assert result["resumed"] == result["uninterrupted"]  # bitwise (floats compared exactly)
+        assert result["counters"] == [9, 9]
+        assert result["files"] == [
+            "extras.safetensors",
+            "manifest.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "rng-00000.json",
+            "rng-00001.json",
+            "state.json",
+        ]
 
 
 def test_credentials_never_appear_in_reprs_or_errors(s3: S3) -> None:

@@ -647,7 +647,7 @@ def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool, fin
     # failure is one more flag of the agreement, so that every rank raises at once instead of
     # waiting in the next collective for a rank that left (issue 33, item 2).
     failed: CheckpointError | None = None
-    blocked, exists, ahead = None, False, []
+    blocked, exists, ahead = None, False, list[str]()
     try:
         blocked = blocking_file(root)
         exists, ahead = _taken(root, step, final, first=first, replace=replace)

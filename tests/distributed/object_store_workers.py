@@ -315,3 +315,11 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
     ]
     marks = sorted({float(value) for t in tensors for value in t.unique().tolist()})
     return {"raised": raised, "restored": restored.step, "marks": marks, "extras": restored.extras["step"]}
+
+
+def deepspeed_stop_and_resume(env: Mapping[str, str], root: str, stage: int) -> dict[str, Any]:
+    """tests/distributed/deepspeed_workers.stop_and_resume with its checkpoints in ``root`` (a URL)."""
+    from tests.distributed import deepspeed_workers
+
+    use(env)
+    return deepspeed_workers.stop_and_resume(stage=stage, root=root)
