@@ -262,12 +262,13 @@ def test_the_server_stopped_mid_upload_gives_the_named_error(s3: S3, monkeypatch
     # checked through a disk copy in the other tests); here: the error named the object, no hang.
 
 
-@pytest.mark.parametrize(("how", "sharded"), [("503", True), ("stopped", False)])
+@pytest.mark.parametrize(("how", "sharded"), [("503", True), ("unreachable", False), ("stopped", True)])
 def test_a_fault_at_one_of_two_ranks_is_named_on_both_and_loses_nothing_committed(
     s3: S3, how: str, sharded: bool
 ) -> None:
     """During a two-rank checkpoint one rank's uploads fail for good (a 503 burst longer than the
-    retries, or its server gone: connections refused): both ranks raise the named CheckpointError
+    retries, its server gone before its first request, or gone mid-upload: its connections cut
+    after its first object of the step, then refused): both ranks raise the named CheckpointError
     (no hang: the harness's timeout), and the committed step 1 restores whole at both ranks."""
     from tests.distributed import harness
     from tests.distributed import object_store_workers as ow
@@ -286,6 +287,9 @@ def test_a_fault_at_one_of_two_ranks_is_named_on_both_and_loses_nothing_committe
         assert result["raised"]["type"] == "faccel.errors.CheckpointError", results
         assert "testing-secret" not in result["raised"]["message"], results
         assert [result["restored"], result["marks"], result["extras"]] == [1, [1.0], 1], results
+    if how == "stopped":  # rank 1's own error names the object it was uploading when the server went
+        assert results[1]["uploaded_before_the_stop"] is not None, results
+        assert "step-000000000002/" in results[1]["raised"]["message"], results
 
 
 @pytest.mark.deepspeed

@@ -6,6 +6,7 @@ every function takes the environment (endpoint, dummy credentials) and sets it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -249,9 +250,12 @@ def _names(root: str) -> list[str]:
 
 def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool) -> dict[str, Any]:
     """Two ranks commit step 1 into ``root``; then, during step 2, rank 1's store fails for good:
-    ``how="503"``: every upload of rank 1 answers 503 SlowDown; ``how="stopped"``: rank 1's server
-    is gone (its endpoint now a closed port of 127.0.0.1: connections refused). What each rank
-    raised, and the step and marks a restore at both ranks (the store back) then reads."""
+    ``how="503"``: every upload of rank 1 answers 503 SlowDown; ``how="unreachable"``: rank 1's
+    server is gone before its first request (its endpoint now a closed port of 127.0.0.1);
+    ``how="stopped"``: rank 1 reaches the server through a TCP relay of its own, which stops (every
+    connection cut, the port closed) once rank 1 has uploaded its first object of step 2: the
+    server gone mid-upload. What each rank raised, and the step and marks a restore at both ranks
+    (the store back) then reads."""
     import socket
 
     import attrs
@@ -263,6 +267,18 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
     from faccel._storage._roots import spot_of
 
     use(env)
+    relay = None
+    if how == "stopped" and os.environ["RANK"] == "1":
+        relay = _Relay(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+        s3fs.S3FileSystem.retries = 1  # the client's own retries off: faccel's bounded ones count
+        os.environ.update(
+            {
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}",
+                "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{relay.port}",
+                "AWS_MAX_ATTEMPTS": "1",
+            }
+        )
+        fsspec.filesystem("s3").clear_instance_cache()
     dist = faccel.detect()
     state = cw.crash_state(0)
     faccel.checkpoint(dist, attrs.evolve(cw.at_step(state, 1), position=0), root, sharded=sharded)
@@ -279,6 +295,20 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
             real = fs.pipe_file
             fs.pipe_file = slow_down
             undo.append(lambda: setattr(fs, "pipe_file", real))
+        elif relay is not None:
+            real_upload = _objects.ObjectStore._upload
+            uploaded = []
+
+            def stop_mid_upload(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+                if "step-000000000002/" in key:
+                    uploaded.append(key)
+                    if len(uploaded) == 2:  # the first object is up: the server goes away
+                        relay.stop()
+                return real_upload(self, key, *args, **kwargs)
+
+            _objects.ObjectStore._upload = stop_mid_upload  # type: ignore[method-assign]
+            undo.append(lambda: setattr(_objects.ObjectStore, "_upload", real_upload))
+            undo.append(lambda: (use(env), fsspec.filesystem("s3").clear_instance_cache()))
         else:
             with socket.socket() as probe:  # a port nothing listens on
                 probe.bind(("127.0.0.1", 0))
@@ -314,7 +344,67 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
         restored.extras["tensor"],
     ]
     marks = sorted({float(value) for t in tensors for value in t.unique().tolist()})
-    return {"raised": raised, "restored": restored.step, "marks": marks, "extras": restored.extras["step"]}
+    return {
+        "raised": raised,
+        "restored": restored.step,
+        "marks": marks,
+        "extras": restored.extras["step"],
+        "uploaded_before_the_stop": None if relay is None else relay.stopped_after,
+    }
+
+
+class _Relay:
+    """A TCP relay on a free port of 127.0.0.1 to a local server's ``port``; ``stop()`` cuts every
+    connection and closes the port (new connections are refused): the server gone, seen from here."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import threading
+
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections: list[Any] = []
+        self.stopped_after: int | None = None
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self.lock:
+                self.connections += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: Any, sink: Any) -> None:
+        import socket
+
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        import socket
+
+        with self.lock:
+            self.stopped_after = len(self.connections) // 2
+            for sock in [self.listener, *self.connections]:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
 
 def deepspeed_stop_and_resume(env: Mapping[str, str], root: str, stage: int) -> dict[str, Any]:
