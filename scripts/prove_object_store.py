@@ -1,16 +1,26 @@
 """The long proof of issue 33: hundreds of SIGKILLs of a checkpoint writer on object storage.
 
-    PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed]   # default 200 kills per format
+    PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed] [worlds]
+    # default: 200 kills per format, seed 0, worlds "1,2" (one writer process, then two gloo ranks)
 
 Starts moto's S3 server on a free port of 127.0.0.1 (dummy credentials, set for
-this process only), makes a bucket, and runs the kill loop of
-tests/test_object_store.py (``tests/distributed/object_store_workers.crash_trials``)
-for the whole-tensor and the sharded format: forked writers checkpoint step
-after step with ``keep=2``, each SIGKILLed at a random moment drawn from the
-measured duration of one write; after each kill the latest checkpoint must
-restore whole (every tensor, value and generator of one step: a mix of two
-would show). Prints one JSON line per format and exits 1 on any broken or
-mixed checkpoint. The suite runs the same loop with a few kills.
+this process only), makes a bucket, and runs the kill loops of
+tests/test_object_store.py for the whole-tensor and the sharded format:
+
+* one writer (``tests/distributed/object_store_workers.crash_trials``): forked
+  writers checkpoint step after step with ``keep=2``, each SIGKILLed at a random
+  moment drawn from the measured duration of one write;
+* two gloo ranks (``two_rank_crash_trials``): per trial two forked ranks form a
+  group and checkpoint step after step with ``keep=2``; rank 0, rank 1 or both
+  are SIGKILLed at a random moment drawn from the measured duration of one
+  two-rank write (a single victim's peer a random moment later); after each
+  kill every committed checkpoint left must restore whole at its own step, and at
+  the end one unkilled write must leave nothing but committed checkpoints.
+
+After each kill the latest checkpoint must restore whole (every tensor, value
+and generator of one step: a mix of two would show). Prints one JSON line per
+world and format (and, at two ranks, one line per kill on stderr) and exits 1 on
+any broken or mixed checkpoint. The suite runs the same loops with a few kills.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ def run_format(env: dict[str, str], root: str, ranks: int, sharded: bool, kills:
             delay_in_writes=3.0,
             seed=seed,
             sharded=sharded,
+            **({} if ranks == 1 else {"progress": True}),
         )
     except Exception as error:  # a restore that failed or mixed raised in the helper
         return {**figures, "error": str(error)[-3000:]}

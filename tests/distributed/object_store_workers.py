@@ -91,7 +91,13 @@ def _committed_folders(root: str) -> list[tuple[int, str]]:
 
 
 def two_rank_crash_trials(
-    env: Mapping[str, str], root: str, trials: int, delay_in_writes: float, seed: int, sharded: bool = False
+    env: Mapping[str, str],
+    root: str,
+    trials: int,
+    delay_in_writes: float,
+    seed: int,
+    sharded: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Two real gloo ranks checkpoint step after step into ``root``; SIGKILL one or both at random moments.
 
@@ -105,6 +111,7 @@ def two_rank_crash_trials(
     checkpoint left in ``root`` restores whole at its own step. At the end one unkilled two-rank
     write must leave only committed checkpoints (``keep=2``): the kills' orphans are gone.
     ``outcomes``: ``[committed, restored, mode]`` per trial (mode 0/1: that rank first, 2: both).
+    ``progress``: one JSON line per trial on stderr (the long proof's running count).
     """
     import itertools
     import mmap
@@ -216,6 +223,12 @@ def two_rank_crash_trials(
         # the step after the latest committed one had begun: objects of it without a manifest
         mid_write += any(name == f"step-{restored + 1:012d}" for name in _names(root))
         outcomes.append([committed, restored, mode])
+        if progress:
+            import json
+            import sys
+
+            line = {"root": root, "kill": len(outcomes), "committed": committed, "restored": restored}
+            print(json.dumps({**line, "mode": mode, "mid_write": mid_write}), file=sys.stderr, flush=True)
         latest = max(committed, restored)
     # the next successful checkpoint (a step further, as a restarted job that skipped one would
     # write) cleans what the kills left: the orphan of step latest + 1, if the last kill left one
