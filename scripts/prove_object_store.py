@@ -1,7 +1,8 @@
 """The long proof of issue 33: hundreds of SIGKILLs of a checkpoint writer on object storage.
 
-    PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed] [worlds]
-    # default: 200 kills per format, seed 0, worlds "1,2" (one writer process, then two gloo ranks)
+    PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed] [worlds] [formats]
+    # default: 200 kills per format, seed 0, worlds "1,2" (one writer process, then two gloo
+    # ranks), formats "whole,sharded"
 
 Starts moto's S3 server on a free port of 127.0.0.1 (dummy credentials, set for
 this process only), makes a bucket, and runs the kill loops of
@@ -74,7 +75,9 @@ def run_format(env: dict[str, str], root: str, ranks: int, sharded: bool, kills:
     }
 
 
-def main(kills: int, seed: int, worlds: tuple[int, ...] = (1, 2)) -> None:
+def main(
+    kills: int, seed: int, worlds: tuple[int, ...] = (1, 2), formats: tuple[str, ...] = ("whole", "sharded")
+) -> None:
     import logging
 
     import s3fs
@@ -97,7 +100,7 @@ def main(kills: int, seed: int, worlds: tuple[int, ...] = (1, 2)) -> None:
     failed = False
     try:
         for ranks in worlds:
-            for sharded in (False, True):
+            for sharded in [name == "sharded" for name in formats]:
                 result = run_format(
                     env,
                     f"s3://{bucket}/r{ranks}-{'sharded' if sharded else 'whole'}",
@@ -119,4 +122,5 @@ if __name__ == "__main__":
         int(sys.argv[1]) if len(sys.argv) > 1 else 200,
         int(sys.argv[2]) if len(sys.argv) > 2 else 0,
         tuple(int(w) for w in sys.argv[3].split(",")) if len(sys.argv) > 3 else (1, 2),
+        tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("whole", "sharded"),
     )
