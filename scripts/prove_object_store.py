@@ -69,7 +69,7 @@ def run_format(env: dict[str, str], root: str, ranks: int, sharded: bool, kills:
         "kills": len(outcomes),
         "broken_or_mixed": 0,  # each restore checked every tensor; one bad raises
         "killed_mid_write": mid_write,
-        "last_step": outcomes[-1][1] if outcomes else None,
+        "last_step": result.get("latest", outcomes[-1][1] if outcomes else None),
         "left_in_root": result["left"],
         "seconds": round(time.perf_counter() - start),
     }
