@@ -1,16 +1,27 @@
 """The long proof of issue 33: hundreds of SIGKILLs of a checkpoint writer on object storage.
 
-    PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed]   # default 200 kills per format
+    PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed] [worlds] [formats]
+    # default: 200 kills per format, seed 0, worlds "1,2" (one writer process, then two gloo
+    # ranks), formats "whole,sharded"
 
 Starts moto's S3 server on a free port of 127.0.0.1 (dummy credentials, set for
-this process only), makes a bucket, and runs the kill loop of
-tests/test_object_store.py (``tests/distributed/object_store_workers.crash_trials``)
-for the whole-tensor and the sharded format: forked writers checkpoint step
-after step with ``keep=2``, each SIGKILLed at a random moment drawn from the
-measured duration of one write; after each kill the latest checkpoint must
-restore whole (every tensor, value and generator of one step: a mix of two
-would show). Prints one JSON line per format and exits 1 on any broken or
-mixed checkpoint. The suite runs the same loop with a few kills.
+this process only), makes a bucket, and runs the kill loops of
+tests/test_object_store.py for the whole-tensor and the sharded format:
+
+* one writer (``tests/distributed/object_store_workers.crash_trials``): forked
+  writers checkpoint step after step with ``keep=2``, each SIGKILLed at a random
+  moment drawn from the measured duration of one write;
+* two gloo ranks (``two_rank_crash_trials``): per trial two forked ranks form a
+  group and checkpoint step after step with ``keep=2``; rank 0, rank 1 or both
+  are SIGKILLed at a random moment drawn from the measured duration of one
+  two-rank write (a single victim's peer a random moment later); after each
+  kill every committed checkpoint left must restore whole at its own step, and at
+  the end one unkilled write must leave nothing but committed checkpoints.
+
+After each kill the latest checkpoint must restore whole (every tensor, value
+and generator of one step: a mix of two would show). Prints one JSON line per
+world and format (and, at two ranks, one line per kill on stderr) and exits 1 on
+any broken or mixed checkpoint. The suite runs the same loops with a few kills.
 """
 
 from __future__ import annotations
@@ -22,14 +33,55 @@ import sys
 import time
 
 
-def main(kills: int, seed: int) -> None:
+def run_format(env: dict[str, str], root: str, ranks: int, sharded: bool, kills: int, seed: int) -> dict:
+    """The kill loop for one format at 1 or 2 writer ranks; its figures (or the error) as a dict."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    fn = ow.crash_trials if ranks == 1 else ow.two_rank_crash_trials
+    start = time.perf_counter()
+    figures: dict = {"ranks": ranks, "format": "sharded" if sharded else "whole"}
+    try:
+        (result,) = harness.run(
+            fn,
+            world_size=1,
+            timeout=120 + 30 * kills,
+            env=env,
+            root=root,
+            trials=kills,
+            delay_in_writes=3.0,
+            seed=seed,
+            sharded=sharded,
+            **({} if ranks == 1 else {"progress": True}),
+        )
+    except Exception as error:  # a restore that failed or mixed raised in the helper
+        return {**figures, "error": str(error)[-3000:]}
+    outcomes = result["outcomes"]
+    if ranks == 1:
+        mid_write = sum(checked == committed for committed, checked in outcomes)
+    else:
+        mid_write = result["killed_mid_write"]
+        figures["killed_ranks"] = result["killed_ranks"]
+        figures["modes"] = {m: sum(o[2] == i for o in outcomes) for i, m in enumerate(("0", "1", "both"))}
+        figures["orphan_cleaned"] = result["orphan_cleaned"]
+    return {
+        **figures,
+        "kills": len(outcomes),
+        "broken_or_mixed": 0,  # each restore checked every tensor; one bad raises
+        "killed_mid_write": mid_write,
+        "last_step": result.get("latest", outcomes[-1][1] if outcomes else None),
+        "left_in_root": result["left"],
+        "seconds": round(time.perf_counter() - start),
+    }
+
+
+def main(
+    kills: int, seed: int, worlds: tuple[int, ...] = (1, 2), formats: tuple[str, ...] = ("whole", "sharded")
+) -> None:
     import logging
 
     import s3fs
     from moto.server import ThreadedMotoServer
-
-    from tests.distributed import harness
-    from tests.distributed import object_store_workers as ow
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -47,39 +99,18 @@ def main(kills: int, seed: int) -> None:
     s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
     failed = False
     try:
-        for sharded in (False, True):
-            start = time.perf_counter()
-            try:
-                (result,) = harness.run(
-                    ow.crash_trials,
-                    world_size=1,
-                    timeout=60 + 20 * kills,
-                    env=env,
-                    root=f"s3://{bucket}/{'sharded' if sharded else 'whole'}",
-                    trials=kills,
-                    delay_in_writes=3.0,
-                    seed=seed,
-                    sharded=sharded,
+        for ranks in worlds:
+            for sharded in [name == "sharded" for name in formats]:
+                result = run_format(
+                    env,
+                    f"s3://{bucket}/r{ranks}-{'sharded' if sharded else 'whole'}",
+                    ranks,
+                    sharded,
+                    kills,
+                    seed,
                 )
-            except Exception as error:  # a restore that failed or mixed raised in the helper
-                print(json.dumps({"sharded": sharded, "error": str(error)[-3000:]}))
-                failed = True
-                continue
-            outcomes = result["outcomes"]
-            mid_write = sum(checked == committed for committed, checked in outcomes)
-            print(
-                json.dumps(
-                    {
-                        "format": "sharded" if sharded else "whole",
-                        "kills": len(outcomes),
-                        "broken_or_mixed": 0,  # each restore checked every tensor; one bad raises
-                        "killed_mid_write": mid_write,
-                        "last_step": outcomes[-1][1] if outcomes else None,
-                        "left_in_root": result["left"],
-                        "seconds": round(time.perf_counter() - start),
-                    }
-                )
-            )
+                print(json.dumps(result), flush=True)
+                failed = failed or "error" in result
     finally:
         server.stop()
     if failed:
@@ -87,4 +118,9 @@ def main(kills: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200, int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    main(
+        int(sys.argv[1]) if len(sys.argv) > 1 else 200,
+        int(sys.argv[2]) if len(sys.argv) > 2 else 0,
+        tuple(int(w) for w in sys.argv[3].split(",")) if len(sys.argv) > 3 else (1, 2),
+        tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("whole", "sharded"),
+    )

@@ -11,6 +11,7 @@ by name.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -261,6 +262,70 @@ def test_the_server_stopped_mid_upload_gives_the_named_error(s3: S3, monkeypatch
     # checked through a disk copy in the other tests); here: the error named the object, no hang.
 
 
+@pytest.mark.parametrize(("how", "sharded"), [("503", True), ("unreachable", False), ("stopped", True)])
+def test_a_fault_at_one_of_two_ranks_is_named_on_both_and_loses_nothing_committed(
+    s3: S3, how: str, sharded: bool
+) -> None:
+    """During a two-rank checkpoint one rank's uploads fail for good (a 503 burst longer than the
+    retries, its server gone before its first request, or gone mid-upload: its connections cut
+    after its first object of the step, then refused): both ranks raise the named CheckpointError
+    (no hang: the harness's timeout), and the committed step 1 restores whole at both ranks."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    results = harness.run(
+        ow.fault_on_one_rank,
+        world_size=2,
+        timeout=180,
+        env=dict(s3.env),
+        root=f"{s3.url}/f",
+        how=how,
+        sharded=sharded,
+    )
+    for result in results:
+        assert result["raised"] is not None, results
+        assert result["raised"]["type"] == "faccel.errors.CheckpointError", results
+        assert "testing-secret" not in result["raised"]["message"], results
+        assert [result["restored"], result["marks"], result["extras"]] == [1, [1.0], 1], results
+    if how == "stopped":  # rank 1's own error names the object it was uploading when the server went
+        assert results[1]["uploaded_before_the_stop"] is not None, results
+        assert "step-000000000002/" in results[1]["raised"]["message"], results
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_zero_run_checkpoints_into_s3_and_resumes_bitwise(s3: S3, stage: int) -> None:
+    """ZeRO-2 (blocking) and ZeRO-3 (blocking=False: uploaded by the background thread) on 2 gloo
+    ranks checkpoint at step 6 into s3://, train on to 9; a fresh engine restored from the bucket
+    trains to 9 too: masters, moments and final weights bitwise equal to the uninterrupted run."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    results = harness.run(
+        ow.deepspeed_stop_and_resume,
+        world_size=2,
+        timeout=300,
+        env=dict(s3.env),
+        root=f"{s3.url}/zero",
+        stage=stage,
+    )
+    for result in results:
+        assert result["restored_step"] == 6 and result["ended_step"] == 9
+        assert result["after_restore"] == result["saved"]  # ZeRO's masters and moments, bitwise
+        assert result["resumed"] == result["uninterrupted"]  # bitwise (floats compared exactly)
+        assert result["counters"] == [9, 9]
+        assert result["files"] == [
+            "extras.safetensors",
+            "manifest.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "rng-00000.json",
+            "rng-00001.json",
+            "state.json",
+        ]
+
+
 def test_credentials_never_appear_in_reprs_or_errors(s3: S3) -> None:
     import faccel
     from faccel._storage._roots import spot_of
@@ -314,6 +379,38 @@ def test_writers_killed_at_random_moments_leave_a_whole_checkpoint_on_s3(s3: S3,
     outcomes = result["outcomes"]
     assert len(outcomes) == 6
     assert all(checked >= committed for committed, checked in outcomes)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_two_rank_writers_killed_at_random_moments_leave_whole_checkpoints_on_s3(
+    s3: S3, sharded: bool
+) -> None:
+    """The bounded two-rank kill loop (scripts/prove_object_store.py runs hundreds): one rank or
+    both SIGKILLed mid-checkpoint; every restore is whole, no committed checkpoint is damaged,
+    and the next successful checkpoint removes the orphans."""
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    (result,) = harness.run(
+        ow.two_rank_crash_trials,
+        world_size=1,
+        timeout=300,
+        env=dict(s3.env),
+        root=f"{s3.url}/kills2",
+        trials=3,
+        delay_in_writes=2.0,
+        seed=3,
+        sharded=sharded,
+    )
+    outcomes = result["outcomes"]
+    assert len(outcomes) == 3
+    assert all(committed <= restored <= committed + 1 for committed, restored, _ in outcomes)
+    assert result["orphan_cleaned"]  # the last kill left an uncommitted step; the next write removed it
+    last = result["latest"]
+    assert [name for name in result["left"] if name.startswith("step-")] == [
+        f"step-{last:012d}",
+        f"step-{last + 2:012d}",
+    ]
 
 
 @pytest.mark.parametrize(("strategy", "sharded"), [("ddp", False), ("fsdp", True)])

@@ -641,21 +641,37 @@ def _digest(value: Any) -> int:
 def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool, final: Spot) -> None:
     """Every rank learns, in one collective, whether any rank objects to writing this checkpoint."""
     step = state.step
-    blocked = blocking_file(root)
     # The first checkpoint of this process into a root that already holds later steps: the run
     # would meet them at its first colliding step, hours in (issue 25), so it stops here. A named
     # checkpoint meets no numbered one.
     first = _root_name(root) not in dist.runtime.roots and final.name == checkpoint_name(step)
-    exists, ahead = _taken(root, step, final, first=first, replace=replace)
+    # Reading the root can fail on one rank alone (an object store unreachable from it): the
+    # failure is one more flag of the agreement, so that every rank raises at once instead of
+    # waiting in the next collective for a rank that left (issue 33, item 2).
+    failed: CheckpointError | None = None
+    blocked, exists, ahead = None, False, list[str]()
+    try:
+        blocked = blocking_file(root)
+        exists, ahead = _taken(root, step, final, first=first, replace=replace)
+    except CheckpointError as error:
+        failed = error
     digests = extras_digests(state.extras)
     values = [step, _digest(sorted(digests)), _digest(digests)]
-    flags = [int(exists), int(blocked is not None), int(bool(ahead))]
+    flags = [int(exists), int(blocked is not None), int(bool(ahead)), int(failed is not None)]
     low = agree_max(
         dist,
         [*(-v for v in values), *values, *flags],
         what="the checkpoint's agreement",
         raises=CheckpointError,
     )
+    if failed is not None:
+        raise failed
+    if low[9]:
+        msg = (
+            f"checkpoint of step {step} into {root}: another rank could not read the root (its own "
+            "error says why: the store unavailable or refusing it); nothing was written"
+        )
+        raise CheckpointError(msg)
     if -low[0] != low[3]:
         msg = (
             f"the ranks are checkpointing different steps ({-low[0]} to {low[3]}); "

@@ -440,10 +440,14 @@ def at_step(state: Any, step: int, mark: int | None = None) -> Any:
     return attrs.evolve(state, step=step, epoch=mark, position=mark, extras=extras)
 
 
-def crash_check(root: str, step: int | None = None) -> int:
+def crash_check(
+    root: str, step: int | None = None, at_boundary: bool = False, into: str | None = None
+) -> int:
     """Restore the latest checkpoint under ``root`` into fresh objects; return its mark if whole.
 
-    The checkpoint must be at ``step`` when given, else at its mark.
+    The checkpoint must be at ``step`` when given, else at its mark. ``at_boundary``: it was
+    written with position 0 (an epoch boundary: restorable at another world size). ``into``:
+    restore's ``into`` (reading an older checkpoint of a root that holds later ones).
     """
     import faccel
 
@@ -451,11 +455,12 @@ def crash_check(root: str, step: int | None = None) -> int:
     target = faccel.TrainState.create(
         model=target.model, optimizer=target.optimizer, extras={"step": None, "tensor": torch.zeros(16)}
     )
-    restored = faccel.restore(faccel.detect({}), target, root)
+    restored = faccel.restore(faccel.detect({}), target, root, into=into)
     mark = restored.epoch
     assert restored.step == (mark if step is None else step), (restored.step, mark)
     step = mark
-    assert [restored.epoch, restored.position, restored.extras["step"]] == [step, step, step]
+    position = 0 if at_boundary else step
+    assert [restored.epoch, restored.position, restored.extras["step"]] == [step, position, step]
     tensors = [
         *faccel.unwrap_model(restored.model).state_dict().values(),
         *(entry["momentum_buffer"] for entry in restored.optimizer.state.values()),

@@ -270,7 +270,7 @@ def stop_and_resume(
     restored_scaler = _scaler_view(second[0])
     ended = _train(dist, second, restored, until=steps, root=root)
     folder = faccel.latest_checkpoint(root)
-    files = sorted(path.name for path in folder.iterdir()) if folder is not None else []
+    files = _names_in(folder)
     return {
         "uninterrupted": uninterrupted,
         "resumed": _full_params(dist, second[0]),
@@ -290,6 +290,19 @@ def stop_and_resume(
             "ended": [ended_scaler, _scaler_view(second[0])],
         },
     }
+
+
+def _names_in(folder: Any) -> list[str]:
+    """The names in a checkpoint folder: a local Path, or a URL (an object store's prefix)."""
+    if folder is None:
+        return []
+    if isinstance(folder, str):
+        import fsspec
+
+        fs, key = fsspec.core.url_to_fs(folder)
+        fs.invalidate_cache()
+        return sorted(path.rsplit("/", 1)[1] for path in fs.ls(key))
+    return sorted(path.name for path in folder.iterdir())
 
 
 def restore_elsewhere(*, stage: int, root: str, steps: int = 2) -> dict[str, Any]:
