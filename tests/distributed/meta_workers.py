@@ -166,7 +166,10 @@ def empty_then_load(*, root: str, layout: str | None, strategy: str, legacy: boo
     counted: list[int] = []
 
     def counting(self: Any, target: Any, offset: int, at_least: int | None = None) -> None:
-        counted.append(memoryview(target).nbytes)  # the real read, counted: the bytes of rows this rank took
+        # The real reads of tensor bytes, counted: the rows this rank took. A safetensors header is
+        # read at offsets 0 (its length) and 8 (its JSON), through the same reader: not counted.
+        if offset not in (0, 8):
+            counted.append(memoryview(target).nbytes)
         read(self, target, offset, at_least)
 
     _LocalReader.read_into = counting  # type: ignore[method-assign]
