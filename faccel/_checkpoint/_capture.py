@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER, RNG_FORMAT
-from faccel._checkpoint._state_file import Extra, Section, StateFile
+from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER
+from faccel._checkpoint._state_file import Extra, RngFile, Section, StateFile
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
 from faccel._storage._tagged_json import TensorSink, encode
@@ -141,15 +141,11 @@ def extras_digests(extras: Mapping[str, Any]) -> dict[str, int]:
 def capture_rng(dist: DistState, rank_extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """This process's random generators and rank extras as tagged JSON (tensors inline, base64)."""
     cuda = torch.cuda.get_rng_state_all() if dist.device.type == "cuda" else None
-    return {
-        "format": RNG_FORMAT,
-        "rank": dist.rank,
-        "python": encode(random.getstate()),
-        "numpy": encode(np.random.get_state(legacy=False)),
-        "torch": encode(torch.get_rng_state()),
-        "cuda": None if cuda is None else encode(cuda),
-        "extras": {
-            name: extra.encode()
-            for name, extra in _encode_extras(rank_extras or {}, None, "rank_extras").items()
-        },
-    }
+    return RngFile(
+        rank=dist.rank,
+        python=encode(random.getstate()),
+        numpy=encode(np.random.get_state(legacy=False)),
+        torch=encode(torch.get_rng_state()),
+        cuda=None if cuda is None else encode(cuda),
+        extras=_encode_extras(rank_extras or {}, None, "rank_extras"),
+    ).encode()

@@ -20,6 +20,7 @@ import torch
 
 from faccel._checkpoint._capture import is_stateful
 from faccel._checkpoint._format import STATE
+from faccel._checkpoint._state_file import Generators, NewRank
 from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import Loadable
 from faccel._loop._model import unwrap_model
@@ -70,20 +71,19 @@ def _into(where: str, field: str, obj: Any, saved: Mapping[str, Any]) -> None:
         raise CheckpointError(msg) from error
 
 
-def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -> TrainState:
+def load(state: TrainState, loadable: Loadable, rng: Generators | NewRank | None) -> TrainState:
     """Load a checked checkpoint into ``state``'s objects (in place) and set the generators.
 
     Returns a new TrainState with the saved step, epoch, position and extras.
-    ``rng`` is ``{"seed": DistState.seed, "rank": rank}`` for a rank the checkpoint has no
-    generators of (restored at a larger world size): its Python, NumPy and
-    torch (and CUDA) generators are seeded with :func:`new_rank_seed`.
+    ``rng`` is a :class:`NewRank` for a rank the checkpoint has no generators
+    of (restored at a larger world size): its Python, NumPy and torch (and
+    CUDA) generators are seeded with :func:`new_rank_seed`.
     """
     where = loadable.where
     extras = _load_extras(state.extras, loadable.extras, where, "extras")
     rank_extras = {}
-    new_rank = rng is not None and "seed" in rng
-    if rng is not None and not new_rank:
-        rank_extras = _load_extras(state.rank_extras, rng["extras"], where, "rank_extras")
+    if isinstance(rng, Generators):
+        rank_extras = _load_extras(state.rank_extras, rng.extras, where, "rank_extras")
     if state.scaler is not None and loadable.scaler:
         _into(where, "scaler", state.scaler, dict(loadable.scaler))
     if state.scheduler is not None and loadable.scheduler is not None:
@@ -95,17 +95,17 @@ def load(state: TrainState, loadable: Loadable, rng: Mapping[str, Any] | None) -
         if state.optimizer is not None:
             _into(where, "optimizer", state.optimizer, dict(loadable.optimizer))
         _into(where, "model", unwrap_model(state.model), dict(loadable.model))  # strict: every key, checked
-    if rng is not None and new_rank:
-        seed = new_rank_seed(rng["seed"], loadable.step, rng["rank"])
+    if isinstance(rng, NewRank):
+        seed = new_rank_seed(rng.seed, loadable.step, rng.rank)
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)  # CUDA's generators too
     elif rng is not None:
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None:
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng.python)
+        np.random.set_state(rng.numpy)
+        torch.set_rng_state(rng.torch)
+        if rng.cuda is not None:
+            torch.cuda.set_rng_state_all(rng.cuda)
     restored = attrs.evolve(
         state,
         step=loadable.step,

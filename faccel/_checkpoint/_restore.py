@@ -16,7 +16,6 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -45,7 +44,7 @@ from faccel._checkpoint._load import load
 from faccel._checkpoint._sharded._flow import (
     read_tensors,
 )
-from faccel._checkpoint._state_file import StateFile
+from faccel._checkpoint._state_file import Generators, NewRank, StateFile
 from faccel._checkpoint._strays import stray_names
 from faccel._checkpoint._verify import Loadable, check, check_manifest, check_rng, model_target
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
@@ -85,7 +84,7 @@ def _read_manifest(
 
 def _read_checkpoint(
     dist: DistState, state: TrainState, manifest: FolderManifest
-) -> tuple[Loadable, dict[str, Any] | None]:
+) -> tuple[Loadable, Generators | NewRank]:
     directory = manifest.folder
     records, world, version = _read_manifest(directory, dist, state.model, manifest)
     # A rank beyond the writers' (resharding to more ranks) has no generators saved.
@@ -131,10 +130,10 @@ def _read_checkpoint(
     try:
         loadable = check(dist, state, content, tensors, where=str(directory))
         # A rank beyond the writers' gets generators seeded from (seed, step, rank): see _load.
-        rng: dict[str, Any] | None = (
+        rng: Generators | NewRank = (
             check_rng(dist, state, rng_content, where=rng_where)
             if rng_file
-            else {"seed": dist.seed, "rank": dist.rank}
+            else NewRank(seed=dist.seed, rank=dist.rank)
         )
     except RecursionError:
         msg = f"{directory}: a JSON file nests too deeply to be a faccel checkpoint"
@@ -433,7 +432,7 @@ class _Uncommitted:
 
 def _read_unless_broken(
     dist: DistState, state: TrainState, candidate: FolderManifest | Spot, *, single: bool
-) -> tuple[int, tuple[Loadable, dict[str, Any] | None] | _Broken] | _Uncommitted:
+) -> tuple[int, tuple[Loadable, Generators | NewRank] | _Broken] | _Uncommitted:
     """The checkpoint's step and its content read and checked, or (from a root) why its files are
     broken; its manifest is read here only when it was not read yet (an older one to fall back to)."""
     manifest = candidate if isinstance(candidate, FolderManifest) else read_folder_manifest(candidate)

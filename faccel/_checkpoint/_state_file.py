@@ -1,4 +1,5 @@
-"""``state.json`` as one typed record, with one encode and one decode: its keys are spelled here only.
+"""``state.json`` and each rank's ``rng-RANK.json`` as typed records, with one encode and one
+decode each: their keys are spelled here only.
 
 ``state.json`` holds a checkpoint's counters (step, epoch, position, the data consumed, where the
 run resumed), the world size that wrote it, the model's tensor names (and tied aliases), and the
@@ -12,6 +13,10 @@ the record's shape (every section present and of its type, every counter an int 
 what is wrong in one :class:`CheckpointError`. What depends on the objects restored into (a
 class, a key set, a tensor's shape) is ``_verify``'s. The bytes written are those of every
 earlier faccel: ``consumed`` and ``resumed_at`` may be absent (checkpoints from before them).
+
+``rng-RANK.json`` (:class:`RngFile`) holds one rank's generator states (Python, NumPy, torch and,
+on CUDA, every device's) as tagged JSON, and its rank extras; ``_verify.check_rng`` decodes the
+states into :class:`Generators`, and a rank the checkpoint has no file of gets a :class:`NewRank`.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from typing import Any
 
 import attrs
 
-from faccel._checkpoint._format import STATE_FORMAT
+from faccel._checkpoint._format import RNG_FORMAT, STATE_FORMAT
 from faccel.errors import CheckpointError
 
-__all__ = ["Extra", "Section", "StateFile", "decode_extras"]
+__all__ = ["Extra", "Generators", "NewRank", "RngFile", "Section", "StateFile", "decode_extras"]
 
 
 @attrs.frozen(kw_only=True)
@@ -226,3 +231,77 @@ def decode_extras(section: Any, *, label: str) -> tuple[dict[str, Extra], list[s
             continue
         extras[name] = Extra(stateful=kind == "stateful", value=entry["value"])
     return extras, problems
+
+
+@attrs.frozen(kw_only=True)
+class RngFile:
+    """What one rank's ``rng-RANK.json`` says: the rank, its generators' states and its rank
+    extras, all as tagged JSON (decoded and checked by ``_verify.check_rng``).
+
+    Example:
+        >>> rng = RngFile(rank=0, python=[3], numpy={}, torch=None, cuda=None, extras={})
+        >>> RngFile.decode(rng.encode(), where="rng-00000.json") == rng
+        True
+        >>> RngFile.decode({"format": "other"}, where="rng-00000.json")
+        Traceback (most recent call last):
+        ...
+        faccel.errors.CheckpointError: rng-00000.json: not a faccel RNG state ...'faccel.checkpoint.rng')
+    """
+
+    rank: Any
+    python: Any
+    numpy: Any
+    torch: Any
+    cuda: Any
+    extras: Mapping[str, Extra]
+    malformed: tuple[str, ...] = ()  # what is wrong with the extras (checked with the rest)
+
+    def encode(self) -> dict[str, Any]:
+        """The file's JSON object."""
+        return {
+            "format": RNG_FORMAT,
+            "rank": self.rank,
+            "python": self.python,
+            "numpy": self.numpy,
+            "torch": self.torch,
+            "cuda": self.cuda,
+            "extras": {name: extra.encode() for name, extra in self.extras.items()},
+        }
+
+    @classmethod
+    def decode(cls, raw: Any, *, where: str) -> RngFile:
+        """The record of a parsed file; not faccel's is a :class:`CheckpointError` (checkpoints from
+        before rank extras have none)."""
+        if not isinstance(raw, dict) or raw.get("format") != RNG_FORMAT:
+            msg = f"{where}: not a faccel RNG state (format should be {RNG_FORMAT!r})"
+            raise CheckpointError(msg)
+        extras, malformed = decode_extras(raw.get("extras", {}), label="rank_extras")
+        return cls(
+            rank=raw.get("rank"),
+            python=raw.get("python"),
+            numpy=raw.get("numpy"),
+            torch=raw.get("torch"),
+            cuda=raw.get("cuda"),
+            extras=extras,
+            malformed=tuple(malformed),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Generators:
+    """One rank's generator states, decoded and checked, and its rank extras' decoded values."""
+
+    python: Any
+    numpy: Any
+    torch: Any
+    cuda: Any
+    extras: Mapping[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class NewRank:
+    """A rank the checkpoint has no generators of (restored at a larger world size): its
+    generators are seeded from ``(seed, step, rank)``."""
+
+    seed: int
+    rank: int

@@ -25,12 +25,11 @@ from faccel._checkpoint._format import (
     EXTRAS,
     MODEL,
     OPTIMIZER,
-    RNG_FORMAT,
     STATE,
 )
 from faccel._checkpoint._manifest import Manifest
 from faccel._checkpoint._stage import load_problem, stand_ins
-from faccel._checkpoint._state_file import Extra, Section, StateFile, decode_extras
+from faccel._checkpoint._state_file import Extra, Generators, RngFile, Section, StateFile
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
 from faccel._loop._model import unwrap_model
@@ -598,30 +597,28 @@ def _match_tensors(saved: Any, live: Any, path: str, problems: _Problems, *, fil
             )
 
 
-def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -> dict[str, Any]:
-    """Decode and check one rank's RNG file; returns the states to set and, under
-    ``"extras"``, this rank's decoded rank extras."""
+def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -> Generators:
+    """Decode and check one rank's RNG file (parsed JSON): the states to set and this rank's
+    decoded rank extras."""
     problems = _Problems(where)
     file = where.rsplit("/", 1)[-1]
-    if not isinstance(content, dict) or content.get("format") != RNG_FORMAT:
-        problems.add(file, f"not a faccel RNG state (format should be {RNG_FORMAT!r})")
-        problems.raise_if_any()
-    states = {
-        key: decode(content.get(key), tensors={}, where=where) for key in ("python", "numpy", "torch", "cuda")
-    }
-    if content.get("rank") != dist.rank:
-        problems.add(file, f"holds rank {content.get('rank')!r}'s generators, this is rank {dist.rank}")
+    record = RngFile.decode(content, where=where)
+    python, numpy_state, torch_state, cuda = (
+        decode(value, tensors={}, where=where)
+        for value in (record.python, record.numpy, record.torch, record.cuda)
+    )
+    if record.rank != dist.rank:
+        problems.add(file, f"holds rank {record.rank!r}'s generators, this is rank {dist.rank}")
     trials: list[tuple[str, Callable[[], object]]] = [
-        ("python", lambda: random.Random().setstate(states["python"])),
-        ("numpy", lambda: np.random.RandomState().set_state(states["numpy"])),
-        ("torch", lambda: torch.Generator().set_state(states["torch"])),
+        ("python", lambda: random.Random().setstate(python)),
+        ("numpy", lambda: np.random.RandomState().set_state(numpy_state)),
+        ("torch", lambda: torch.Generator().set_state(torch_state)),
     ]
     for name, trial in trials:
         try:  # a throwaway generator takes the state first: the live ones stay untouched
             trial()
         except Exception as error:  # any refusal means the state is unusable
             problems.add(file, f"the {name} generator state is invalid ({error})")
-    cuda = states["cuda"]
     on_cuda = dist.device.type == "cuda"
     if (cuda is not None) != on_cuda:
         problems.add(
@@ -635,13 +632,11 @@ def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -
             f"CUDA states of {len(cuda) if isinstance(cuda, list) else '?'} devices saved, "
             f"this process sees {torch.cuda.device_count()}",
         )
-    # Checkpoints written before rank_extras existed have none.
-    rank_extras, malformed = decode_extras(content.get("extras", {}), label="rank_extras")
-    for problem in malformed:
+    for problem in record.malformed:
         problems.add(file, problem)
-    states["extras"] = _check_extras(
+    extras = _check_extras(
         state,
-        rank_extras,
+        record.extras,
         lambda value: decode(value, tensors={}, where=where),
         problems,
         label="rank_extras",
@@ -649,7 +644,7 @@ def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -
     )
     problems.raise_if_any()
     stand_in = stand_ins(_objects(state))
-    for name, value in states["extras"].items():
+    for name, value in extras.items():
         live = state.rank_extras[name]
         refused = load_problem(live, value, stand_in) if is_stateful(live) else None
         if refused is not None:
@@ -659,4 +654,4 @@ def check_rng(dist: DistState, state: TrainState, content: Any, *, where: str) -
                 f"{class_name(live)} ({refused})",
             )
     problems.raise_if_any()
-    return states
+    return Generators(python=python, numpy=numpy_state, torch=torch_state, cuda=cuda, extras=extras)
