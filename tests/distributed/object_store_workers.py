@@ -290,7 +290,6 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
 
     import attrs
     import fsspec
-    import s3fs
 
     import faccel
     from faccel._storage import _objects
@@ -300,15 +299,7 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
     relay = None
     if how == "stopped" and os.environ["RANK"] == "1":
         relay = _Relay(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
-        s3fs.S3FileSystem.retries = 1  # the client's own retries off: faccel's bounded ones count
-        os.environ.update(
-            {
-                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}",
-                "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{relay.port}",
-                "AWS_MAX_ATTEMPTS": "1",
-            }
-        )
-        fsspec.filesystem("s3").clear_instance_cache()
+        _point_at(relay.port)
     dist = faccel.detect()
     state = cw.crash_state(0)
     faccel.checkpoint(dist, attrs.evolve(cw.at_step(state, 1), position=0), root, sharded=sharded)
@@ -343,15 +334,7 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
             with socket.socket() as probe:  # a port nothing listens on
                 probe.bind(("127.0.0.1", 0))
                 dead = probe.getsockname()[1]
-            s3fs.S3FileSystem.retries = 1  # the client's own retries off: faccel's bounded ones count
-            os.environ.update(
-                {
-                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead}",
-                    "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{dead}",
-                    "AWS_MAX_ATTEMPTS": "1",
-                }
-            )
-            fsspec.filesystem("s3").clear_instance_cache()
+            _point_at(dead)
             undo.append(lambda: (use(env), fsspec.filesystem("s3").clear_instance_cache()))
     raised = None
     try:
@@ -381,6 +364,23 @@ def fault_on_one_rank(env: Mapping[str, str], root: str, how: str, sharded: bool
         "extras": restored.extras["step"],
         "uploaded_before_the_stop": None if relay is None else relay.stopped_after,
     }
+
+
+def _point_at(port: int) -> None:
+    """This process's S3 client at 127.0.0.1:``port``, with its own retries off (faccel's bounded
+    ones count)."""
+    import fsspec
+    import s3fs
+
+    s3fs.S3FileSystem.retries = 1
+    os.environ.update(
+        {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
+            "AWS_MAX_ATTEMPTS": "1",
+        }
+    )
+    fsspec.filesystem("s3").clear_instance_cache()
 
 
 class _Relay:

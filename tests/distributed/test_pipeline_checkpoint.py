@@ -102,8 +102,14 @@ def test_consolidate_writes_the_whole_model_from_the_stages_checkpoint(
     saved: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """consolidate (no process group) of the pipeline=2 checkpoint: every stage's weights, as saved."""
+    _check_consolidated(saved, tmp_path)
+
+
+def _check_consolidated(saved: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """consolidate the checkpoint (as ``python -m faccel consolidate``), load it into one model:
+    every weight as the run saved it."""
     import faccel
-    from faccel._hf._consolidate import consolidate  # python -m faccel consolidate
+    from faccel._hf._consolidate import consolidate
 
     root, values = saved
     out = consolidate(root, tmp_path / "hf")
@@ -280,13 +286,4 @@ def test_consolidate_of_a_pipeline_by_shard_checkpoint(
     saved_by_rows: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """consolidate (no process group) reads each stage's tensors from its ranks' chunks of rows."""
-    import faccel
-    from faccel._hf._consolidate import consolidate
-
-    root, values = saved_by_rows
-    out = consolidate(root, tmp_path / "hf")
-    with torch.random.fork_rng():
-        net = pipeline_workers.Net()
-    faccel.load_model(faccel.detect({}), net, out)
-    for name, param in net.named_parameters():
-        assert param.detach().flatten().tolist() == values["values"][f"{name}:weight"], name
+    _check_consolidated(saved_by_rows, tmp_path)
