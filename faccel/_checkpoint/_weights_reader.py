@@ -10,7 +10,6 @@ are reached from here only, never from ``_hf``.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_
 from faccel._checkpoint._state_file import StateFile
 from faccel._storage._durable import MAX_JSON, FileRecord, new_hash, parse_json
 from faccel._storage._roots import spot_of
-from faccel._storage._safetensors import Header, TensorInfo, parse_header
+from faccel._storage._safetensors import Header, TensorInfo, header_of_reader
 from faccel._storage._store import Reader, Spot
 from faccel.errors import CheckpointError
 
@@ -49,7 +48,7 @@ def open_weights(
         # One open file from the hash on: a replace=True save renamed in meanwhile cannot mix in.
         reader = _open_checked(path, records.get(MODEL))
         try:
-            header = _header(reader, where=str(path))
+            header = header_of_reader(reader, where=str(path))
         except BaseException:
             reader.close()
             raise
@@ -119,16 +118,6 @@ def _open_checked(path: Spot, record: FileRecord | None) -> Reader:
         reader.close()
         raise
     return reader
-
-
-def _header(reader: Reader, *, where: str) -> Header:
-    """The checked safetensors header of an open file (at most the header's bytes are read)."""
-    head = bytearray(min(8, reader.size))
-    reader.read_into(head, 0)
-    length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-    rest = bytearray(min(length, max(0, reader.size - 8)))
-    reader.read_into(rest, 8)
-    return parse_header(bytes(head + rest), reader.size, where=where)
 
 
 def _tensor(reader: Reader, header: Header, info: TensorInfo) -> torch.Tensor:
