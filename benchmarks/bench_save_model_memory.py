@@ -63,13 +63,14 @@ def _whole_gather_save(dist: Any, model: torch.nn.Module, folder: Path) -> None:
     from faccel._checkpoint._strategies._fsdp import full_state
     from faccel._hf._naming import parse_size
     from faccel._hf._save_model import _configs, _write_model
+    from faccel._storage._roots import spot_of
     from faccel._storage._weights import model_tensors
 
     whole = full_state(model, None)[0]
     if dist.is_main_process:
         stored, _ = model_tensors(model, whole)
         configs = {name: text.encode() for name, text in _configs(model).items()}
-        _write_model(folder, stored, parse_size("5GB"), configs)
+        _write_model(spot_of(folder), stored, parse_size("5GB"), configs)
     torch.distributed.barrier()
 
 
