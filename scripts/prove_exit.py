@@ -1,6 +1,6 @@
 """The long proof that two-process jobs exit: 50 or more torchrun runs, every one must end.
 
-    PYTHONPATH=. python scripts/prove_exit.py [runs] [--twin]   # default 50 runs of examples/run_clm.py
+    PYTHONPATH=. python scripts/prove_exit.py [runs] [--twin | --collective]   # default: 50 of run_clm.py
 
 Issue 35.11: 1 of 12 two-process runs of examples/run_clm.py never exited on rank 1 (after
 ``faccel.shutdown``, freeing the DDP wrapper waited on a gloo worker thread that waited for
@@ -10,6 +10,10 @@ shutdown), or with ``--twin`` of tests/distributed/scripts/exit_twin.py, its lif
 without transformers. A job that outlives four times the first job's duration plus a minute
 counts as hung: the native stacks of its processes (gdb) are printed and it is killed. The
 suite runs the same loop (tests/distributed/test_exit.py) with three twin jobs.
+
+``--collective`` runs tests/distributed/scripts/exit_after_collective.py instead: an FSDP2 job
+whose last act is an ``all_gather`` of tensors it drops at once (every other run then calls
+``shutdown``); each must exit with status 0, not abort as gloo's worker frees them.
 """
 
 from __future__ import annotations
@@ -73,10 +77,13 @@ def run_clm_command(data: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def main(runs: int, twin: bool) -> int:
+def main(runs: int, twin: bool, collective: bool = False) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if twin:
+        if collective:
+            outcomes = test_exit.exit_loop(runs, test_exit.collective_command)
+            what = "exit_after_collective.py"
+        elif twin:
             outcomes = test_exit.exit_loop(runs)
             what = "exit_twin.py"
         else:
@@ -98,5 +105,6 @@ def main(runs: int, twin: bool) -> int:
 
 
 if __name__ == "__main__":
-    arguments = [a for a in sys.argv[1:] if a != "--twin"]
-    sys.exit(main(int(arguments[0]) if arguments else 50, "--twin" in sys.argv[1:]))
+    arguments = [a for a in sys.argv[1:] if a not in ("--twin", "--collective")]
+    runs = int(arguments[0]) if arguments else 50
+    sys.exit(main(runs, "--twin" in sys.argv[1:], "--collective" in sys.argv[1:]))

@@ -25,6 +25,7 @@ from faccel._dist._deepspeed_config import read_config
 from faccel._dist._launch import OPTION_VARIABLES
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
+from faccel._dist._settle import settle_gloo_workers
 from faccel._dist._state import DistState, state_from_env
 from faccel._marks import PROCESS_GROUP
 from faccel._torch_compat import default_store
@@ -213,6 +214,9 @@ def start_process_group(dist: DistState) -> None:
 def _stop_at_exit() -> None:
     if tdist.is_initialized():
         tdist.destroy_process_group()
+    # Before the interpreter finalizes: a gloo worker still freeing the last collective's
+    # tensors would otherwise abort the process (faccel/_dist/_settle.py).
+    settle_gloo_workers()
 
 
 @setup_checked
@@ -225,6 +229,9 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     own process groups and the meshes made for the layouts. Wrappers
     ``prepare`` returned may outlive it: freeing a DDP wrapper afterwards is
     safe (its group is pinned past its reducer, ``pin_process_group``).
+    Last, it waits for gloo's worker threads to finish with the tensors of
+    the last collectives, so that the process can end at once (a worker
+    still freeing one when Python finalizes would abort the process).
 
     Args:
         dist: The run's :class:`DistState`.
@@ -257,6 +264,7 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
                 torch.cuda.synchronize(dist.device)  # no kernel of a collective left in flight
             tdist.destroy_process_group()
             atexit.unregister(_stop_at_exit)
+            settle_gloo_workers()  # the script may end right after this call (_settle.py)
 
 
 class _Pin:

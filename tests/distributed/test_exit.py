@@ -1,4 +1,4 @@
-"""Every rank of a two-process job exits after ``faccel.shutdown``, with its DDP wrapper still alive.
+"""Every rank of a two-process job exits, and exits cleanly.
 
 Issue 35.11: 1 of 12 two-process runs of examples/run_clm.py never exited on rank 1: after
 ``shutdown`` destroyed the group, freeing the DDP wrapper joined a gloo worker thread that
@@ -6,6 +6,12 @@ waited for the interpreter lock the main thread held. The suite runs a few torch
 tests/distributed/scripts/exit_twin.py (run_clm's life cycle without transformers); every one
 must exit. ``scripts/prove_exit.py`` runs the same loop (:func:`exit_loop`) 50 times or more,
 with run_clm itself or this twin.
+
+A job whose last act is a collective must exit with status 0 too: gloo's worker thread freeing
+that collective's tensors while Python finalized aborted the process (SIGABRT) in 3 of 20 jobs
+of tests/distributed/scripts/exit_after_collective.py, and once the suite's multi-node rehearsal
+(test_resize.py); faccel now lets the workers settle first (faccel/_dist/_settle.py).
+``scripts/prove_exit.py --collective`` runs that job 50 times or more.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import attrs
 
 ROOT = Path(__file__).resolve().parents[2]
 TWIN = ROOT / "tests" / "distributed" / "scripts" / "exit_twin.py"
+COLLECTIVE = ROOT / "tests" / "distributed" / "scripts" / "exit_after_collective.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -98,6 +105,12 @@ def twin_command(out: Path) -> list[str]:
     return [*TORCHRUN, str(TWIN), str(out)]
 
 
+def collective_command(out: Path) -> list[str]:
+    """The torchrun command of a job whose last act is a collective; every other run calls shutdown."""
+    shutdown = ["shutdown"] if int(out.name.removeprefix("run")) % 2 else []
+    return [*TORCHRUN, str(COLLECTIVE), str(out), *shutdown]
+
+
 def exit_loop(runs: int, command_for: object = twin_command) -> list[Outcome]:
     """``runs`` two-process jobs, each in a fresh folder; a job that outlives its deadline is hung.
 
@@ -120,6 +133,15 @@ def exit_loop(runs: int, command_for: object = twin_command) -> list[Outcome]:
 
 def test_two_process_jobs_exit_after_shutdown_with_their_ddp_wrapper_alive() -> None:
     outcomes = exit_loop(3)
+    hung = [o for o in outcomes if not o.exited]
+    assert not hung, hung[0].stacks[-8000:]
+    assert [o.returncode for o in outcomes] == [0, 0, 0], outcomes
+
+
+def test_jobs_whose_last_act_is_a_collective_exit_with_status_zero() -> None:
+    # Not every run meets the race (about 1 in 7 did before the fix), so the unit test of
+    # settle_gloo_workers (tests/test_settle.py) is the deterministic half of this check.
+    outcomes = exit_loop(3, collective_command)
     hung = [o for o in outcomes if not o.exited]
     assert not hung, hung[0].stacks[-8000:]
     assert [o.returncode for o in outcomes] == [0, 0, 0], outcomes
