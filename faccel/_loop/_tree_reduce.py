@@ -85,9 +85,9 @@ class TreeStack:
 
     Each entry is a list of tensors combined element by element; the right
     operand is handed to ``release`` once added, so its memory can serve the
-    next leaf. At most ``log2(n) + 1`` entries are alive. Exact mode keeps
-    only the counter (:meth:`chain`, :meth:`settle`) and makes the additions
-    itself, over entries that may hold None (no gradient yet).
+    next leaf. At most ``log2(n) + 1`` entries are alive. Exact mode pushes
+    every atom but the last, and adds the last one into :meth:`chain`'s
+    entries itself, parameter by parameter, as its backward hands them over.
 
     Example:
         >>> stack = TreeStack()
