@@ -223,3 +223,72 @@ def test_a_parameter_no_atom_uses_holds_minus_zero() -> None:
     assert grad is not None and torch.equal(grad.view(torch.int32), minus_zero)
     used = net["used"].weight.grad
     assert used is not None and bool(used.abs().sum() > 0)
+
+
+class Sometimes(nn.Module):
+    """A parameter only some samples reach: some atoms leave it without a gradient, others not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 1)
+        self.extra = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.extra(x) if bool(x[0, 0] > 0) else out
+
+
+def sum_of_step(
+    world: int, rank: int, net: nn.Module, atoms: int, k: int, hooks: bool = True
+) -> list[torch.Tensor]:
+    """A simulated rank's node after the second epoch's first step (the first epoch makes the pool)."""
+    dist = faccel.DistState.simulated(rank=rank, world_size=world, accumulation_steps=k)
+    loader = faccel.prepare(dist, DataLoader(data(), batch_size=16 // world, shuffle=True))
+    out: list[torch.Tensor] = []
+    for epoch in range(2):
+        for micro, (x, y) in faccel.micro_batches(dist, loader.at(epoch=epoch), atoms=atoms, model=net):
+            faccel.backward(dist, nn.functional.mse_loss(net(x), y), micro=micro)
+            if micro.sync:
+                assert micro.atom is not None and micro.atom.group.loss is not None
+                grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])  # type: ignore[union-attr]
+                out = [grads, micro.atom.group.loss.reshape(1)]
+                break
+        pool = dist.runtime.exact[net]
+        if not hooks and pool.hooks:  # the path CUDA takes: buffers zeroed, autograd adds into them
+            for handle in pool.handles:
+                dist.runtime.release(handle)
+            pool.hooks = pool.overlap = False
+    return out
+
+
+@pytest.mark.parametrize(("atoms", "k"), [(8, 1), (4, 2), (2, 1), (1, 1)])
+def test_atoms_that_miss_a_parameter_and_the_zeroed_path_give_the_one_process_bits(
+    atoms: int, k: int
+) -> None:
+    """The hooks copy each atom's first gradient in; without them (CUDA) buffers start at -0.0: same bits."""
+    one = sum_of_step(1, 0, Sometimes(), atoms, k)
+    assert torch.equal(
+        one[0].view(torch.uint8), sum_of_step(1, 0, Sometimes(), atoms, k, hooks=False)[0].view(torch.uint8)
+    )
+    world = 2
+    while world <= atoms:
+        nodes = [
+            sum_of_step(world, rank, Sometimes(), atoms, k, hooks=rank % 2 == 0) for rank in range(world)
+        ]
+        for held in simulate_exchange(nodes):
+            for a, b in zip(held, one, strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (atoms, world, k)
+        world *= 2
+
+
+def test_zeroing_before_the_last_piece_of_the_step_is_refused() -> None:
+    """The last atom's pieces accumulate in autograd's own tensors: a zero_grad between them is caught too."""
+    dist, loader = prepared(1, batch=8, accumulation_steps=2)  # each atom in two pieces
+    net = model()
+    with pytest.raises(UsageError, match="zero_grad"):
+        for micro, (x,) in faccel.micro_batches(dist, loader, atoms=2, model=net):
+            assert micro.atom is not None
+            if micro.sync:
+                net.zero_grad()  # after the last atom's first piece
+            faccel.backward(dist, net(x).sum(), micro=micro)
