@@ -7,7 +7,16 @@ cut after block 2, three ways: twice by hand with ``torch.distributed.pipelining
 the way torchtitan builds one, a ``PipelineStage`` over the default group, the schedule's ``step``
 with the batch on the first stage and the targets on the last, ``optimizer.step()``), and once
 through ``faccel.prepare(..., split=build, schedule=faccel.Schedule(...))`` and
-``faccel.forward_backward``, which adds its loss scaling and the loss broadcast to every rank.
+``faccel.forward_backward``, with the optimizer built over the model given to ``prepare`` (it
+steps this rank's stage, as the hand-written one does).
+
+The same result on both sides: ``forward_backward`` returns the batch's loss on every rank, so the
+hand-written step also makes it, the way a loop by hand must to log it on rank 0: the mean of the
+last stage's micro-batch losses, ``torch.distributed.broadcast`` from the last stage to every rank.
+(Without it the hand-written step would leave the loss on the last stage only, where rank 0's log
+line cannot read it.) faccel's own work beyond that is its loss scaling (each micro-batch's loss
+times the accumulation factor; torch's ``scale_grads`` divides the gradients instead on the
+hand-written side).
 Blocks of steps alternate between them (order rotating); rank 0 times them with the wall clock. The
 second hand-written model's ratio to the first is the noise floor.
 """
@@ -56,21 +65,16 @@ def _stage(stage: int, stages: int, width: int) -> Any:
     return Stage()
 
 
-class _Whole:
-    """The whole model's names, for faccel's prepare (a stage keeps the model's names)."""
+def _whole(width: int) -> Any:
+    """The whole model, by the names its stages keep (faccel's prepare takes it, and its optimizer)."""
+    from torch import nn
 
-    def __init__(self, width: int) -> None:
-        self.width = width
-
-    def build(self) -> Any:
-        from torch import nn
-
-        whole = nn.Module()
-        parts = [_stage(s, WORLD, self.width) for s in range(WORLD)]
-        whole.embed = parts[0].embed
-        whole.layers = nn.ModuleDict({k: v for p in parts for k, v in p.layers.items()})
-        whole.head = parts[-1].head
-        return whole
+    whole = nn.Module()
+    parts = [_stage(s, WORLD, width) for s in range(WORLD)]
+    whole.embed = parts[0].embed
+    whole.layers = nn.ModuleDict({k: v for p in parts for k, v in p.layers.items()})
+    whole.head = parts[-1].head
+    return whole
 
 
 def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
@@ -99,11 +103,12 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
             stage = pipelining.PipelineStage(module, rank, WORLD, dist.device)
             schedule = getattr(pipelining, cls)(stage, n_microbatches=MICRO, loss_fn=mse)
             blocks[name] = _timed(lambda b, s=schedule, o=optimizer: _by_hand(rank, s, o, b), pool, steps)
-        whole = _Whole(width)
+        # The optimizer over the very model given to prepare: faccel points it at this rank's stage.
+        whole = _whole(width)
         model, optimizer = faccel.prepare(
             dist,
-            whole.build(),
-            torch.optim.SGD(whole.build().parameters(), lr=0.01),
+            whole,
+            torch.optim.SGD(whole.parameters(), lr=0.01),
             split=lambda stage, stages, width=width: _stage(stage, stages, width),
             schedule=faccel.Schedule(kind=kind, microbatches=MICRO),
         )
@@ -121,6 +126,9 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
 
 
 def _by_hand(rank: int, schedule: Any, optimizer: Any, batch: Any) -> None:
+    import torch
+    import torch.distributed as tdist
+
     inputs, targets = batch
     optimizer.zero_grad()
     losses: list[Any] = []
@@ -128,6 +136,9 @@ def _by_hand(rank: int, schedule: Any, optimizer: Any, batch: Any) -> None:
         schedule.step(inputs)
     else:
         schedule.step(target=targets, losses=losses)
+    # The batch's loss on every rank, as forward_backward returns it: where rank 0 can log it.
+    loss = torch.stack(losses).detach().mean() if losses else torch.empty(())
+    tdist.broadcast(loss, src=WORLD - 1)
     optimizer.step()
 
 
