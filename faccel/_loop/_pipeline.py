@@ -313,13 +313,11 @@ def _scaled_loss(
         tensor(1., grad_fn=<MseLossBackward0>)
     """
     loss = fn(output, target)
-    if factor != 1.0:
-        loss = loss * factor
-    if scaler is not None:
-        loss = scaler.scale(loss)
     if sink is not None:
         sink.add(loss)
-    return loss
+    if factor != 1.0:
+        loss = loss * factor
+    return scaler.scale(loss) if scaler is not None else loss
 
 
 # The tag of the loss's messages from the last stage to the other pipeline ranks over gloo, which
@@ -361,41 +359,47 @@ class _LossRoute:
 
 
 class _StepLoss:
-    """The last stage's micro-batch losses of one step, and the batch's loss made from them.
+    """The last stage's micro-batch losses of one step, summed as they come, and the batch's loss.
 
     torch's schedule calls :func:`_scaled_loss` once per micro-batch (and once more, on a dummy
     micro-batch, when its first step infers the stages' metadata: that step passes no sink and
-    finishes after the schedule). With the last micro-batch's loss the batch's is known before
-    the schedule's remaining backwards: it is made then and, over gloo (``route.early``), sent to
-    the other pipeline ranks, whose receive waits since before the schedule, so neither side
-    waits for it when the schedule returns.
+    adds torch's list of losses after the schedule). Each loss is added unscaled as it is made,
+    so with the last micro-batch's the batch's loss is one division away, before the schedule's
+    remaining backwards: it is made then and, over gloo (``route.early``), sent to the other
+    pipeline ranks, whose receive waits since before the schedule, so neither side waits for it
+    when the schedule returns.
 
     Example:
         >>> route = _LossRoute(group=None, rank=0, holder=0, size=1, early=False)
-        >>> sink = _StepLoss(route, count=2, factor=0.5, mean=True)
-        >>> sink.add(torch.tensor(0.5)); sink.add(torch.tensor(1.5))
-        >>> sink.finish()  # (0.5 + 1.5) / 0.5 / 2: the mean of the unscaled losses 1 and 3
+        >>> sink = _StepLoss(route, count=2, mean=True)
+        >>> sink.add(torch.tensor(1.0)); sink.add(torch.tensor(3.0))
+        >>> sink.finish()  # the mean of the micro-batches' losses
         tensor(2.)
     """
 
-    __slots__ = ("count", "factor", "losses", "mean", "route", "sends", "total")
+    __slots__ = ("added", "count", "mean", "route", "sends", "sum", "total")
 
-    def __init__(self, route: _LossRoute, *, count: int, factor: float, mean: bool) -> None:
-        self.route, self.count, self.factor, self.mean = route, count, factor, mean
-        self.losses: list[torch.Tensor] = []
+    def __init__(self, route: _LossRoute, *, count: int, mean: bool) -> None:
+        self.route, self.count, self.mean = route, count, mean
+        self.added = 0
+        self.sum: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.sends: list[Any] = []
 
     def add(self, loss: torch.Tensor) -> None:
-        """One micro-batch's scaled loss; with the last, the batch's loss is made (and sent, over gloo)."""
-        self.losses.append(loss.detach())
-        if len(self.losses) == self.count:
+        """One micro-batch's loss, unscaled; with the last, the batch's loss is made (and sent, over gloo)."""
+        loss = loss.detach().float()
+        self.sum = loss if self.sum is None else self.sum + loss
+        self.added += 1
+        if self.added == self.count:
             self._make()
 
     def _make(self) -> torch.Tensor:
-        # each micro-batch's loss unscaled, then as the plain call returns it
-        raw = torch.stack([loss.float() for loss in self.losses]).sum() / self.factor
-        total = self.total = raw / self.count if self.mean else raw
+        # as the plain call returns it: the mean of the micro-batch means, or (items=) the sum
+        if self.sum is None:
+            msg = "the pipeline schedule computed no loss on the last stage"
+            raise RuntimeError(msg)
+        total = self.total = self.sum / self.count if self.mean else self.sum
         if self.route.early:
             import torch.distributed as tdist
 
@@ -658,7 +662,7 @@ def forward_backward(
     # The last stage collects its losses as the schedule makes them (from the second step on: the
     # first also computes one for torch's metadata inference); the others, over gloo, post their
     # receive of the batch's loss now, so it arrives while the schedule runs (see _StepLoss).
-    sink = _StepLoss(route, count=count, factor=factor, mean=items is None) if route.holds_loss else None
+    sink = _StepLoss(route, count=count, mean=items is None) if route.holds_loss else None
     early = _expect_loss(route, dist.device) if route.early and not route.holds_loss else None
     losses: list[torch.Tensor] = []
     model._driver.step(
@@ -669,9 +673,9 @@ def forward_backward(
     )
     if not model._warm:
         object.__setattr__(model, "_warm", True)
-        for loss in losses:  # the last stage's (torch fills the list there only)
+        for loss in losses:  # the last stage's, scaled (torch fills the list there only)
             if sink is not None:
-                sink.add(loss)
+                sink.add(loss / factor if factor != 1.0 else loss)
     if early is not None:
         buffer, work = early
         work.wait()
