@@ -361,27 +361,34 @@ class _LossRoute:
 class _StepLoss:
     """The last stage's micro-batch losses of one step, summed as they come, and the batch's loss.
 
-    torch's schedule calls :func:`_scaled_loss` once per micro-batch (and once more, on a dummy
-    micro-batch, when its first step infers the stages' metadata: that step passes no sink and
-    adds torch's list of losses after the schedule). Each loss is added unscaled as it is made,
-    so with the last micro-batch's the batch's loss is one division away, before the schedule's
-    remaining backwards: it is made then and, over gloo (``route.early``), sent to the other
-    pipeline ranks, whose receive waits since before the schedule, so neither side waits for it
-    when the schedule returns.
+    torch's schedule calls :func:`_scaled_loss` once per micro-batch, in order. Each loss is
+    added unscaled as it is made, so with the last micro-batch's the batch's loss is one division
+    away, before the schedule's remaining backwards: it is made then and, over gloo
+    (``route.early``), sent to the other pipeline ranks, whose receive waits since before the
+    schedule, so neither side waits for it when the schedule returns. A schedule's first step
+    also calls the loss function for its metadata inference, before the micro-batches: that step
+    (``deferred``) keeps every loss and sums the last ``count`` after the schedule, in the same
+    order, so every step's loss is made the same way.
 
     Example:
         >>> route = _LossRoute(group=None, rank=0, holder=0, size=1, early=False)
-        >>> sink = _StepLoss(route, count=2, mean=True)
+        >>> sink = _StepLoss(route, count=2, mean=True, deferred=False)
         >>> sink.add(torch.tensor(1.0)); sink.add(torch.tensor(3.0))
         >>> sink.finish()  # the mean of the micro-batches' losses
         tensor(2.)
+        >>> first = _StepLoss(route, count=2, mean=True, deferred=True)
+        >>> for loss in (9.0, 1.0, 3.0):  # the first: torch's metadata inference
+        ...     first.add(torch.tensor(loss))
+        >>> first.finish()
+        tensor(2.)
     """
 
-    __slots__ = ("added", "count", "mean", "route", "sends", "sum", "total")
+    __slots__ = ("added", "count", "deferred", "kept", "mean", "route", "sends", "sum", "total")
 
-    def __init__(self, route: _LossRoute, *, count: int, mean: bool) -> None:
-        self.route, self.count, self.mean = route, count, mean
+    def __init__(self, route: _LossRoute, *, count: int, mean: bool, deferred: bool) -> None:
+        self.route, self.count, self.mean, self.deferred = route, count, mean, deferred
         self.added = 0
+        self.kept: list[torch.Tensor] = []
         self.sum: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.sends: list[Any] = []
@@ -389,16 +396,25 @@ class _StepLoss:
     def add(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss, unscaled; with the last, the batch's loss is made (and sent, over gloo)."""
         loss = loss.detach().float()
-        self.sum = loss if self.sum is None else self.sum + loss
-        self.added += 1
+        if self.deferred:
+            self.kept.append(loss)
+            return
+        self._sum(loss)
         if self.added == self.count:
             self._make()
 
+    def _sum(self, loss: torch.Tensor) -> None:
+        self.sum = loss if self.sum is None else self.sum + loss
+        self.added += 1
+
     def _make(self) -> torch.Tensor:
-        # as the plain call returns it: the mean of the micro-batch means, or (items=) the sum
-        if self.sum is None:
-            msg = "the pipeline schedule computed no loss on the last stage"
+        if self.deferred:  # the schedule's micro-batches are the last ``count`` losses it made
+            for loss in self.kept[-self.count :]:
+                self._sum(loss)
+        if self.sum is None or self.added != self.count:
+            msg = f"the pipeline schedule made {self.added} losses on the last stage, not {self.count}"
             raise RuntimeError(msg)
+        # as the plain call returns it: the mean of the micro-batch means, or (items=) the sum
         total = self.total = self.sum / self.count if self.mean else self.sum
         if self.route.early:
             import torch.distributed as tdist
@@ -659,23 +675,19 @@ def forward_backward(
     count = model.schedule.micro(pipeline=dist.parallel.pipeline)
     factor = _factor(dist, count, micro, items)
     route: _LossRoute = model._route
-    # The last stage collects its losses as the schedule makes them (from the second step on: the
-    # first also computes one for torch's metadata inference); the others, over gloo, post their
-    # receive of the batch's loss now, so it arrives while the schedule runs (see _StepLoss).
-    sink = _StepLoss(route, count=count, mean=items is None) if route.holds_loss else None
+    # The last stage sums its losses as the schedule makes them (its first step also makes one for
+    # torch's metadata inference: that step sums after the schedule); the others, over gloo, post
+    # their receive of the batch's loss now, so it arrives while the schedule runs (see _StepLoss).
+    sink = None
+    if route.holds_loss:
+        sink = _StepLoss(route, count=count, mean=items is None, deferred=not model._warm)
     early = _expect_loss(route, dist.device) if route.early and not route.holds_loss else None
-    losses: list[torch.Tensor] = []
     model._driver.step(
         *(args if 0 in model.stage_ids else ()),
         target=targets if route.holds_loss else None,
-        losses=losses if sink is not None and not model._warm else None,
-        loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None, "sink": sink if model._warm else None},
+        loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None, "sink": sink},
     )
-    if not model._warm:
-        object.__setattr__(model, "_warm", True)
-        for loss in losses:  # the last stage's, scaled (torch fills the list there only)
-            if sink is not None:
-                sink.add(loss / factor if factor != 1.0 else loss)
+    object.__setattr__(model, "_warm", True)
     if early is not None:
         buffer, work = early
         work.wait()
