@@ -3,17 +3,28 @@
 Two processes are spawned (``pipeline=2``). For each schedule (GPipe, 1F1B; 4 micro-batches) and
 each size (width 64 with a batch of 16, where a step is mostly the messages' latency; width 512
 with a batch of 64) each rank trains a model of an input layer, four blocks and a read-out,
-cut after block 2, three ways: twice by hand with ``torch.distributed.pipelining`` (the stage built
+cut after block 2, four ways: three times by hand with ``torch.distributed.pipelining`` (the stage built
 the way torchtitan builds one, a ``PipelineStage`` over the default group, the schedule's ``step``
 with the batch on the first stage and the targets on the last, ``optimizer.step()``), and once
 through ``faccel.prepare(..., split=build, schedule=faccel.Schedule(...))`` and
-``faccel.forward_backward``, which adds its loss scaling and the loss broadcast to every rank.
+``faccel.forward_backward``, with the optimizer built over the model given to ``prepare`` (it
+steps this rank's stage, as the hand-written one does).
+
+The same result on both sides: ``forward_backward`` returns the batch's loss on every rank, so the
+hand-written step also makes it, the way a loop by hand must to log it on rank 0: the mean of the
+last stage's micro-batch losses, ``torch.distributed.broadcast`` from the last stage to every rank.
+(Without it the hand-written step would leave the loss on the last stage only, where rank 0's log
+line cannot read it.) A third hand-written model skips that, leaving the loss on the last stage,
+for reference: what making the loss on every rank costs. faccel's own work beyond the baseline is
+its loss scaling (each micro-batch's loss times the accumulation factor; torch's ``scale_grads``
+divides the gradients instead on the hand-written side).
 Blocks of steps alternate between them (order rotating); rank 0 times them with the wall clock. The
 second hand-written model's ratio to the first is the noise floor.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -25,6 +36,7 @@ from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows,
 
 RAW = "torch.distributed.pipelining by hand"
 AGAIN = "by hand, again"
+BARE = "by hand, the loss left on the last stage"
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 WORLD, MICRO = 2, 4
 # (width, batch) of each case: a toy step that is mostly latency, and one with some arithmetic in it.
@@ -56,21 +68,16 @@ def _stage(stage: int, stages: int, width: int) -> Any:
     return Stage()
 
 
-class _Whole:
-    """The whole model's names, for faccel's prepare (a stage keeps the model's names)."""
+def _whole(width: int) -> Any:
+    """The whole model, by the names its stages keep (faccel's prepare takes it, and its optimizer)."""
+    from torch import nn
 
-    def __init__(self, width: int) -> None:
-        self.width = width
-
-    def build(self) -> Any:
-        from torch import nn
-
-        whole = nn.Module()
-        parts = [_stage(s, WORLD, self.width) for s in range(WORLD)]
-        whole.embed = parts[0].embed
-        whole.layers = nn.ModuleDict({k: v for p in parts for k, v in p.layers.items()})
-        whole.head = parts[-1].head
-        return whole
+    whole = nn.Module()
+    parts = [_stage(s, WORLD, width) for s in range(WORLD)]
+    whole.embed = parts[0].embed
+    whole.layers = nn.ModuleDict({k: v for p in parts for k, v in p.layers.items()})
+    whole.head = parts[-1].head
+    return whole
 
 
 def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
@@ -93,17 +100,19 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
             for _ in range(4)
         ]
         blocks = {}
-        for name in (RAW, AGAIN):
+        for name in (RAW, AGAIN, BARE):
             module = _stage(rank, WORLD, width)
             optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
             stage = pipelining.PipelineStage(module, rank, WORLD, dist.device)
             schedule = getattr(pipelining, cls)(stage, n_microbatches=MICRO, loss_fn=mse)
-            blocks[name] = _timed(lambda b, s=schedule, o=optimizer: _by_hand(rank, s, o, b), pool, steps)
-        whole = _Whole(width)
+            by_hand = functools.partial(_by_hand, rank, schedule, optimizer, share=name != BARE)
+            blocks[name] = _timed(by_hand, pool, steps)
+        # The optimizer over the very model given to prepare: faccel points it at this rank's stage.
+        whole = _whole(width)
         model, optimizer = faccel.prepare(
             dist,
-            whole.build(),
-            torch.optim.SGD(whole.build().parameters(), lr=0.01),
+            whole,
+            torch.optim.SGD(whole.parameters(), lr=0.01),
             split=lambda stage, stages, width=width: _stage(stage, stages, width),
             schedule=faccel.Schedule(kind=kind, microbatches=MICRO),
         )
@@ -120,7 +129,10 @@ def _worker(rank: int, port: int, plan: tuple[int, int], out: str) -> None:
     faccel.shutdown(dist)
 
 
-def _by_hand(rank: int, schedule: Any, optimizer: Any, batch: Any) -> None:
+def _by_hand(rank: int, schedule: Any, optimizer: Any, batch: Any, *, share: bool) -> None:
+    import torch
+    import torch.distributed as tdist
+
     inputs, targets = batch
     optimizer.zero_grad()
     losses: list[Any] = []
@@ -128,6 +140,9 @@ def _by_hand(rank: int, schedule: Any, optimizer: Any, batch: Any) -> None:
         schedule.step(inputs)
     else:
         schedule.step(target=targets, losses=losses)
+    if share:  # the batch's loss on every rank, as forward_backward returns it: where rank 0 can log it
+        loss = torch.stack(losses).detach().mean() if losses else torch.empty(())
+        tdist.broadcast(loss, src=WORLD - 1)
     optimizer.step()
 
 
@@ -156,7 +171,10 @@ def run(quick: bool) -> list[Row]:
             unit="ms/step",
             scale=1e3,
             goals="parallel_step",
-            notes={AGAIN: "the noise floor: the same step as the baseline, another model"},
+            notes={
+                AGAIN: "the noise floor: the same step as the baseline, another model",
+                BARE: "no loss on rank 0: less than forward_backward returns, for reference",
+            },
         )
     return out
 

@@ -156,6 +156,8 @@ class PipelinedModel(nn.Module):
     _split: Split
     _options: Any
     _driver: Any
+    _route: Any  # a _LossRoute once built
+    _warm: bool  # the schedule ran a step (its first one also infers the stages' metadata)
     shapes: tuple[tuple[int, ...] | None, ...]
 
     def __init__(
@@ -170,6 +172,8 @@ class PipelinedModel(nn.Module):
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "_driver", None)
+        object.__setattr__(self, "_route", None)
+        object.__setattr__(self, "_warm", False)
         object.__setattr__(self, "stage_ids", ())
         object.__setattr__(self, "shapes", ())
 
@@ -287,11 +291,146 @@ _NOT_BUILT = (
 
 
 def _scaled_loss(
-    output: Any, target: Any, *, fn: Callable[..., torch.Tensor], factor: float, scaler: Any
+    output: Any,
+    target: Any,
+    *,
+    fn: Callable[..., torch.Tensor],
+    factor: float,
+    scaler: Any,
+    sink: _StepLoss | None = None,
 ) -> torch.Tensor:
-    """One micro-batch's loss scaled as ``backward`` scales a whole batch's (torch's schedules call it)."""
-    loss = fn(output, target) * factor
+    """One micro-batch's loss scaled as ``backward`` scales a whole batch's (torch's schedules call it).
+
+    A factor of 1 multiplies nothing (the same bits, one autograd node less). ``sink`` collects the
+    step's losses (:class:`_StepLoss`).
+
+    Example:
+        >>> mse = torch.nn.functional.mse_loss
+        >>> out, target = torch.ones(2, requires_grad=True), torch.zeros(2)
+        >>> _scaled_loss(out, target, fn=mse, factor=0.25, scaler=None)
+        tensor(0.2500, grad_fn=<MulBackward0>)
+        >>> _scaled_loss(out, target, fn=mse, factor=1.0, scaler=None)
+        tensor(1., grad_fn=<MseLossBackward0>)
+    """
+    loss = fn(output, target)
+    if sink is not None:
+        sink.add(loss)
+    if factor != 1.0:
+        loss = loss * factor
     return scaler.scale(loss) if scaler is not None else loss
+
+
+# The tag of the loss's messages from the last stage to the other pipeline ranks over gloo, which
+# matches a message to a receive by sender and tag: torch's schedules send with tag 0, so none of
+# theirs can take this receive, and it can be posted before the schedule runs.
+_LOSS_TAG = 0x10557A6
+
+
+@attrs.frozen
+class _LossRoute:
+    """How the loss goes from the rank holding the last stage to the rest of its pipeline group.
+
+    Made once, when the stages are built. ``early``: the backend matches messages by tag (gloo),
+    so the other ranks post their receive before the schedule and the last stage's send finds it
+    waiting (one message, no round trip at the end of the step); else a broadcast after the
+    schedule (NCCL, which ignores tags, queues it on the stream without waiting for it).
+
+    Example:
+        >>> route = _LossRoute(group=None, rank=0, holder=1, size=2, early=True)
+        >>> route.holds_loss, route.peers
+        (False, (0,))
+    """
+
+    group: Any
+    rank: int  # this rank's pipeline coordinate (its rank in ``group``)
+    holder: int  # the pipeline coordinate of the rank holding the last stage
+    size: int
+    early: bool
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank holds the last stage (where the loss is computed)."""
+        return self.rank == self.holder
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The pipeline ranks the loss is sent to."""
+        return tuple(r for r in range(self.size) if r != self.holder)
+
+
+class _StepLoss:
+    """The last stage's micro-batch losses of one step, summed as they come, and the batch's loss.
+
+    torch's schedule calls :func:`_scaled_loss` once per micro-batch, in order. Each loss is
+    added unscaled as it is made, so with the last micro-batch's the batch's loss is one division
+    away, before the schedule's remaining backwards: it is made then and, over gloo
+    (``route.early``), sent to the other pipeline ranks, whose receive waits since before the
+    schedule, so neither side waits for it when the schedule returns. A schedule's first step
+    also calls the loss function for its metadata inference, before the micro-batches: that step
+    (``deferred``) keeps every loss and sums the last ``count`` after the schedule, in the same
+    order, so every step's loss is made the same way.
+
+    Example:
+        >>> route = _LossRoute(group=None, rank=0, holder=0, size=1, early=False)
+        >>> sink = _StepLoss(route, count=2, mean=True, deferred=False)
+        >>> sink.add(torch.tensor(1.0)); sink.add(torch.tensor(3.0))
+        >>> sink.finish()  # the mean of the micro-batches' losses
+        tensor(2.)
+        >>> first = _StepLoss(route, count=2, mean=True, deferred=True)
+        >>> for loss in (9.0, 1.0, 3.0):  # the first: torch's metadata inference
+        ...     first.add(torch.tensor(loss))
+        >>> first.finish()
+        tensor(2.)
+    """
+
+    __slots__ = ("added", "count", "deferred", "kept", "mean", "route", "sends", "sum", "total")
+
+    def __init__(self, route: _LossRoute, *, count: int, mean: bool, deferred: bool) -> None:
+        self.route, self.count, self.mean, self.deferred = route, count, mean, deferred
+        self.added = 0
+        self.kept: list[torch.Tensor] = []
+        self.sum: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+        self.sends: list[Any] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss, unscaled; with the last, the batch's loss is made (and sent, over gloo)."""
+        loss = loss.detach().float()
+        if self.deferred:
+            self.kept.append(loss)
+            return
+        self._sum(loss)
+        if self.added == self.count:
+            self._make()
+
+    def _sum(self, loss: torch.Tensor) -> None:
+        self.sum = loss if self.sum is None else self.sum + loss
+        self.added += 1
+
+    def _make(self) -> torch.Tensor:
+        if self.deferred:  # the schedule's micro-batches are the last ``count`` losses it made
+            for loss in self.kept[-self.count :]:
+                self._sum(loss)
+        if self.sum is None or self.added != self.count:
+            msg = f"the pipeline schedule made {self.added} losses on the last stage, not {self.count}"
+            raise RuntimeError(msg)
+        # as the plain call returns it: the mean of the micro-batch means, or (items=) the sum
+        total = self.total = self.sum / self.count if self.mean else self.sum
+        if self.route.early:
+            import torch.distributed as tdist
+
+            group = self.route.group
+            for peer in self.route.peers:
+                self.sends.append(tdist.isend(total, group=group, group_dst=peer, tag=_LOSS_TAG))
+        return total
+
+    def finish(self) -> torch.Tensor:
+        """The batch's loss, once the schedule returned; its sends done."""
+        total = self.total if self.total is not None else self._make()
+        for work in self.sends:
+            if work is not None:  # None only on a rank outside the group
+                work.wait()
+        return total
 
 
 def _micro_inputs(inputs: tuple[Any, ...], count: int) -> tuple[Any, ...]:
@@ -420,7 +559,13 @@ def _build(model: PipelinedModel, inputs: tuple[Any, ...]) -> None:
     first = stages[0] if len(stages) == 1 and schedule.per_rank == 1 else stages
     # scale_grads=False: _scaled_loss scales each micro-batch's loss as backward() would.
     driver = kind(first, n_microbatches=count, loss_fn=_scaled_loss, scale_grads=False)
+    last = total - 1
+    holder = next(r for r in range(layout.pipeline) if last in stage_indices(schedule, r, layout.pipeline))
+    route = _LossRoute(
+        group=group, rank=pipeline_rank, holder=holder, size=layout.pipeline, early=dist.backend == "gloo"
+    )
     object.__setattr__(model, "stage_ids", ids)
+    object.__setattr__(model, "_route", route)
     object.__setattr__(model, "_driver", driver)
 
 
@@ -472,7 +617,7 @@ def forward_backward(
     accumulation group; or, with ``items=``, a sum over the group's items), and
     its backward runs where the schedule puts it. The loss returned is the
     batch's, as the plain call returns it (the mean of the micro-batch means;
-    with ``items=``, their sum), broadcast from the last stage to every rank.
+    with ``items=``, their sum), sent from the last stage to every rank.
     So one loop runs unchanged at every layout.
 
     Args:
@@ -527,37 +672,41 @@ def forward_backward(
             "DataLoader, or pad the last batch)"
         )
         raise UsageError(msg)
-    layout = dist.parallel
-    count = model.schedule.micro(pipeline=layout.pipeline)
+    count = model.schedule.micro(pipeline=dist.parallel.pipeline)
     factor = _factor(dist, count, micro, items)
-    losses: list[torch.Tensor] = []
-    first = 0 in model.stage_ids
+    route: _LossRoute = model._route
+    # The last stage sums its losses as the schedule makes them (its first step also makes one for
+    # torch's metadata inference: that step sums after the schedule); the others, over gloo, post
+    # their receive of the batch's loss now, so it arrives while the schedule runs (see _StepLoss).
+    sink = None
+    if route.holds_loss:
+        sink = _StepLoss(route, count=count, mean=items is None, deferred=not model._warm)
+    early = _expect_loss(route, dist.device) if route.early and not route.holds_loss else None
     model._driver.step(
-        *(args if first else ()),
-        target=targets if model.holds_last_stage() else None,
-        losses=losses,
-        loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None},
+        *(args if 0 in model.stage_ids else ()),
+        target=targets if route.holds_loss else None,
+        loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None, "sink": sink},
     )
-    total = torch.zeros((), dtype=torch.float32, device=dist.device)
-    if losses:  # the last stage: each micro-batch's loss unscaled, then as the plain call returns it
-        raw = torch.stack([loss.detach().float() for loss in losses]).sum() / factor
-        total = raw if items is not None else raw / count
-    return _from_last_stage(dist, model, total)
+    object.__setattr__(model, "_warm", True)
+    if early is not None:
+        buffer, work = early
+        work.wait()
+        return buffer
+    total = sink.finish() if sink is not None else torch.zeros((), dtype=torch.float32, device=dist.device)
+    if not route.early:
+        import torch.distributed as tdist
+
+        tdist.broadcast(total, group=route.group, group_src=route.holder)
+    return total
 
 
-def _from_last_stage(dist: DistState, model: PipelinedModel, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` as the rank holding the last stage has it, on every rank of its pipeline group."""
+def _expect_loss(route: _LossRoute, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """The loss's buffer on a rank without the last stage, and its receive, posted now (gloo)."""
     import torch.distributed as tdist
 
-    from faccel._dist._mesh import dimension_group
-
-    layout = dist.parallel
-    last = layout.pipeline * model.schedule.per_rank - 1
-    holder = next(
-        r for r in range(layout.pipeline) if last in stage_indices(model.schedule, r, layout.pipeline)
-    )
-    tdist.broadcast(loss, group=dimension_group(dist, "pipeline"), group_src=holder)
-    return loss
+    buffer = torch.empty((), dtype=torch.float32, device=device)
+    work = tdist.irecv(buffer, group=route.group, group_src=route.holder, tag=_LOSS_TAG)
+    return buffer, work
 
 
 def clip_stages(

@@ -166,6 +166,59 @@ def accumulated(layout: str | None, by_items: bool, steps: int = 2) -> dict[str,
     return {"loss": losses, "weights": weights}
 
 
+# (schedule, micro-batches, whether the loss takes gloo's early route) for loss_routes
+LOSS_ROUTES = (("gpipe", 4, True), ("1f1b", 4, False), ("gpipe", 1, True))
+
+
+def loss_routes() -> dict[str, Any]:
+    """faccel's pipelined step against torch's schedule by hand, 3 steps per case of LOSS_ROUTES.
+
+    By hand: the same stage and schedule, each micro-batch's loss times 1/count and
+    ``scale_grads=False`` (what faccel asks of torch's schedule). Per case: whether each step's
+    gradients are the same bits, faccel's loss on this rank, and by hand the mean of the
+    micro-batch losses on the last stage. ``early=False`` takes the route of backends without
+    tags (NCCL's: a broadcast after the schedule), here over gloo.
+    """
+    import attrs
+    from torch.distributed import pipelining
+
+    import faccel
+
+    dist = faccel.detect(layout="pipeline=2")
+    rank, data = dist.rank, batches(3)
+    out: dict[str, Any] = {}
+    for kind, count, early in LOSS_ROUTES:
+        torch.manual_seed(0)
+        schedule = faccel.Schedule(kind=kind, microbatches=count)
+        model = faccel.prepare(dist, Net(), split=_stage_builder(), schedule=schedule, example=data[0][0])
+        object.__setattr__(model, "_route", attrs.evolve(model._route, early=early))
+        torch.manual_seed(0)
+        hand = Stage(rank, 2)
+        stage = pipelining.PipelineStage(hand, rank, 2, dist.device)
+
+        def scaled(output: torch.Tensor, target: torch.Tensor, count: int = count) -> torch.Tensor:
+            return nn.functional.mse_loss(output, target) * (1.0 / count)
+
+        cls = pipelining.ScheduleGPipe if kind == "gpipe" else pipelining.Schedule1F1B
+        by_hand = cls(stage, n_microbatches=count, loss_fn=scaled, scale_grads=False)
+        mine = faccel.unwrap_model(model.stages[0])
+        same, losses, hands = [], [], []
+        for x, y in data:
+            for param in [*mine.parameters(), *hand.parameters()]:
+                param.grad = None
+            losses.append(float(faccel.forward_backward(dist, model, nn.functional.mse_loss, x, y)))
+            made: list[torch.Tensor] = []
+            if rank == 0:
+                by_hand.step(x)
+            else:
+                by_hand.step(target=y, losses=made)
+                hands.append(float(torch.stack(made).sum()))  # each is loss / count: their mean
+            theirs = dict(hand.named_parameters())
+            same.append(all(torch.equal(p.grad, theirs[n].grad) for n, p in mine.named_parameters()))
+        out[f"{kind}/{count}/{early}"] = {"same": same, "loss": losses, "hand": hands}
+    return out
+
+
 def refusals(root: str) -> dict[str, str]:
     """What is refused of a pipelined model's checkpoints and exports, each loudly, nothing written."""
     import faccel

@@ -82,6 +82,19 @@ def test_accumulation_and_items_mean_what_they_mean_without_stages(by_items: boo
             assert value == pytest.approx(reference["weights"][name], **TOLERANCE), name
 
 
+def test_the_loss_reaches_every_rank_and_the_gradients_are_torchs_schedule_by_hand() -> None:
+    """GPipe over gloo's early route (the receive posted before the schedule, the loss sent as soon as
+    the last micro-batch's is made), 1F1B over the broadcast route, and 1 micro-batch (no scaling)."""
+    ranks = harness.run(pipeline_workers.loss_routes, world_size=2, timeout=240)
+    for kind, count, early in pipeline_workers.LOSS_ROUTES:
+        case = f"{kind}/{count}/{early}"
+        for r in ranks:  # each step's gradients: the same bits as torch's schedule with 1/count-scaled losses
+            assert r[case]["same"] == [True, True, True], case
+        # the last stage's loss, the same bits on the other rank; the mean of the micro-batch losses
+        assert ranks[0][case]["loss"] == ranks[1][case]["loss"], case
+        assert ranks[1][case]["loss"] == pytest.approx(ranks[1][case]["hand"], rel=1e-6), case
+
+
 def test_what_checkpoints_of_stages_refuse_is_refused_loudly(tmp_path: Path) -> None:
     ranks = harness.run(pipeline_workers.refusals, world_size=2, timeout=120, root=str(tmp_path))
     for r in ranks:
