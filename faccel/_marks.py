@@ -77,13 +77,12 @@ Three hooks, registered through torch's own ``register_*_hook`` and held (their
   removes itself.
 - ``faccel: exact bucket ready`` (:data:`EXACT_BUCKET_READY`), a
   post-accumulate-grad hook on each parameter of a model trained in exact mode
-  (``micro_batches(..., atoms=...)``) on CPU: during an atom's backward it
-  copies the gradient autograd hands over into the atom's buffers (none to
-  zero first); during a step's last backward it adds each gradient into the
-  tree and, on more than one process, once every parameter of a bucket has
-  its gradient, posts the bucket's first round of the exchange, so the
-  messages travel while the backward goes on (as DDP's own hooks do). Outside
-  exact steps it tests one attribute and returns (``faccel._loop._exact``).
+  (``micro_batches(..., atoms=...)``) on more than one CPU process: during a
+  step's last backward, once every parameter of a bucket has its gradient, it
+  adds the bucket's last tree sums and posts the bucket's first round of the
+  exchange, so the messages travel while the backward goes on (as DDP's own
+  hooks do). Outside that backward it tests one attribute and returns
+  (``faccel._loop._exact``).
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its

@@ -7,14 +7,12 @@ robin, so a rank ``r`` of ``W`` holds atoms ``r, r + W, ...`` and its local
 atom ``i`` is the stride slice ``batch[i::A // W]``, the same samples in the
 same order at every ``W``. Each atom's gradient is computed alone (same
 shapes, same kernels), under an RNG seeded from ``(seed, epoch, position,
-atom)``, into a flat buffer per dtype that the parameters' ``.grad`` view
-(on CPU, a hook on each parameter copies autograd's first gradient of the
-atom there: no buffer to zero, no first addition); the atoms are summed along
-``_tree_reduce``'s one fixed tree, locally then across ranks by point-to-point
-messages (on CPU processes the step's last atom is added into the tree, and
-each bucket's first round posted, during its backward, from the same hooks).
-After the step's last ``faccel.backward`` every rank's ``.grad`` holds the
-bits one process gets.
+atom)``, into a flat buffer of -0.0 per dtype that the parameters' ``.grad``
+view; the atoms are summed along ``_tree_reduce``'s one fixed tree, locally
+then across ranks by point-to-point messages (on CPU processes each bucket's
+first round posted during the step's last backward, from a hook on the
+parameters). After the step's last ``faccel.backward`` every rank's
+``.grad`` holds the bits one process gets.
 
 What lives here: the checks made when the iteration starts (:class:`ExactRun`,
 one per ``micro_batches`` iteration: the parameters' flat layout and its
@@ -169,13 +167,10 @@ class _Pool:
         self.free: list[list[torch.Tensor]] = []
         self.granted: list[torch.Tensor] | None = None  # the buffers the .grad of the last step view
         self.scratch: list[torch.Tensor] | None = None  # the exchange's receive space
-        # A hook on each parameter (CPU): it copies an atom's first gradient into the atom's buffers
-        # (none to zero), adds the step's last atom into the tree as its backward goes on, and (overlap)
-        # starts each bucket's exchange then.
-        self.hooks = False
+        # Start each bucket's exchange during the step's last backward (hooks on the parameters).
         self.overlap = False
         self.handles: list[Any] = []  # the hooks (held by dist.runtime too)
-        self.armed: AtomGroup | None = None  # the step whose atoms are running
+        self.armed: AtomGroup | None = None  # the step whose last backward is running
         self.started_early = 0  # buckets the last step started during its backward
 
     def ready(self, index: int) -> None:
@@ -196,12 +191,11 @@ def _pool(dist: DistState, model: nn.Module, layout: _Layout, device: torch.devi
             for handle in pool.handles:
                 dist.runtime.release(handle)
         pool = dist.runtime.exact[model] = _Pool(key)
-        if device.type == "cpu":
-            # One post-accumulate-grad hook per parameter (EXACT_BUCKET_READY), held by dist.runtime so
-            # that shutdown removes it. CPU only: on CUDA the hook would run on autograd's device thread,
-            # untested here, so each atom accumulates into zeroed buffers and the exchange follows.
-            pool.hooks = True
-            pool.overlap = dist.data_world_size > 1
+        if dist.data_world_size > 1 and device.type == "cpu":
+            # Overlap the exchange with the last backward: one post-accumulate-grad hook per parameter
+            # (EXACT_BUCKET_READY), held by dist.runtime so that shutdown removes it. CPU only: on CUDA
+            # the hook would run on autograd's device thread, untested here, so the exchange follows it.
+            pool.overlap = True
             for index, param in enumerate(layout.params):
                 hook = _bucket_ready_hook(pool, index)
                 pool.handles.append(dist.runtime.hold(param.register_post_accumulate_grad_hook(hook)))
@@ -332,28 +326,26 @@ class ExactRun:
         self._pool = _pool(dist, model, self.layout, self.device)
 
     # -- buffers -------------------------------------------------------------------------------------
-    def take(self, zeroed: bool) -> list[torch.Tensor]:
-        """Flat buffers (one per dtype, then the float64 loss slot), reused where possible.
+    def take(self) -> list[torch.Tensor]:
+        """Flat buffers of -0.0 (one per dtype, then the float64 loss slot), reused where possible.
 
-        With ``zeroed``, filled with -0.0, not +0.0: it is IEEE-754's exact additive identity
-        (``-0.0 + g`` is ``g`` for every ``g``, -0.0 included), so an atom's gradient
-        accumulated into it is the raw gradient, the same bits whether it lands in a fresh
-        buffer or into its left neighbour's (``_fused``). Without, only the loss slot is:
-        the hooks write every gradient element before anything reads it (``AtomGroup.ready``),
-        and ``AtomGroup.done`` fills what no backward reached. The pool outlives this
-        iteration (``dist.runtime``), so buffers are allocated once per run, not at every
-        iteration's first step.
+        -0.0, not +0.0: it is IEEE-754's exact additive identity (``-0.0 + g`` is ``g`` for
+        every ``g``, -0.0 included), so an atom's gradient accumulated into it is the raw
+        gradient, the same bits whether it lands in a fresh buffer or into its left
+        neighbour's (``_fused``). The pool outlives this iteration (``dist.runtime``), so
+        buffers are allocated once per run, not at every iteration's first step.
         """
         if self._pool.free:
             buffers = self._pool.free.pop()
-        else:
-            lay = self.layout
-            sizes = zip(lay.sizes, lay.dtypes, strict=True)
-            flats = [torch.empty(n, dtype=d, device=self.device) for n, d in sizes]
-            buffers = [*flats, torch.empty(1, dtype=torch.float64, device=self.device)]
-        for b in buffers if zeroed else buffers[-1:]:
-            b.fill_(-0.0)
-        return buffers
+            for b in buffers:
+                b.fill_(-0.0)
+            return buffers
+        lay = self.layout
+        flats = [
+            torch.full((n,), -0.0, dtype=d, device=self.device)
+            for n, d in zip(lay.sizes, lay.dtypes, strict=True)
+        ]
+        return [*flats, torch.full((1,), -0.0, dtype=torch.float64, device=self.device)]
 
     def release(self, buffers: list[torch.Tensor]) -> None:
         self._pool.free.append(buffers)
@@ -368,19 +360,14 @@ class ExactRun:
             self._pool.scratch = scratch_for(buffers, self.world)
         return self._pool.scratch
 
-    def views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each parameter's place in ``buffers``, shaped as the parameter."""
-        lay = self.layout
-        return [
-            buffers[b][o : o + p.numel()].view_as(p)
-            for p, b, o in zip(lay.params, lay.bucket, lay.offset, strict=True)
-        ]
-
     def point_grads(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Make each parameter's ``.grad`` a view of ``buffers``; return the views."""
-        views = self.views(buffers)
-        for p, view in zip(self.layout.params, views, strict=True):
+        views = []
+        lay = self.layout
+        for p, b, o in zip(lay.params, lay.bucket, lay.offset, strict=True):
+            view = buffers[b][o : o + p.numel()].view_as(p)
             p.grad = view
+            views.append(view)
         return views
 
     def grant(self, buffers: list[torch.Tensor]) -> None:
@@ -432,16 +419,9 @@ class ExactRun:
 class AtomGroup:
     """The live accumulator of one optimizer step in exact mode (``micro.atom.group``).
 
-    It owns the parameters' ``.grad`` during the step. Each atom but the last
-    has flat buffers that ``.grad`` views: on CPU its backward starts from
-    ``.grad = None`` and a hook copies the gradient autograd hands over into
-    them (no buffer to zero, no first addition); elsewhere they start at -0.0
-    and autograd accumulates into them. Its later pieces, and an atom that is
-    the right operand of its pair, accumulate there (autograd's in-place
-    ``grad += new`` is the tree's addition, element by element); then the
-    buffers join the tree. The step's last atom keeps autograd's own tensors,
-    added into the tree parameter by parameter as its backward hands them over
-    (on CPU; after it elsewhere). After the step's last ``faccel.backward``,
+    It owns the parameters' ``.grad`` during the step: each atom starts from
+    buffers of -0.0 that ``.grad`` views, its pieces accumulate there, then the
+    buffers join the tree. After the step's last ``faccel.backward``,
     ``.grad`` views the tree's sum (the same bits on every rank and at every
     size) and :attr:`loss` holds the step's loss as a float64 scalar tensor.
     """
@@ -451,27 +431,17 @@ class AtomGroup:
         self.size = size
         self.loss: torch.Tensor | None = None
         self._stack = TreeStack(run.release)
-        self._current: list[torch.Tensor] = []  # the current atom's buffers (not the last atom's)
-        self._views: list[torch.Tensor] = []  # each parameter's place in them
-        self._written: list[bool] = []  # which places hold the atom's gradient (the hooks copy it in)
+        self._current: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
         self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._entered = 0
         self._done = 0
         self._place = 0  # the current atom's place in the push order
         self._pending: list[torch.Tensor] = []  # a left leaf waiting for its right one
-        self._replaced = False  # a hook found a .grad that is not the step's
-        # The step's last atom: autograd's tensors and its loss, the stack entries it is added into
-        # (the last of them, or a buffer of its own, holds the sum), which parameters are added yet,
-        # whether its last piece is running, the exchange, parameters each bucket still awaits.
-        self._last = False
-        self._grads: list[torch.Tensor | None] = []
-        self._slot = torch.empty(0)
+        # The step's last backward, when its exchange overlaps it (arm): the stack entries the last
+        # leaf merges into, its level, the sum's buffers, the exchange, parameters each bucket awaits.
         self._chain: list[list[torch.Tensor]] = []
-        self._chain_views: list[list[torch.Tensor]] = []
-        self._total: list[torch.Tensor] = []
-        self._total_views: list[torch.Tensor] = []
-        self._merged: list[bool] = []
-        self._final = False
+        self._level = 0
         self._exchange: Exchange | None = None
         self._awaited: list[int] = []
 
@@ -485,129 +455,57 @@ class AtomGroup:
 
         A leaf of one piece at an odd place is the right operand of its pair: autograd's
         in-place accumulation (``grad += new``) into the left leaf's buffers is the very
-        addition the tree makes, element by element, and saves a buffer and a pass. Not
-        the step's last leaf: it is added into the tree as its gradients come (:meth:`_merge`).
+        addition the tree makes, element by element, and saves a zeroed buffer and a pass.
         """
-        return self.size == 1 and j % 2 == 1 and j != self.run.local - 1
+        return self.size == 1 and j % 2 == 1
 
     def begin_atom(self, j: int) -> None:
         self._place = j
-        run = self.run
-        params = run.layout.params
-        hooks = run._pool.hooks
-        if hooks:
-            run._pool.armed = self
-        if j == run.local - 1:
-            self._begin_last()
-            return
         if self._fused(j):
-            self._current, self._pending = self._pending, []
-            self._views = run.point_grads(self._current)
-            self._written = [True] * len(params)
-        elif hooks:  # the hooks copy autograd's gradients in (ready)
-            self._current = run.take(zeroed=False)
-            self._views = run.views(self._current)
-            self._written = [False] * len(params)
-            for p in params:
-                p.grad = None
+            self._current = self._pending
+            self._pending = []
         else:
-            self._current = run.take(zeroed=True)
-            self._views = run.point_grads(self._current)
-            self._written = [True] * len(params)
-
-    def _begin_last(self) -> None:
-        """The step's last atom: autograd's own tensors, added into the stack's entries at the end."""
-        run = self.run
-        params = run.layout.params
-        self._last = True
-        for p in params:
-            p.grad = None
-        self._grads = [None] * len(params)
-        self._slot = torch.full((1,), -0.0, dtype=torch.float64, device=run.device)
-        self._chain = self._stack.chain(0)
-        # The sum lands in the last entry (the root of the rank's subtree); one atom: buffers of its own.
-        self._total = self._chain[-1] if self._chain else run.take(zeroed=False)
-        self._total_views = run.views(self._total)
-        self._chain_views = [run.views(entry) for entry in self._chain[:-1]]
-        self._merged = [False] * (len(params) + 1)
+            self._current = self.run.take()
+        self._views = self.run.point_grads(self._current)
 
     def arm(self) -> None:
-        """Before the step's last piece: its backward adds each parameter and (overlap) sends each bucket."""
-        self._final = True
+        """Before the step's last piece: have its backward start each bucket's exchange when ready."""
         run = self.run
         pool = run._pool
         if not pool.overlap:
             return
-        pieces = run.pieces_of(self._total)
+        self._level = 1 if self._fused(self._place) else 0
+        self._chain = self._stack.chain(self._level)
+        total = self._chain[-1] if self._chain else self._current
+        pieces = run.pieces_of(total)
         self._exchange = Exchange(pieces, run.rank, run.world, scratch=run.scratch(pieces))
         self._awaited = list(run.layout.members)
         pool.started_early = 0
+        pool.armed = self
 
     def disarm(self) -> None:
-        """No backward of this step calls it any more."""
+        """No backward of this step starts an exchange any more."""
         if self.run._pool.armed is self:
             self.run._pool.armed = None
 
     def ready(self, index: int) -> None:
-        """The hook: parameter ``index`` has the gradient of this backward in ``.grad``.
+        """Parameter ``index``'s gradient is final: once its bucket's are, sum the bucket and send it."""
+        bucket = self.run.layout.span_of[index]
+        self._awaited[bucket] -= 1
+        if self._awaited[bucket] == 0 and self._exchange is not None:
+            self._merge(bucket)
+            self._exchange.start([bucket])
+            self.run._pool.started_early += 1
 
-        An atom with buffers: copy autograd's tensor in on its first arrival (later pieces
-        accumulate there). The last piece of the step: add it into the tree; once every
-        parameter of a bucket is, post the bucket's first round.
-        """
-        p = self.run.layout.params[index]
-        grad = p.grad
-        if self._last:
-            expected = self._grads[index]
-            if expected is not None and grad is not expected:
-                self._replaced = True  # done() raises
-            elif self._final:
-                self._grads[index] = grad
-                self._merge(index)
-                if self._exchange is not None:
-                    bucket = self.run.layout.span_of[index]
-                    self._awaited[bucket] -= 1
-                    if self._awaited[bucket] == 0:
-                        self._exchange.start([bucket])
-                        self.run._pool.started_early += 1
-            return
-        view = self._views[index]
-        if grad is view:
-            return
-        if self._written[index] or grad is None:
-            self._replaced = True  # done() raises
-            return
-        view.copy_(grad)  # the same bits as -0.0 + grad
-        p.grad = view
-        self._written[index] = True
-
-    def _merge(self, index: int) -> None:
-        """Add parameter ``index`` of the last atom into the tree (the loss slot: one past the last)."""
-        params = self.run.layout.params
-        value: torch.Tensor | None
-        if index < len(params):
-            value = self._grads[index]
-            lefts = [views[index] for views in self._chain_views]
-            out = self._total_views[index]
-        else:
-            value = self._slot
-            lefts = [entry[-1] for entry in self._chain[:-1]]
-            out = self._total[-1]
-        for left in lefts:
-            if value is not None:
-                left.add_(value)
-            value = left
-        if self._chain:  # out is the last entry: the subtree's root addition
-            if value is not None:
-                out.add_(value)
-        elif value is None:  # one atom that never reached the parameter
-            out.fill_(-0.0)
-        else:
-            out.copy_(value)
-        self._merged[index] = True
-        if index < len(params):
-            self._grads[index] = None
-            params[index].grad = out  # autograd's tensor is free now, for the gradients still to come
+    def _merge(self, bucket: int) -> None:
+        """The tree's last additions over one bucket's span (the loss slot: ``bucket == len(spans)``)."""
+        spans = self.run.layout.spans
+        b, start, end = spans[bucket] if bucket < len(spans) else (-1, 0, 1)
+        value = self._current[b][start:end]
+        for left in self._chain:
+            target = left[b][start:end]
+            target.add_(value)
+            value = target
 
     def enter(self, seed: int) -> None:
         """Seed torch's generators for a piece, keeping the caller's states to restore after it."""
@@ -648,70 +546,56 @@ class AtomGroup:
             )
             raise UsageError(msg)
 
-    def _check(self) -> None:
-        """After a piece's backward: raise if a parameter's ``.grad`` is not the one the step gave it."""
-        params = self.run.layout.params
-        replaced = self._replaced
-        if self._last:
-            for index, p in enumerate(params):
-                if self._merged[index]:
-                    continue  # added into the tree by its hook; .grad views the sum
-                expected = self._grads[index]
-                replaced = replaced or (expected is not None and p.grad is not expected)
-                self._grads[index] = p.grad
-        else:
-            for index, p in enumerate(params):
-                grad = p.grad
-                if grad is not self._views[index] and (grad is not None or self._written[index]):
-                    replaced = True
-        if replaced:
-            msg = (
-                "a parameter's .grad was replaced during an exact step (optimizer.zero_grad() inside "
-                "the group?); exact mode owns .grad from the first micro-step of a step to its last: "
-                "zero gradients after optimizer_step, or not at all"
-            )
-            raise UsageError(msg)
-
     def done(self, micro: MicroStep, loss: torch.Tensor) -> None:
         """After a piece's backward: count its loss; push the atom when whole; sum the step at its end."""
         self.restore()
         self._done += 1
-        slot = self._slot if self._last else self._current[-1]
-        slot.add_(loss.detach().to(torch.float64).reshape(1))
-        self._check()
+        current = self._current
+        current[-1].add_(loss.detach().to(torch.float64).reshape(1))
         atom = micro.atom
         if not atom.last:  # type: ignore[union-attr]
             return
-        if self._last:
-            self._finish()
+        for p, view in zip(self.run.layout.params, self._views, strict=True):
+            if p.grad is not view:
+                msg = (
+                    "a parameter's .grad was replaced during an exact step (optimizer.zero_grad() inside "
+                    "the group?); exact mode owns .grad from the first micro-step of a step to its last: "
+                    "zero gradients after optimizer_step, or not at all"
+                )
+                raise UsageError(msg)
+        if self._exchange is not None and micro.sync:
+            self._finish_overlapped()
             return
-        for view, written in zip(self._views, self._written, strict=True):
-            if not written:  # no piece of the atom reached the parameter
-                view.fill_(-0.0)
-        current, self._current = self._current, []
+        self._current = []
         j = self._place
-        if self._fused(j + 1):
+        if self._fused(j + 1) and j + 1 < self.run.local:
             self._pending = current  # the next leaf adds itself into these buffers
             return
         self._stack.push(current, level=1 if self._fused(j) else 0)
+        if micro.sync:
+            self._finish()
 
     def _finish(self) -> None:
-        """The last atom is whole: add what its backward did not, send the rest, wait for all."""
-        exchange, self._exchange = self._exchange, None
-        self.disarm()
-        for index, merged in enumerate(self._merged):
-            if not merged:  # the loss slot, a parameter the last atom did not reach, or no hooks
-                self._merge(index)
+        total = self._stack.result()
         run = self.run
-        total = self._total
-        for entry in self._chain[:-1]:
-            run.release(entry)
-        self._chain, self._chain_views, self._total_views = [], [], []
-        self._stack = TreeStack(run.release)
         if run.world > 1:
             pieces = run.pieces_of(total)
-            if exchange is None:
-                exchange = Exchange(pieces, run.rank, run.world, scratch=run.scratch(pieces))
-            exchange.finish()
+            Exchange(pieces, run.rank, run.world, scratch=run.scratch(pieces)).finish()
         run.grant(total)
+        self.loss = total[-1][0].clone()
+
+    def _finish_overlapped(self) -> None:
+        """The last backward started the buckets it finished; sum and send the rest, then wait for all."""
+        exchange, self._exchange = self._exchange, None
+        assert exchange is not None
+        self.disarm()
+        started = exchange.started
+        for bucket in range(len(self.run.layout.spans) + 1):
+            if bucket not in started:  # the loss slot, and any bucket a parameter left unused
+                self._merge(bucket)
+        current, self._current = self._current, []
+        self._stack.settle(current, self._level)
+        total = self._stack.result()
+        exchange.finish()
+        self.run.grant(total)
         self.loss = total[-1][0].clone()

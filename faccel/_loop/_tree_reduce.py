@@ -12,10 +12,9 @@ positions round robin), which is exactly one node of that tree, whatever
 bit-reversed order, which is the same tree streamed with ``log2`` buffers),
 then the ranks combine nodes along the upper levels of the same tree:
 first with the rank ``W/2`` away, then ``W/4`` ... then 1 (recursive halving
-of the buffer down to the root's level, where partners swap their whole piece,
-then recursive doubling of the summed pieces back: each element is added in
-exactly the pairs and order one process uses; no ``all_reduce``, whose order is
-the backend's). IEEE-754 addition is commutative bit for bit,
+of the buffer, then recursive doubling of the halves back: each element is
+added in exactly the pairs and order one process uses; no ``all_reduce``,
+whose order is the backend's). IEEE-754 addition is commutative bit for bit,
 so which of two partners holds the left operand does not change a bit; the
 grouping is what matters, and it is fixed.
 
@@ -83,11 +82,10 @@ def bit_reversed(count: int) -> list[int]:
 class TreeStack:
     """A binary counter of partial sums: push leaves in :func:`bit_reversed` order, read :meth:`result`.
 
-    Each entry is a list of tensors combined element by element; the right
-    operand is handed to ``release`` once added, so its memory can serve the
-    next leaf. At most ``log2(n) + 1`` entries are alive. Exact mode pushes
-    every atom but the last, and adds the last one into :meth:`chain`'s
-    entries itself, parameter by parameter, as its backward hands them over.
+    Each entry is a list of tensors (one flat buffer per dtype) combined
+    element by element; the right operand is handed to ``release`` once
+    added, so its memory can serve the next leaf. At most ``log2(n) + 1``
+    entries are alive.
 
     Example:
         >>> stack = TreeStack()
@@ -97,11 +95,11 @@ class TreeStack:
         6.0
     """
 
-    def __init__(self, release: Callable[[list[Any]], None] | None = None) -> None:
-        self._entries: list[tuple[int, list[Any]]] = []
+    def __init__(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        self._entries: list[tuple[int, list[torch.Tensor]]] = []
         self._release = release
 
-    def push(self, leaf: list[Any], level: int = 0) -> None:
+    def push(self, leaf: list[torch.Tensor], level: int = 0) -> None:
         """Add a leaf (or a summed subtree at its ``level``); merge equal levels, the earlier on the left."""
         value = leaf
         for left in self.chain(level):
@@ -110,7 +108,7 @@ class TreeStack:
             value = left
         self.settle(leaf, level)
 
-    def chain(self, level: int) -> list[list[Any]]:
+    def chain(self, level: int) -> list[list[torch.Tensor]]:
         """The entries a leaf pushed at ``level`` merges with, the first merge first (nothing changes).
 
         Adding the leaf into the first, that into the second ... is what :meth:`push` does; a
@@ -123,7 +121,7 @@ class TreeStack:
             >>> [e[0].item() for e in stack.chain(0)], stack.chain(1)
             ([1.0], [])
         """
-        merged: list[list[Any]] = []
+        merged: list[list[torch.Tensor]] = []
         for entry_level, entry in reversed(self._entries):
             if entry_level != level:
                 break
@@ -131,7 +129,7 @@ class TreeStack:
             level += 1
         return merged
 
-    def settle(self, leaf: list[Any], level: int = 0) -> None:
+    def settle(self, leaf: list[torch.Tensor], level: int = 0) -> None:
         """Record a push of ``leaf`` whose additions into :meth:`chain`'s entries were already made.
 
         Example:
@@ -152,7 +150,7 @@ class TreeStack:
             level, value = level + 1, left
         self._entries.append((level, value))
 
-    def result(self) -> list[Any]:
+    def result(self) -> list[torch.Tensor]:
         """The sum of every leaf pushed; raises ValueError unless their count was a power of two."""
         if len(self._entries) != 1:
             msg = f"a tree needs a power-of-two count of leaves; {len(self._entries)} partial sums remain"
@@ -173,21 +171,15 @@ def plan(rank: int, world: int, numel: int) -> list[Round]:
     """The rounds rank ``rank`` of ``world`` runs to combine a buffer of ``numel`` elements. Pure.
 
     Partners are ``rank ^ world/2``, then ``^ world/4`` ... ``^ 1``: the upper
-    levels of :func:`tree_sum`'s tree over the ranks' nodes, the root last. A
-    buffer of at least ``world`` elements is halved each round but the root's
-    (each rank keeps the half its bit says and adds the partner's copy of it);
-    at the root the two partners swap their whole piece and each adds the
-    other's (the same bits on both: IEEE-754 addition is commutative), then
-    the summed pieces are sent back up the same pairs, unchanged. Halving the
-    root's piece too would send as many bytes in one more round, the one that
-    cannot start before the root's sum. A smaller buffer is sent whole and
-    added each round.
+    levels of :func:`tree_sum`'s tree over the ranks' nodes. A buffer of at
+    least ``world`` elements is halved each round (each rank keeps the half
+    its bit says and adds the partner's copy of it), then the summed pieces
+    are sent back up the same pairs, unchanged; a smaller one is sent whole
+    and added each round.
 
     Example:
-        >>> [tuple(r) for r in plan(0, 2, 4)]   # two ranks: one round, whole buffers swapped
-        [(1, (0, 4), (0, 4), True)]
-        >>> [tuple(r) for r in plan(0, 4, 4)]
-        [(2, (2, 4), (0, 2), True), (1, (0, 2), (0, 2), True), (2, (0, 2), (2, 4), False)]
+        >>> [tuple(r) for r in plan(0, 2, 4)]
+        [(1, (2, 4), (0, 2), True), (1, (0, 2), (2, 4), False)]
     """
     rounds: list[Round] = []
     bit = world // 2
@@ -198,15 +190,14 @@ def plan(rank: int, world: int, numel: int) -> list[Round]:
         return rounds
     start, end = 0, numel
     halves: list[Round] = []
-    while bit > 1:
+    while bit:
         mid = (start + end) // 2
         keep, give = ((start, mid), (mid, end)) if not rank & bit else ((mid, end), (start, mid))
         halves.append(Round(rank ^ bit, give, keep, True))
         start, end = keep
         bit //= 2
-    root = [Round(rank ^ 1, (start, end), (start, end), True)] if world > 1 else []
     gathers = [Round(r.partner, r.take, r.give, False) for r in reversed(halves)]
-    return halves + root + gathers
+    return halves + gathers
 
 
 def simulate_exchange(nodes: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -240,11 +231,7 @@ def simulate_exchange(nodes: Sequence[Sequence[torch.Tensor]]) -> list[list[torc
 
 
 def scratch_for(buffers: Sequence[torch.Tensor], world: int) -> list[torch.Tensor]:
-    """Space for what :func:`exchange` receives before adding it: half of each buffer (all on two ranks).
-
-    The largest piece a rank receives to add is the first round's half, or on two
-    ranks (where the first round is the root's) the whole buffer, as for a buffer
-    smaller than the world.
+    """Space for what :func:`exchange` receives before adding it: half of each buffer (all of a small one).
 
     Made once and passed to every exchange, the received halves land in pages
     already mapped rather than in a fresh allocation every round.
@@ -252,10 +239,8 @@ def scratch_for(buffers: Sequence[torch.Tensor], world: int) -> list[torch.Tenso
     Example:
         >>> [s.numel() for s in scratch_for([torch.zeros(11), torch.zeros(3)], world=4)]
         [6, 3]
-        >>> [s.numel() for s in scratch_for([torch.zeros(11)], world=2)]
-        [11]
     """
-    sizes = [b.numel() if b.numel() < world or world == 2 else (b.numel() + 1) // 2 for b in buffers]
+    sizes = [b.numel() if b.numel() < world else (b.numel() + 1) // 2 for b in buffers]
     return [torch.empty(n, dtype=b.dtype, device=b.device) for n, b in zip(sizes, buffers, strict=True)]
 
 
@@ -295,8 +280,8 @@ class _Posted(NamedTuple):
     """The messages of one round posted for some buffers, and the additions waiting on them."""
 
     requests: list[Any]
-    # (index of the recv op, index of the send op reading the same elements or -1, target, received)
-    adds: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    adds: list[tuple[int, torch.Tensor, torch.Tensor]]  # (index of the recv op, target, received)
+    small: set[int]  # receives into a buffer sent whole in the same round
 
 
 class Exchange:
@@ -364,8 +349,9 @@ class Exchange:
     def _post(self, step: int, indices: list[int]) -> _Posted:
         import torch.distributed as tdist
 
-        ops: list[Any] = []
-        adds: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        ops = []
+        adds: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        small: set[int] = set()
         count = len(self.buffers)
         for i in indices:
             buffer, p, space = self.buffers[i], self.plans[i], self.scratch[i]
@@ -373,32 +359,33 @@ class Exchange:
                 continue
             r = p[step]
             # Chunk k of buffer i travels under tag k * len(buffers) + i: the partner cuts its piece alike.
-            first_send = len(ops)
             for k, give in enumerate(_chunks(r.give, self.chunk)):
                 sent = buffer[slice(*give)]
                 ops.append(tdist.P2POp(tdist.isend, sent, r.partner, self.group, k * count + i))
-            swapped = r.give == r.take  # the root's swap (or a small buffer): chunk k is sent and added to
             for k, take in enumerate(_chunks(r.take, self.chunk)):
                 target = buffer[slice(*take)]
                 incoming = space[take[0] - r.take[0] : take[1] - r.take[0]] if r.add else target
                 if r.add:
-                    adds.append((len(ops), first_send + k if swapped else -1, target, incoming))
+                    adds.append((len(ops), target, incoming))
+                    if r.give == r.take:
+                        small.add(len(ops))
                 ops.append(tdist.P2POp(tdist.irecv, incoming, r.partner, self.group, k * count + i))
         requests = tdist.batch_isend_irecv(ops) if ops else []
-        return _Posted(requests, adds)
+        return _Posted(requests, adds, small)
 
     @staticmethod
     def _complete(posted: _Posted) -> None:
-        """Add each received chunk as soon as it is in (and, where it is also sent, once sent), in order."""
-        requests, adds = posted
+        requests, adds, small = posted
         finished = [False] * len(requests)
-        for index, sent, target, incoming in adds:
-            requests[index].wait()  # this receive only: the later chunks travel meanwhile
+        for index, target, incoming in adds:
+            if index in small:  # a small buffer sends what it adds to: only once its sends are done
+                continue
+            requests[index].wait()  # this receive only: its send reads another half of the buffer
             finished[index] = True
-            if sent >= 0:  # the same elements go to the partner: add to them only once they left
-                requests[sent].wait()
-                finished[sent] = True
             target.add_(incoming)
         for request, done in zip(requests, finished, strict=True):
             if not done:
                 request.wait()
+        for index, target, incoming in adds:
+            if index in small:
+                target.add_(incoming)

@@ -55,7 +55,7 @@ def test_the_exchange_started_bucket_by_bucket_in_the_last_backward_gives_the_se
     one = harness.run(exact_workers.overlapped_and_serial, world_size=1, bucket=64)[0]
     two = harness.run(exact_workers.overlapped_and_serial, world_size=2, bucket=64)
     assert one["overlapped"] == one["serial"]
-    assert one["overlapped early"] == [0, 0, 0]  # one process: nothing to exchange
+    assert one["overlapped early"] == [0, 0, 0]  # one process: nothing to exchange, no hooks
     for rank in two:
         assert rank["overlapped"] == rank["serial"] == one["overlapped"]
         # Every bucket but the one holding the parameter no forward uses starts inside the backward.
@@ -65,5 +65,4 @@ def test_the_exchange_started_bucket_by_bucket_in_the_last_backward_gives_the_se
         assert rank["serial early"] == [0, 0, 0]
         # One hook per parameter; shutdown removes them.
         assert (rank["hooks"], rank["hooks after shutdown"]) == (9, 0)
-    # One process has them too: they copy each atom's first gradient into its buffers.
-    assert (one["hooks"], one["hooks after shutdown"]) == (9, 0)
+    assert (one["hooks"], one["hooks after shutdown"]) == (0, 0)  # one process: none
