@@ -141,10 +141,10 @@ def test_two_process_jobs_exit_after_shutdown_with_their_ddp_wrapper_alive() -> 
 def test_jobs_whose_last_act_is_a_collective_exit_with_status_zero() -> None:
     # Not every run meets the race (about 1 in 7 did before the fix), so the unit test of
     # settle_gloo_workers (tests/test_settle.py) is the deterministic half of this check.
-    outcomes = exit_loop(3, collective_command)
+    outcomes = exit_loop(2, collective_command)  # one stopped at exit, one by shutdown
     hung = [o for o in outcomes if not o.exited]
     assert not hung, hung[0].stacks[-8000:]
-    assert [o.returncode for o in outcomes] == [0, 0, 0], outcomes
+    assert [o.returncode for o in outcomes] == [0, 0], outcomes
 
 
 def _ddp_pin() -> dict[str, object]:
