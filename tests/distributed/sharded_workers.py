@@ -121,12 +121,42 @@ def read_whole(root: str) -> dict[str, Any]:
     return {"rank": dist.rank, "version": version, "world": world, "digests": out}
 
 
-def corrupt_and_load(root: str, victim: int, key: str = "model/inp.weight") -> dict[str, Any]:
-    """Rank 0 flips the first byte of ``key``'s chunk in ``victim``'s shard file; every rank restores."""
+def load_tensor_parallel(root: str, layout: str, victim: int | None = None) -> dict[str, Any]:
+    """Restore into fresh Blocks + AdamW under ``layout`` (tensor parallelism of 2): ``inp``
+    column-parallel (its weight and bias split by rows), ``out`` row-parallel (its weight split by
+    columns), the rest as the layout's data-parallel part makes it. With ``victim``, rank 0 first
+    flips a byte of ``inp.weight`` in that rank's shard file."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import faccel
+
+    dist = faccel.detect(layout=layout)
+    if victim is not None:
+        _corrupt(dist, root, victim, "model/inp.weight")
+    torch.manual_seed(11)
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    plan = {
+        "inp": ColwiseParallel(output_layouts=Replicate()),
+        "out": RowwiseParallel(input_layouts=Replicate()),
+    }
+    model, optimizer = faccel.prepare(dist, model, optimizer, tp_plan=plan)
+    placements = {name: str(getattr(p, "placements", None)) for name, p in model.named_parameters()}
+    tensor_rank = dist.parallel.coordinate("tensor", dist.rank)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer)
+    try:
+        faccel.restore(dist, state, root)
+    except faccel.errors.CheckpointError as error:
+        return {"error": str(error), "placements": placements, "tensor": tensor_rank}
+    return {"state": global_state(model, optimizer), "placements": placements, "tensor": tensor_rank}
+
+
+def _corrupt(dist: Any, root: str, victim: int, key: str) -> None:
+    """Rank 0 flips the first byte of ``key``'s chunk in ``victim``'s shard file; every rank waits."""
     import faccel
     from faccel._storage._safetensors import read_header
 
-    dist = faccel.detect(strategy="fsdp")
     folder = faccel.latest_checkpoint(root)
     assert folder is not None
     if dist.rank == 0:
@@ -139,6 +169,13 @@ def corrupt_and_load(root: str, victim: int, key: str = "model/inp.weight") -> d
             handle.seek(offset)
             handle.write(bytes([byte[0] ^ 0xFF]))
     torch.distributed.barrier()
+
+
+def corrupt_and_load(root: str, victim: int, key: str = "model/inp.weight") -> dict[str, Any]:
+    """Rank 0 flips the first byte of ``key``'s chunk in ``victim``'s shard file; every rank restores."""
+    import faccel
+
+    _corrupt(faccel.detect(strategy="fsdp"), root, victim, key)
     return load(root)
 
 

@@ -114,6 +114,31 @@ def test_each_rank_reads_only_its_own_rows(tmp_path: Path) -> None:
     assert results[0]["state"] == results[1]["state"]  # nothing loaded anywhere
 
 
+@pytest.mark.parametrize("layout", ["tensor=2", "replicate=2,tensor=2"])
+def test_a_tensor_parallel_target_reads_only_its_rows_of_a_column_parallel_weight(
+    tmp_path: Path, layout: str
+) -> None:
+    saved = harness.run(sw.save, world_size=2, root=str(tmp_path))  # inp.weight's rows 8: in shard 1
+    expected = {k: v for k, v in saved[0]["state"].items() if k != "groups"}
+    world = 2 if layout == "tensor=2" else 4
+    restored = harness.run(sw.load_tensor_parallel, world_size=world, root=str(tmp_path), layout=layout)
+    for result in restored:  # every tensor whole, bit for bit: split by rows, by columns, or not
+        assert "error" not in result, result["error"]
+        assert {k: v for k, v in result["state"].items() if k != "groups"} == expected
+        assert result["placements"]["inp.weight"].endswith(("Shard(dim=0),)", "Shard(dim=0))"))
+        assert "Shard(dim=1)" in result["placements"]["out.weight"]
+    # The second half of inp.weight's rows is damaged: the ranks that hold those rows find it;
+    # the others, whose rows lie in shard 0, never read them (a whole-tensor read would).
+    broken = harness.run(
+        sw.load_tensor_parallel, world_size=world, root=str(tmp_path), layout=layout, victim=1
+    )
+    for result in broken:
+        if result["tensor"] == 1:
+            assert "shard-00001.safetensors" in result["error"] and "checksum" in result["error"]
+        else:
+            assert "broken on another rank" in result["error"] and "shard-" not in result["error"]
+
+
 @pytest.mark.parametrize("sharded", [False])
 def test_fsdp_can_still_write_whole_tensors(tmp_path: Path, sharded: bool) -> None:
     saved = harness.run(sw.save, world_size=2, root=str(tmp_path), sharded=sharded)

@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from faccel._storage._safetensors import DTYPE_CODES, dtype_of_code, valid_shape
-from faccel._torch_compat import is_dtensor
+from faccel._torch_compat import is_dtensor, local_rows
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "assign",
     "chunks",
     "hash_rows",
+    "held_rows",
     "overlaps",
     "parse_index",
     "row_split",
@@ -275,6 +276,31 @@ def split_by_rows(tensor: Any) -> bool:
         and tensor.placements[0].dim == 0
         and tensor.dim() > 0
     )
+
+
+def held_rows(tensor: Any) -> tuple[int, int] | None:
+    """The run of whole rows ``(start, stop)`` that this rank's part of DTensor ``tensor`` is, or None.
+
+    A DTensor whose every placement is ``Shard(0)``, ``Replicate`` or over a mesh dimension of one
+    rank (which splits nothing) holds one run of whole rows, on any mesh: FSDP2's rows, a
+    column-parallel layer's rows under tensor parallelism, with replicas (HSDP) or not. Any other
+    placement (a row-parallel layer's ``Shard(1)``, FSDP2 over a tensor-parallel ``Shard(0)``,
+    whose rows interleave) is not one run: None, and the reader takes the whole tensor. A plain
+    tensor: None.
+
+    Example:
+        >>> import torch
+        >>> held_rows(torch.zeros(2)) is None
+        True
+    """
+    if not is_dtensor(tensor) or tensor.dim() == 0:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placed = zip(tensor.placements, tensor.device_mesh.shape, strict=True)
+    if not all(n == 1 or type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p, n in placed):
+        return None
+    return local_rows(tensor)
 
 
 def parse_index(raw: Any, world: int, *, where: str) -> dict[str, dict[str, Placed]]:

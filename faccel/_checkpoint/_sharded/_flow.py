@@ -10,7 +10,8 @@ tensors (no pickle), and rank 0 writes them into pages of
 :data:`PAGE_RANKS` ranks (``ranks-PAGE.json``), which the manifest lists.
 
 Reading: :func:`read_tensors` computes, for each tensor the target holds,
-the rows it needs (an FSDP2 target's local shard: its ``Shard(0)`` rows; any
+the rows it needs (a DTensor target placed only by ``Shard(0)`` and
+``Replicate``, as FSDP2 and column-parallel layers are: its local rows; any
 other target: the whole tensor), opens only the shard files whose chunks
 overlap them (each checked against its rank page, each page against the
 manifest), and reads only those rows, every hash block checked before use.
@@ -33,11 +34,11 @@ from faccel._checkpoint._sharded._chunks import (
     Held,
     Placed,
     assign,
+    held_rows,
     overlaps,
     parse_index,
     row_split,
     rows_of,
-    split_by_rows,
 )
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows
 from faccel._checkpoint._state_file import StateFile
@@ -50,7 +51,7 @@ from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_b
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
 from faccel._storage._tagged_json import decode
-from faccel._torch_compat import is_dtensor, local_rows
+from faccel._torch_compat import is_dtensor
 from faccel._train_state import TrainState
 from faccel.errors import CheckpointError
 
@@ -254,9 +255,11 @@ def read_tensors(
 ) -> tuple[dict[str, dict[str, torch.Tensor]], Pages]:
     """The tensors of a sharded checkpoint as ``{MODEL: {...}, OPTIMIZER: {...}}``, this rank's part only.
 
-    A tensor meant for an FSDP2 target (a DTensor split by rows) comes back as
-    a DTensor of the same placement holding only this rank's rows; one meant
-    for another DTensor is read whole and split locally; one for a plain
+    A tensor meant for a DTensor whose part is one run of rows (FSDP2's
+    ``Shard(0)``, a column-parallel layer's, both on a 2-D mesh:
+    :func:`held_rows`) comes back as a DTensor of the same placement holding
+    only this rank's rows; one meant for another DTensor (a row-parallel
+    layer's ``Shard(1)``) is read whole and split locally; one for a plain
     tensor is read whole. A tensor with no matching target (absent, another
     shape or dtype) is a ``meta`` tensor of the saved shape: it is never read,
     and the checks report it.
@@ -272,9 +275,9 @@ def read_tensors(
             if group == "model" and not ownership.owns(key):
                 continue  # another rank's (a pipeline stage's): neither read nor checked here
             live = _target_for(targets, group, key, placed)
-            start, stop = 0, rows_of(placed.shape)
-            if split_by_rows(live):  # FSDP2's Shard(0), over all ranks or a pipeline stage's block
-                start, stop = local_rows(live)
+            # Only this rank's rows where its part is one run of them (FSDP2's Shard(0), a column-
+            # parallel layer's, both on a 2-D mesh); else the whole tensor, split locally.
+            start, stop = held_rows(live) or (0, rows_of(placed.shape))
             jobs.append((group, key, placed, live, start, stop))
     if any(group == "model" and live is None for group, _, _, live, _, _ in jobs):
         # A model tensor that does not fit: the checks will refuse the checkpoint, so nothing is
@@ -376,7 +379,7 @@ def _as_target(out: torch.Tensor, live: Any, placed: Placed) -> torch.Tensor:
 
     stride = tuple(math.prod(placed.shape[i + 1 :]) for i in range(len(placed.shape)))
     out = out.to(live.to_local().device)
-    if split_by_rows(live):
+    if held_rows(live) is not None:
         return DTensor.from_local(
             out,
             live.device_mesh,
