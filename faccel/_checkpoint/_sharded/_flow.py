@@ -256,7 +256,7 @@ def read_tensors(
     """The tensors of a sharded checkpoint as ``{MODEL: {...}, OPTIMIZER: {...}}``, this rank's part only.
 
     A tensor meant for a DTensor whose part is one run of rows (FSDP2's
-    ``Shard(0)``, a column-parallel layer's, both on a 2-D mesh:
+    ``Shard(0)``, a column-parallel layer's, with HSDP replicas or not:
     :func:`held_rows`) comes back as a DTensor of the same placement holding
     only this rank's rows; one meant for another DTensor (a row-parallel
     layer's ``Shard(1)``) is read whole and split locally; one for a plain
@@ -276,7 +276,7 @@ def read_tensors(
                 continue  # another rank's (a pipeline stage's): neither read nor checked here
             live = _target_for(targets, group, key, placed)
             # Only this rank's rows where its part is one run of them (FSDP2's Shard(0), a column-
-            # parallel layer's, both on a 2-D mesh); else the whole tensor, split locally.
+            # parallel layer's, with HSDP replicas or not); else the whole tensor, split locally.
             start, stop = held_rows(live) or (0, rows_of(placed.shape))
             jobs.append((group, key, placed, live, start, stop))
     if any(group == "model" and live is None for group, _, _, live, _, _ in jobs):
