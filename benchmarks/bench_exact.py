@@ -12,8 +12,11 @@ Two models of ~10M parameters, AdamW, ``atoms=8``, one thread per process:
 On 2 and 4 gloo processes each rank trains copies side by side on the same batches of a prepared
 loader: ordinary faccel DDP (one forward and backward of its batch, DDP's bucketed all-reduce),
 and exact mode (``micro_batches(..., atoms=8, model=model)``: 8/W atoms each, the fixed tree, the
-point-to-point exchange). Blocks of steps alternate, the order rotating; rank 0 times them. In
-one process the same exact step is compared with a plain step of the whole batch.
+point-to-point exchange); for the MLP also ordinary accumulation over the same atoms (each rank's
+8/W slices, forward and backward under DDP's ``no_sync`` but the last: the floor that computing
+the atoms apart sets, which exact mode's own work adds to). Blocks of steps alternate, the order
+rotating; rank 0 times them. In one process the same exact step is compared with a plain step of
+the whole batch.
 
 Bytes sent per rank per step are computed from the sizes, not captured: exact mode's from the
 exchange's own plan (recursive halving, then the halves sent back: 2 (W-1)/W of the gradient
@@ -22,9 +25,11 @@ bytes); DDP's as a ring all-reduce sends them, the same 2 (W-1)/W.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ from benchmarks.common import FACCEL, Row, interleave, rank_env, rows, run_ranks
 
 DDP = "ordinary DDP"
 PLAIN = "one process, plain"
+ACCUMULATION = "accumulating the same atoms"
 ATOMS = 8
 
 MLP = "mlp"
@@ -112,6 +118,7 @@ def _worker(rank: int, port: int, plan: tuple[int, int, int, str], out: str) -> 
 
     ordinary_model, ordinary_optimizer, loader = faccel.prepare(dist, *_parts(kind), raw)
     exact_model, exact_optimizer = faccel.prepare(dist, *_parts(kind))
+    accumulating_model, accumulating_optimizer = faccel.prepare(dist, *_parts(kind))
     epochs = itertools.count()
 
     def wait() -> None:
@@ -139,7 +146,27 @@ def _worker(rank: int, port: int, plan: tuple[int, int, int, str], out: str) -> 
                 exact_optimizer.step()
         return (time.perf_counter() - start) / steps
 
-    figures = interleave({DDP if world > 1 else PLAIN: ordinary, FACCEL: exact}, rounds=rounds)
+    def accumulating() -> float:
+        """Ordinary accumulation over this rank's atoms (the same slices), DDP syncing the last one."""
+        view = loader.at(epoch=next(epochs))
+        local = ATOMS // world
+        wait()
+        start = time.perf_counter()
+        for inputs, targets in view:
+            accumulating_optimizer.zero_grad()
+            for i in range(local):
+                piece = inputs[i::local].contiguous(), targets[i::local].contiguous()
+                last = i == local - 1
+                # The forward too inside no_sync: DDP decides at the forward whether to all-reduce.
+                with contextlib.nullcontext() if last or world == 1 else accumulating_model.no_sync():
+                    (_loss(kind, accumulating_model(piece[0]), piece[1]) / local).backward()
+            accumulating_optimizer.step()
+        return (time.perf_counter() - start) / steps
+
+    subjects = {DDP if world > 1 else PLAIN: ordinary, FACCEL: exact}
+    if kind == MLP:
+        subjects[ACCUMULATION] = accumulating
+    figures = interleave(subjects, rounds=rounds)
     if rank == 0:
         Path(out).write_text(json.dumps(figures))
     faccel.shutdown(dist)
@@ -153,6 +180,12 @@ def _bytes(kind: str, world: int) -> tuple[float, float]:
     exact = sum(r.give[1] - r.give[0] for r in plan(0, world, numel)) * 4 + len(plan(0, world, 1)) * 8
     ring = 2 * (world - 1) / world * numel * 4
     return exact / 1e6, ring / 1e6
+
+
+def _over_accumulation(figures: dict[str, list[float]]) -> str:
+    """Exact mode's step over ordinary accumulation's of the same atoms: the median of the paired rounds."""
+    pairs = [a / b for a, b in zip(figures[FACCEL], figures[ACCUMULATION], strict=True)]
+    return f"; {statistics.median(pairs):.3f}x the accumulation's step"
 
 
 def run(quick: bool) -> list[Row]:
@@ -179,6 +212,10 @@ def run(quick: bool) -> list[Row]:
             else:
                 notes = {FACCEL: f"{ATOMS} atoms of {atom} in one process"}
                 case = f"{what}, one process, atoms={ATOMS}"
+            if ACCUMULATION in figures:
+                notes[FACCEL] += _over_accumulation(figures)
+                how = "per rank, DDP's no_sync but the last" if world > 1 else "in one process"
+                notes[ACCUMULATION] = f"{ATOMS // world} micro-batches of {atom} {how}"
             out += rows(
                 case,
                 figures,
