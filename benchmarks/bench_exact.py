@@ -199,7 +199,8 @@ def run(quick: bool) -> list[Row]:
             else f"~9.4M-param MLP, global batch {GLOBAL_BATCH[kind]}"
         )
         for world in (1, 2, 4):
-            plan = (world, rounds, 2 if quick else steps, kind)
+            # --quick: one transformer step a block (~2 s of one core each), two MLP steps.
+            plan = (world, rounds, (1 if kind == TRANSFORMER else 2) if quick else steps, kind)
             figures: dict[str, list[float]] = run_ranks(  # type: ignore[assignment]
                 _worker, plan, what="exact-mode benchmark", world_size=world
             )

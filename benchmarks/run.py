@@ -1,7 +1,7 @@
 """Run the benchmarks side by side and write docs/benchmarks.md and benchmarks/results.json.
 
     python benchmarks/run.py                  # everything, full rounds (minutes; a quiet machine)
-    python benchmarks/run.py --quick          # everything, few rounds (under two minutes)
+    python benchmarks/run.py --quick          # everything, few rounds (about four minutes on 2 cores)
     python benchmarks/run.py --only step ddp  # some modules; their results replace the old ones
     python benchmarks/run.py --list           # the registry
     python benchmarks/run.py --render         # docs/benchmarks.md again from results.json
@@ -376,7 +376,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "Targets, and the anchors' reference figures in parentheses, are explained under "
         "[Targets and reference figures](#targets-and-reference-figures).",
         "",
-        "Run them with `python benchmarks/run.py` (add `--quick` for a two-minute check, "
+        "Run them with `python benchmarks/run.py` (add `--quick` for a check of about four minutes, "
         "`--only NAME` for one benchmark); the anchors come from the `bench` extra.",
         "",
         f"Machine: {info['cpu']}, {info['cpus']} CPUs, {info['platform']}; Python {info['python']}, "
