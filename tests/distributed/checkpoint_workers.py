@@ -527,13 +527,17 @@ def kill_loop(write: Any, check: Any, *, trials: int, delay_in_writes: float, se
             if version - first >= count:
                 return
             write(version)
-            struct.pack_into("<qd", shared, 0, version, time.monotonic())
+            # The time first, then the version: a SIGKILL between the two stores (or inside one
+            # 16-byte store) leaves an older version with a newer time, never a new version with
+            # the time the parent reset, which made the pace negative (a CI failure, 2026-12-04).
+            struct.pack_into("<d", shared, 8, time.monotonic())
+            struct.pack_into("<q", shared, 0, version)
 
     def pace(forked_at: float) -> tuple[int, float]:
         """The writer's last commit and its duration per write; both from the shared page."""
         committed, last = struct.unpack_from("<qd", shared, 0)
         done = committed - latest_at_fork
-        if done > 0:
+        if done > 0 and last > forked_at:
             return committed, (last - forked_at) / done
         return committed, time.monotonic() - forked_at  # a lower bound: it had not finished one
 

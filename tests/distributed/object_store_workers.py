@@ -157,8 +157,9 @@ def two_rank_crash_trials(
             # at an epoch boundary (position 0): restorable at 1 rank, where the checks run
             boundary = attrs.evolve(cw.at_step(state, step), position=0)
             faccel.checkpoint(dist, boundary, root, keep=2, sharded=sharded)
-            if rank == 0:
-                struct.pack_into("<qd", shared, 8, step, time.monotonic())
+            if rank == 0:  # the time, then the step: a kill between them never pairs a new step with 0.0
+                struct.pack_into("<d", shared, 16, time.monotonic())
+                struct.pack_into("<q", shared, 8, step)
         tdist.destroy_process_group()
 
     def start(latest: int, count: float, first: int | None = None) -> tuple[Any, list[int]]:
@@ -185,7 +186,7 @@ def two_rank_crash_trials(
     def pace(latest_at_fork: int, ready_at: float) -> tuple[int, float]:
         committed, last = struct.unpack_from("<qd", shared, 8)
         done = committed - latest_at_fork
-        if done > 0:
+        if done > 0 and last > ready_at:
             return committed, (last - ready_at) / done
         return committed, time.monotonic() - ready_at
 
