@@ -118,7 +118,10 @@ def _worker(rank: int, port: int, plan: tuple[int, int, int, str], out: str) -> 
 
     ordinary_model, ordinary_optimizer, loader = faccel.prepare(dist, *_parts(kind), raw)
     exact_model, exact_optimizer = faccel.prepare(dist, *_parts(kind))
-    accumulating_model, accumulating_optimizer = faccel.prepare(dist, *_parts(kind))
+    # The MLP's third arm (the transformer's exact step already costs DDP's): built for it only.
+    accumulating_model, accumulating_optimizer = (
+        faccel.prepare(dist, *_parts(kind)) if kind == MLP else (None, None)
+    )
     epochs = itertools.count()
 
     def wait() -> None:

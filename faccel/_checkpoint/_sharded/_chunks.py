@@ -286,7 +286,8 @@ def held_rows(tensor: Any) -> tuple[int, int] | None:
     column-parallel layer's rows under tensor parallelism, with replicas (HSDP) or not. Any other
     placement (a row-parallel layer's ``Shard(1)``, FSDP2 over a tensor-parallel ``Shard(0)``,
     whose rows interleave) is not one run: None, and the reader takes the whole tensor. A plain
-    tensor: None.
+    tensor: None. (The writers ask :func:`split_by_rows`, stricter: there each run of rows must be
+    one rank's alone, so that no row is written twice.)
 
     Example:
         >>> import torch
