@@ -1,4 +1,4 @@
-"""Layout: the N-D rank grid ``(pipeline, replicate, shard, context, tensor)`` as pure arithmetic, checked
+"""Layout: the N-D rank grid ``(pipeline, replicate, shard, expert, context, tensor)`` as pure arithmetic, checked
 against PyTorch's DeviceMesh convention for any world size and factorisation; validation in DistState and
 the environment."""
 
@@ -14,15 +14,16 @@ from hypothesis import strategies as st
 
 from tests.strategies import layout_grids, layout_sizes
 
-DIMENSIONS = ("pipeline", "replicate", "shard", "context", "tensor")
+DIMENSIONS = ("pipeline", "replicate", "shard", "expert", "context", "tensor")
 
 
 def test_the_dimensions_are_torchtitans_order() -> None:
     from faccel._dist._layout import DATA_DIMENSIONS
     from faccel._dist._layout import DIMENSIONS as named
 
-    # pp, dp_replicate, dp_shard, cp, tp: pipeline outermost, tensor innermost
-    assert named == DIMENSIONS and DATA_DIMENSIONS == ("replicate", "shard")
+    # pp, dp_replicate, dp_shard, ep, cp, tp: pipeline outermost, tensor innermost, experts split
+    # over data-parallel ranks (torchtitan's ep borrowed from dp_shard)
+    assert named == DIMENSIONS and DATA_DIMENSIONS == ("replicate", "shard", "expert")
 
 
 @settings(max_examples=40)
@@ -35,7 +36,7 @@ def test_coordinates_and_groups_are_those_of_init_device_mesh(sizes: dict[str, i
     # init_device_mesh lays the ranks out as arange(world).view(shape): row-major, tensor innermost
     grid = torch.arange(layout.world_size).view(*layout.shape)
     assert layout.world_size == grid.numel()
-    assert layout.data_size == sizes["replicate"] * sizes["shard"] == layout.size("data")
+    assert layout.data_size == sizes["replicate"] * sizes["shard"] * sizes["expert"] == layout.size("data")
     for rank in range(layout.world_size):
         point = layout.coordinates(rank)
         assert grid[point].item() == rank and layout.rank_of(point) == rank
@@ -46,8 +47,9 @@ def test_coordinates_and_groups_are_those_of_init_device_mesh(sizes: dict[str, i
         for axis, dimension in enumerate(DIMENSIONS):
             line = grid[tuple(slice(None) if i == axis else c for i, c in enumerate(point))]
             assert layout.members(dimension, rank) == tuple(line.tolist())
-        # the data group: replicate and shard free, every other coordinate this rank's
-        plane = grid[tuple(slice(None) if d in ("replicate", "shard") else named[d] for d in DIMENSIONS)]
+        # the data group: replicate, shard and expert free, every other coordinate this rank's
+        free = ("replicate", "shard", "expert")
+        plane = grid[tuple(slice(None) if d in free else named[d] for d in DIMENSIONS)]
         assert layout.members("data", rank) == tuple(plane.flatten().tolist())
         # the data-parallel rank: position in the data group, the same along every other dimension
         assert layout.data_rank(rank) == layout.members("data", rank).index(rank)
@@ -214,3 +216,18 @@ def test_one_process_ignores_the_plan_and_trains_as_before() -> None:
     net = torch.nn.Linear(4, 2)
     model = faccel.prepare(faccel.detect({}), net, tp_plan={"nothing": ColwiseParallel()})
     assert model is net and type(net.weight) is torch.nn.Parameter
+
+
+def test_the_expert_dimension_splits_experts_over_data_parallel_ranks() -> None:
+    import faccel
+
+    layout = faccel.Layout(expert=2, shard=2)
+    assert layout.world_size == 4 and layout.data_size == 4
+    # an expert group is a run of consecutive ranks; the shard group holds the same experts
+    assert layout.groups("expert") == ((0, 1), (2, 3)) and layout.groups("shard") == ((0, 2), (1, 3))
+    assert [layout.data_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert str(layout) == "replicate=1,shard=2,expert=2,tensor=1"
+    assert repr(layout) == "Layout(replicate=1, shard=2, tensor=1, expert=2)"
+    assert faccel.DistState.simulated(world_size=2, layout=faccel.Layout(expert=2)).strategy == "ddp"
+    text = faccel.state_from_env(_env(1, 4, FACCEL_LAYOUT="expert=2,shard=2"))
+    assert (text.layout, text.strategy, text.data_rank) == (layout, "fsdp", 1)

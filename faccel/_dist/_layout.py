@@ -1,10 +1,10 @@
 """The parallel layout: how the ranks of a job split along named dimensions. Pure.
 
 A :class:`Layout` names one size per dimension of :data:`DIMENSIONS`
-(``pipeline``, ``replicate``, ``shard``, ``context``, ``tensor``); their
-product is the world size. The ranks form an N-D grid in row-major order over
-the dimensions in that order, PyTorch's ``init_device_mesh`` order and
-torchtitan's (``pp, dp_replicate, dp_shard, cp, tp``): a rank's coordinate
+(``pipeline``, ``replicate``, ``shard``, ``expert``, ``context``, ``tensor``);
+their product is the world size. The ranks form an N-D grid in row-major order
+over the dimensions in that order, PyTorch's ``init_device_mesh`` order and
+torchtitan's (``pp, dp_replicate, dp_shard, ep, cp, tp``): a rank's coordinate
 along a dimension is ``rank // stride % size``, its stride the product of the
 sizes after it. The tensor dimension is innermost, so a tensor-parallel group
 is a run of consecutive ranks (one node's GPUs, where its per-layer
@@ -12,8 +12,16 @@ collectives are cheapest); the pipeline dimension is outermost, so each
 pipeline stage is a contiguous block of ranks and only activations cross
 between blocks.
 
-The data-parallel ranks are the ``replicate`` x ``shard`` part: the ranks
-that differ only there read different batches. Ranks along ``context`` read
+The data-parallel ranks are the ``replicate`` x ``shard`` x ``expert`` part:
+the ranks that differ only there read different batches. The ``expert``
+dimension is data-parallel for every parameter but the experts' (torchtitan
+borrows its ``ep`` ranks from ``dp_shard`` the same way): the ranks of an
+expert group read different batches, hold the rest of the model as data
+parallelism holds it, and split each mixture-of-experts layer's experts
+between them, each token sent to its experts' ranks and back
+(``faccel._loop._experts``). It sits innermost of the data dimensions, so an
+expert group is a run of consecutive ranks (its all-to-all stays on a node).
+Ranks along ``context`` read
 the same batch (each its slice of every sequence), ranks along ``tensor`` the
 same batch whole, ranks along ``pipeline`` the same batch at another stage.
 
@@ -43,10 +51,10 @@ __all__ = [
 ]
 
 #: The dimensions of a layout, outermost first: the names of the DeviceMesh's dimensions.
-DIMENSIONS: tuple[str, ...] = ("pipeline", "replicate", "shard", "context", "tensor")
+DIMENSIONS: tuple[str, ...] = ("pipeline", "replicate", "shard", "expert", "context", "tensor")
 
 #: The dimensions the data is dealt over: ranks that differ only here read different batches.
-DATA_DIMENSIONS: tuple[str, ...] = ("replicate", "shard")
+DATA_DIMENSIONS: tuple[str, ...] = ("replicate", "shard", "expert")
 
 # Always written out by str() and repr() (the layouts that existed before pipeline and context).
 _ALWAYS_SHOWN = ("replicate", "shard", "tensor")
@@ -60,20 +68,23 @@ def _size(_: object, attribute: attrs.Attribute, value: object) -> None:  # type
 
 @attrs.frozen(repr=False)
 class Layout:
-    """How the ranks split: pipeline stages x replicas x shards x context ranks x tensor ranks.
+    """How the ranks split: pipeline stages x replicas x shards x expert ranks x context ranks x tensor ranks.
 
     * ``pipeline``: stages the model is cut into (``torch.distributed.pipelining``);
       each stage is held by ``world_size / pipeline`` ranks (outermost).
     * ``replicate``: groups that each hold a whole copy of (their stage of) the
       model (DDP; with ``shard > 1``, HSDP: each replica sharded over its own ranks).
     * ``shard``: ranks a model's parameters are sharded over (FSDP2's ``fully_shard``).
+    * ``expert``: ranks that split each mixture-of-experts layer's experts
+      (expert parallelism: each holds ``experts / expert`` of them, tokens
+      travel by all-to-all); data-parallel for the rest of the model.
     * ``context``: ranks that split each sequence (context parallelism: each
       holds a load-balanced slice of every sequence, attention by torch's
       ``context_parallel``) and see the same batches.
     * ``tensor``: ranks that split each layer's weights (tensor parallelism from
       a ``parallelize_module`` plan) and see the same batches (innermost).
 
-    The data-parallel ranks are ``replicate * shard``; the loaders deal the
+    The data-parallel ranks are ``replicate * shard * expert``; the loaders deal the
     data over them only. ``replicate``, ``shard`` and ``tensor`` are also
     positional, in that order, as they were before the other dimensions.
 
@@ -83,13 +94,15 @@ class Layout:
     Example:
         >>> layout = Layout(shard=2, tensor=2)
         >>> layout.world_size, layout.data_size, layout.coordinates(3), layout.data_rank(3)
-        (4, 2, (0, 0, 1, 0, 1), 1)
+        (4, 2, (0, 0, 1, 0, 0, 1), 1)
         >>> layout.members("tensor", 3), layout.members("shard", 3)
         ((2, 3), (1, 3))
         >>> str(layout), str(Layout(pipeline=2, shard=2, tensor=2))
         ('replicate=1,shard=2,tensor=2', 'pipeline=2,replicate=1,shard=2,tensor=2')
         >>> Layout(pipeline=2, shard=2).coordinate("pipeline", 3)
         1
+        >>> Layout(shard=2, expert=2).world_size, Layout(shard=2, expert=2).members("expert", 2)
+        (4, (2, 3))
     """
 
     replicate: int = attrs.field(default=1, validator=_size)
@@ -97,6 +110,7 @@ class Layout:
     tensor: int = attrs.field(default=1, validator=_size)
     pipeline: int = attrs.field(default=1, validator=_size, kw_only=True)
     context: int = attrs.field(default=1, validator=_size, kw_only=True)
+    expert: int = attrs.field(default=1, validator=_size, kw_only=True)
 
     def _shown(self) -> list[tuple[str, int]]:
         sizes = self.sizes
@@ -140,7 +154,7 @@ class Layout:
 
     @property
     def data_size(self) -> int:
-        """Data-parallel ranks (``replicate * shard``): how many ways each batch of the epoch is dealt."""
+        """Data-parallel ranks (``replicate * shard * expert``): how many ways each batch of the epoch is dealt."""
         return _product(getattr(self, name) for name in DATA_DIMENSIONS)
 
     def _stride(self, dimension: str) -> int:
@@ -317,7 +331,7 @@ def layout_problem(layout: Layout, world_size: int, strategy: str) -> str:
         )
     if strategy == "deepspeed" and layout.replicate != world_size:
         return (
-            f"layout {layout} asks for shards, pipeline stages, context or tensor parallelism, but "
+            f"layout {layout} asks for shards, pipeline stages, experts, context or tensor parallelism, but "
             "strategy 'deepspeed' partitions over every rank itself (ZeRO); drop the layout, or use "
             "strategy='fsdp'"
         )
@@ -326,7 +340,7 @@ def layout_problem(layout: Layout, world_size: int, strategy: str) -> str:
             f"layout {layout} shards parameters over {layout.shard} ranks, which strategy 'ddp' "
             "never does; use strategy='fsdp' (or shard=1)"
         )
-    if strategy == "ddp" and layout.replicate > 1 and layout.replicate != world_size:
+    if strategy == "ddp" and layout.replicate > 1 and layout.replicate * layout.expert != world_size:
         return (
             f"layout {layout} replicates stages or tensor-parallel or context-parallel weights, "
             "which faccel does with FSDP2 (HSDP with shard=1), not DDP; use strategy='fsdp'"
@@ -335,12 +349,13 @@ def layout_problem(layout: Layout, world_size: int, strategy: str) -> str:
 
 
 def strategy_for(layout: Layout) -> str:
-    """The strategy a layout asks for when none is given: FSDP2 unless every dimension but replicate is 1.
+    """The strategy a layout asks for when none is given: FSDP2 unless every dimension but replicate
+    and expert is 1 (expert parallelism alone keeps the rest of the model whole, as DDP does).
 
     Example:
         >>> strategy_for(Layout(replicate=4)), strategy_for(Layout(tensor=4))
         ('ddp', 'fsdp')
-        >>> strategy_for(Layout(pipeline=2, replicate=2))
-        'fsdp'
+        >>> strategy_for(Layout(pipeline=2, replicate=2)), strategy_for(Layout(replicate=2, expert=2))
+        ('fsdp', 'ddp')
     """
-    return "ddp" if layout.replicate == layout.world_size else "fsdp"
+    return "ddp" if layout.replicate * layout.expert == layout.world_size else "fsdp"

@@ -1,7 +1,7 @@
 """The DeviceMesh and process groups a :class:`~faccel.Layout` describes, made once per process group.
 
 The mesh has every dimension of ``faccel._dist._layout.DIMENSIONS``, named,
-sizes of 1 included (``("pipeline", "replicate", "shard", "context",
+sizes of 1 included (``("pipeline", "replicate", "shard", "expert", "context",
 "tensor")``): ``device_mesh(dist)["tensor"]``, ``["pipeline"]`` and
 ``["replicate", "shard"]`` exist whatever the layout, so code written for one
 layout runs on every other. (A dimension of size 1 costs one trivial group per
