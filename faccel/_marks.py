@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there: nine attributes, three hooks.
+"""Every mark faccel sets on an object of yours, and why it must be there: ten attributes, three hooks.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -45,6 +45,12 @@ itself, under these names, and nowhere else:
   another stage's): where it lies, a ``Held`` (the ranks of its stage that
   write its chunks of rows, and the chunk this rank writes)
   (``faccel._checkpoint._strategies._pipeline``).
+- ``_faccel_expert_shard`` (:data:`EXPERT_SHARD`), on each experts module that
+  expert parallelism split (``Layout(expert=...)``; ``faccel._loop._experts``):
+  its ``ExpertShard`` (the layer's expert count, the group's size, this rank's
+  block), so that checkpoints and exports find the whole tensors' shapes and
+  which rows of each stacked parameter this rank holds. Its ``forward`` is then
+  the dispatch (the instance attribute below).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
@@ -99,6 +105,7 @@ __all__ = [
     "DEEPSPEED_ENGINE",
     "EVAL_CHECK_IN",
     "EXACT_BUCKET_READY",
+    "EXPERT_SHARD",
     "HOOKS",
     "OTHER_STAGE",
     "PROCESS_GROUP",
@@ -131,3 +138,5 @@ HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP, EXACT_BUCKET_READY)
 #: The name of the one process group faccel makes for itself, kept in ``dist.runtime.groups``.
 CHECK_IN_GROUP = "evaluation check-in"
 OTHER_STAGE = "_faccel_other_stage"
+# On each experts module that expert parallelism split (faccel._loop._experts._dispatch): its ExpertShard.
+EXPERT_SHARD = "_faccel_expert_shard"

@@ -38,6 +38,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._dist._layout": ("Layout",),
         "faccel._report._logging": ("RankLogger", "get_logger", "print"),
         "faccel._dist._mesh": ("device_mesh",),
+        "faccel._loop._experts._balance": ("expert_load", "load_balancing_loss", "update_expert_bias"),
         "faccel._data._metrics": ("gather_for_metrics",),
         "faccel._loop._model": ("unwrap_model",),
         "faccel._dist._notebook": ("launch",),

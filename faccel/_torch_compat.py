@@ -79,6 +79,18 @@ def rebuild_ddp_buckets(ddp: Any) -> None:
     ddp.reducer._rebuild_buckets()
 
 
+def ddp_ignore(module: nn.Module, names: list[str]) -> None:
+    """Make a ``DistributedDataParallel`` built next around ``module`` leave the parameters ``names`` alone.
+
+    DDP neither broadcasts them at construction nor averages their gradients
+    (``_set_params_and_buffers_to_ignore_for_model``): expert parallelism's
+    experts, which differ by rank.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
 def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offset, shape)`` of this rank's part of the DTensor ``tensor`` in the whole tensor.
 

@@ -536,3 +536,34 @@ def state_files(draw: st.DrawFn) -> Any:
             st.none() | st.dictionaries(st.sampled_from(["model", "optimizer"]), st.just({}), max_size=2)
         ),
     )
+
+
+@st.composite
+def routings(draw: st.DrawFn, *, max_ranks: int = 4, max_tokens: int = 12) -> dict:
+    """An expert group's routing: ``num_experts``, ``ranks`` (dividing it), ``top_k`` and each rank's
+    ``[T_r, k]`` expert ids (any skew: all to one expert, experts with none, empty batches)."""
+    ranks = draw(st.integers(min_value=1, max_value=max_ranks))
+    num_experts = ranks * draw(st.integers(min_value=1, max_value=4))
+    top_k = draw(st.integers(min_value=1, max_value=num_experts))
+    skewed = draw(st.booleans())  # then every token's first choice is one expert
+    indices = []
+    for _ in range(ranks):
+        tokens = draw(st.integers(min_value=0, max_value=max_tokens))
+        rows = []
+        for _ in range(tokens):
+            row = draw(st.permutations(list(range(num_experts))))[:top_k]
+            if skewed and 0 in row:
+                row.remove(0)
+                row = [0, *row]
+            elif skewed:
+                row = [0, *row[: top_k - 1]]
+            rows.append(row)
+        indices.append(torch.tensor(rows, dtype=torch.int64).reshape(tokens, top_k))
+    capacity = draw(st.none() | st.integers(min_value=0, max_value=max_tokens))
+    return {
+        "num_experts": num_experts,
+        "ranks": ranks,
+        "top_k": top_k,
+        "indices": indices,
+        "capacity": capacity,
+    }

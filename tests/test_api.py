@@ -77,6 +77,10 @@ PINNED: dict[str, list[str]] = {
         # N-D parallelism: the layout of the ranks and the DeviceMesh built from it
         "Layout",
         "device_mesh",
+        # mixture of experts: the experts' load, the auxiliary loss, the loss-free bias
+        "expert_load",
+        "load_balancing_loss",
+        "update_expert_bias",
         # context parallelism: each context rank's head-tail slice of every sequence, and back
         "context_attention",
         "context_positions",

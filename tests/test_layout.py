@@ -1,6 +1,6 @@
-"""Layout: the N-D rank grid ``(pipeline, replicate, shard, expert, context, tensor)`` as pure arithmetic, checked
-against PyTorch's DeviceMesh convention for any world size and factorisation; validation in DistState and
-the environment."""
+"""Layout: the N-D rank grid ``(pipeline, replicate, shard, expert, context, tensor)`` as pure arithmetic,
+checked against PyTorch's DeviceMesh convention for any world size and factorisation; validation in DistState
+and the environment."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ class Layout:
 
     @property
     def data_size(self) -> int:
-        """Data-parallel ranks (``replicate * shard * expert``): how many ways each batch of the epoch is dealt."""
+        """Data-parallel ranks (``replicate * shard * expert``): how many ways each batch is dealt."""
         return _product(getattr(self, name) for name in DATA_DIMENSIONS)
 
     def _stride(self, dimension: str) -> int:

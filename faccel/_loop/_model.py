@@ -25,6 +25,7 @@ from faccel._dist._state import DistState
 from faccel._loop._activation_checkpoint import checkpoint_activations
 from faccel._loop._check_in import add_check_in
 from faccel._loop._deepspeed import is_deepspeed_engine
+from faccel._loop._experts._dispatch import ignore_experts_in_ddp, split_experts
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
 from faccel._loop._parallel import apply_plan, plan_key_matches
@@ -218,6 +219,7 @@ def _wrap_ddp(dist: DistState, model: nn.Module, options: PrepareOptions) -> nn.
             )
             raise PrepareError(msg)
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+        ignore_experts_in_ddp(wrapped)  # each rank's own experts (faccel._loop._experts)
         ddp = DistributedDataParallel(wrapped, device_ids=device_ids, **dict(options.ddp_kwargs or {}))
         if dist.world_size > 2:
             _fix_bucket_layout(ddp)
@@ -332,6 +334,7 @@ def prepare_module(dist: DistState, model: nn.Module, options: PrepareOptions) -
     meta = prepare_meta(model, dist.device, options.init, shards_first=shards_first)
     if not meta:
         model.to(dist.device)  # in place: the optimizer's parameter references stay valid
+    split_experts(dist, model, options)  # expert parallelism: this rank's experts, the dispatch forward
     wrap = _wrap_layout if dist.distributed and uses_mesh(dist) else _STRATEGIES[dist.strategy]
     wrapped = wrap(dist, model, options)
     if meta and shards_first:

@@ -49,6 +49,15 @@ def _check_bool(options: Any, attribute: Any, value: Any) -> None:
         raise ArgumentValueError(msg)
 
 
+def _check_capacity(options: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+        msg = (
+            f"expert_capacity is a capacity factor > 0 (each expert takes that multiple of its even share "
+            f"of a batch's tokens, the rest dropped), or None for dropless; got {value!r}"
+        )
+        raise ArgumentValueError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class PrepareOptions:
     """What ``prepare`` was asked for beyond the objects; see ``faccel.prepare`` for each field.
@@ -77,6 +86,9 @@ class PrepareOptions:
     example: Any = None
     comm_hook: str | None = None
     comm_hook_options: Mapping[str, Any] | None = None
+    # Expert parallelism (faccel._loop._experts): the experts modules by name, and each expert's capacity.
+    experts: Sequence[str] | None = None
+    expert_capacity: float | None = attrs.field(default=None, validator=_check_capacity)
 
     @property
     def asks_fsdp(self) -> bool:

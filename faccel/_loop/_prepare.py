@@ -239,6 +239,8 @@ def prepare(
     example: Any = None,
     comm_hook: str | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
+    experts: Sequence[str] | None = None,
+    expert_capacity: float | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
 
@@ -364,6 +366,19 @@ def prepare(
             (``matrix_approximation_rank``, ``start_powerSGD_iter``, ...) and
             ``wrapper='fp16'`` or ``'bf16'`` to compress PowerSGD's own traffic
             (Accelerate's ``comm_state_option`` and ``comm_wrapper``).
+        experts: Under a layout with expert ranks (``dist.parallel.expert > 1``):
+            the names of the model's experts modules (as in ``named_modules()``),
+            where faccel's search for them finds none; default: every module
+            that meets the experts contract (docs/parallelism.md, "Mixture of
+            experts": transformers' ``MixtralExperts``, ``Qwen2MoeExperts``...).
+            Each rank keeps its block of each one's experts; tokens travel to
+            them by all-to-all. Given in one process, the same dispatch runs
+            with every expert here (the same forward at any size).
+        expert_capacity: Each expert's capacity per batch, as a multiple of its
+            even share of the assignments (``ceil(c * tokens * k / experts)``
+            on each rank); the assignments past it are dropped (their output
+            is zero) and counted (:func:`expert_load`). Default ``None``:
+            dropless.
 
     Returns:
         The prepared objects in the given order (one object: itself).
@@ -423,6 +438,8 @@ def prepare(
         example=example,
         comm_hook=comm_hook,
         comm_hook_options=comm_hook_options,
+        experts=tuple(experts) if experts is not None else None,
+        expert_capacity=expert_capacity,
     )
     check_options(dist, options)
     check_context(dist)  # context parallelism only where torch has ring attention (faccel._loop._context)

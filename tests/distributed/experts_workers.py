@@ -1,0 +1,163 @@
+"""Workers for tests/distributed/test_experts.py: a tiny Mixtral (transformers) trained under
+``Layout(expert=...)`` beside the one-process run of the same global batches, in the same process."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from typing import Any
+
+import torch
+
+import faccel
+
+STEPS = 3
+
+
+def tiny_mixtral(seed: int = 0, experts: int = 4) -> Any:
+    """A 2-layer Mixtral of ``experts`` experts, top-2, built from a config (eager experts)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    config._experts_implementation = "eager"  # see docs/parallelism.md: the grouped_mm kernel's rows
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config)
+
+
+def _batches(world: int, per_rank: int = 2, length: int = 8) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (world * per_rank, length), generator=generator) for _ in range(STEPS)]
+
+
+def _one_step(model: Any, optimizer: Any, batch: torch.Tensor) -> float:
+    loss = model(batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+def train_both(*, layout: str) -> dict[str, Any]:
+    """:func:`train` as it is and skewed, in the same processes (one start of each process)."""
+    dist = faccel.detect(layout=layout)
+    return {"even": train(dist, skew=False), "skew": train(dist, skew=True)}
+
+
+def train(dist: Any, *, skew: bool = False, capacity: float | None = None) -> dict[str, Any]:
+    """``STEPS`` AdamW steps under ``layout`` and in one process; the losses, the weights' differences.
+
+    ``skew``: every router weight zero, so every token goes to the same two experts (one rank's),
+    none to the others; then SGD, since at such ties AdamW's first steps (``g / |g|``) turn rounding into
+    steps of the learning rate. The one-process run sees every rank's rows in rank order: the
+    global batch.
+    """
+    one = faccel.detect({})  # the one-process run, in this process
+    model = tiny_mixtral()
+    if skew:
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                torch.nn.init.zeros_(param)
+    reference = copy.deepcopy(model)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "MixtralExperts"]
+    kind = torch.optim.SGD if skew else torch.optim.AdamW
+    ref_optimizer = kind(reference.parameters(), lr=1e-2)
+    # the one-process run through the same dispatch, with every expert here
+    faccel.prepare(one, reference, ref_optimizer, experts=names, expert_capacity=capacity)
+    optimizer = kind(model.parameters(), lr=1e-2)
+    prepared, optimizer = faccel.prepare(dist, model, optimizer, expert_capacity=capacity)
+    batches = _batches(dist.data_world_size)
+    losses, reference_losses, loads = [], [], []
+    for batch in batches:
+        rows = batch.chunk(dist.data_world_size)[dist.data_rank]
+        loss = _one_step(prepared, optimizer, rows)
+        losses.append(float(faccel.reduce(dist, torch.tensor(loss), "mean")))
+        loads.append({k: v for k, v in faccel.expert_load(dist).items()})
+    one_loads = []
+    for batch in batches:
+        reference_losses.append(_one_step(reference, ref_optimizer, batch))
+        one_loads.append({k: v["routed"] for k, v in faccel.expert_load(one).items()})
+    # this rank's block of each stacked parameter against the same rows of the one-process model's
+    inner = faccel.unwrap_model(prepared)
+    whole = dict(reference.named_parameters())
+    shards = {name: m for name, m in inner.named_modules() if name in names}
+    worst: dict[str, float] = {}
+    for name, param in inner.named_parameters():
+        want = whole[name].detach()
+        module = shards.get(name.rsplit(".", 1)[0])
+        if module is not None:
+            per = want.shape[0] // dist.parallel.expert
+            index = dist.parallel.coordinate("expert", dist.rank)
+            want = want[index * per : (index + 1) * per]
+        worst[name] = float((param.detach() - want).abs().max())
+    keys = list(inner.state_dict())
+    return {
+        "losses": losses,
+        "reference": reference_losses,
+        "worst": worst,
+        "keys": keys,
+        "shapes": {k: list(v.shape) for k, v in inner.state_dict().items() if "experts" in k},
+        "routed": [{k: v["routed"] for k, v in step.items()} for step in loads],
+        "dropped": [{k: v["dropped"] for k, v in step.items()} for step in loads],
+        "world_routed": [{k: v["world_routed"] for k, v in step.items()} for step in loads],
+        "one_routed": one_loads,
+    }
+
+
+class Experts(torch.nn.Module):
+    """A plain-torch experts module under faccel's contract (no transformers import: a fast start)."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = torch.nn.Parameter(torch.randn(experts, 2 * hidden, hidden) / hidden**0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, hidden, 2 * hidden) / hidden**0.5)
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(index == expert)
+            rows = torch.relu(hidden[token] @ self.up[expert].t()) @ self.down[expert].t()
+            out = out.index_add(0, token, rows * weights[token, slot, None])
+        return out
+
+
+class Block(torch.nn.Module):
+    """A router and its experts, top-2."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = Experts(experts, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = torch.topk(torch.softmax(self.gate(x), dim=-1), 2, dim=-1)
+        return self.experts(x, index, weights)
+
+
+def peer_dies_in_the_all_to_all() -> dict[str, Any]:
+    """Rank 1 exits before its forward; rank 0's forward meets the dead peer in the all-to-all.
+
+    The unwrapped model's forward, so that the all-to-all is the first collective rank 0 enters
+    (DDP's own forward first broadcasts the buffers, and would meet the dead peer there).
+    """
+    dist = faccel.detect(layout="expert=2", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    prepared = faccel.prepare(dist, Block())
+    if dist.rank == 1:
+        os._exit(0)
+    try:
+        faccel.unwrap_model(prepared)(torch.randn(6, 8))
+    except faccel.errors.DistributedError as error:
+        return {"error": str(error)}
+    return {"error": None}
