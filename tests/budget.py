@@ -24,6 +24,25 @@ EXAMPLE_RUN = (
     ),
 )
 
+# ``EXPERT_MOVES``: expert parallelism's checkpoint moves (expert=2 -> one process, -> expert=4,
+# -> shard=2) and its Hugging Face export read by from_pretrained, on 2 and 4 gloo processes with a
+# transformers model (50-90 s a test here). ``scripts/prove_experts.sh`` runs them
+# (``FACCEL_TEST_EXPERTS=1``); the suite's own 2-rank test trains against one process.
+EXPERT_MOVES = (
+    pytest.mark.expert_moves,
+    pytest.mark.skipif(
+        os.environ.get("FACCEL_TEST_EXPERTS") != "1",
+        reason="expert parallelism's checkpoint moves: FACCEL_TEST_EXPERTS=1 (scripts/prove_experts.sh)",
+    ),
+)
+
+
+def expert_moves(test: T) -> T:
+    """Apply both marks of :data:`EXPERT_MOVES` to ``test``."""
+    for mark in EXPERT_MOVES:
+        test = mark(test)
+    return test
+
 
 def example_run(test: T) -> T:
     """Apply both marks of :data:`EXAMPLE_RUN` to ``test``."""

@@ -210,6 +210,13 @@ def _bucket_ready_hook(pool: _Pool, index: int) -> Any:
 
 
 def _problem_of_setup(dist: DistState, model: nn.Module) -> str:
+    if dist.parallel.expert > 1:
+        return (
+            f"exact mode does not cover expert parallelism (layout {dist.parallel}): each expert's "
+            "gradient sums every rank's tokens inside the all-to-all's backward, in one matmul per "
+            "expert, not atom by atom in exact mode's fixed tree; run exact mode with expert=1 "
+            "(the experts whole on every rank, under DDP)"
+        )
     if dist.data_world_size != dist.world_size:
         return (
             f"exact mode needs every rank to be a data-parallel replica, got layout {dist.parallel}: "

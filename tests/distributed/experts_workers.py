@@ -35,7 +35,7 @@ def tiny_mixtral(seed: int = 0, experts: int = 4) -> Any:
     return MixtralForCausalLM(config)
 
 
-def _batches(world: int, per_rank: int = 2, length: int = 8) -> list[torch.Tensor]:
+def batches_of(world: int, per_rank: int = 2, length: int = 8) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(0, 64, (world * per_rank, length), generator=generator) for _ in range(STEPS)]
 
@@ -48,13 +48,41 @@ def _one_step(model: Any, optimizer: Any, batch: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def train_both(*, layout: str) -> dict[str, Any]:
-    """:func:`train` as it is and skewed, in the same processes (one start of each process)."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def digests(model: Any, optimizer: Any) -> dict[str, str]:
+    """sha256 of every whole parameter and optimizer state tensor, by name (collective for DTensors)."""
+    import hashlib
+
+    out = {}
+    for name, param in faccel.unwrap_model(model).named_parameters():
+        out[name] = hashlib.sha256(_whole(param).numpy().tobytes()).hexdigest()
+        for key, value in optimizer.state.get(param, {}).items():
+            out[f"{name}:{key}"] = hashlib.sha256(_whole(value).cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
+def train_both(*, layout: str, root: str | None = None, model_dir: str | None = None) -> dict[str, Any]:
+    """:func:`train` as it is and skewed, in the same processes (one start of each process); the even
+    run checkpointed into ``root`` and saved with ``save_model`` into ``model_dir``."""
     dist = faccel.detect(layout=layout)
-    return {"even": train(dist, skew=False), "skew": train(dist, skew=True)}
+    return {"even": train(dist, root=root, model_dir=model_dir), "skew": train(dist, skew=True)}
 
 
-def train(dist: Any, *, skew: bool = False, capacity: float | None = None) -> dict[str, Any]:
+def train(
+    dist: Any,
+    *,
+    skew: bool = False,
+    capacity: float | None = None,
+    root: str | None = None,
+    model_dir: str | None = None,
+) -> dict[str, Any]:
     """``STEPS`` AdamW steps under ``layout`` and in one process; the losses, the weights' differences.
 
     ``skew``: every router weight zero, so every token goes to the same two experts (one rank's),
@@ -76,7 +104,7 @@ def train(dist: Any, *, skew: bool = False, capacity: float | None = None) -> di
     faccel.prepare(one, reference, ref_optimizer, experts=names, expert_capacity=capacity)
     optimizer = kind(model.parameters(), lr=1e-2)
     prepared, optimizer = faccel.prepare(dist, model, optimizer, expert_capacity=capacity)
-    batches = _batches(dist.data_world_size)
+    batches = batches_of(dist.data_world_size)
     losses, reference_losses, loads = [], [], []
     for batch in batches:
         rows = batch.chunk(dist.data_world_size)[dist.data_rank]
@@ -87,26 +115,28 @@ def train(dist: Any, *, skew: bool = False, capacity: float | None = None) -> di
     for batch in batches:
         reference_losses.append(_one_step(reference, ref_optimizer, batch))
         one_loads.append({k: v["routed"] for k, v in faccel.expert_load(one).items()})
-    # this rank's block of each stacked parameter against the same rows of the one-process model's
+    # every weight, whole (an expert's DTensor gathered), against the one-process model's
     inner = faccel.unwrap_model(prepared)
     whole = dict(reference.named_parameters())
-    shards = {name: m for name, m in inner.named_modules() if name in names}
-    worst: dict[str, float] = {}
-    for name, param in inner.named_parameters():
-        want = whole[name].detach()
-        module = shards.get(name.rsplit(".", 1)[0])
-        if module is not None:
-            per = want.shape[0] // dist.parallel.expert
-            index = dist.parallel.coordinate("expert", dist.rank)
-            want = want[index * per : (index + 1) * per]
-        worst[name] = float((param.detach() - want).abs().max())
+    worst = {
+        name: float((_whole(param) - whole[name].detach()).abs().max())
+        for name, param in inner.named_parameters()
+    }
     keys = list(inner.state_dict())
+    saved: dict[str, Any] = {}
+    if root is not None and model_dir is not None:
+        state = faccel.TrainState.create(model=prepared, optimizer=optimizer)
+        faccel.checkpoint(dist, state, root)
+        faccel.save_model(dist, prepared, model_dir)
+        probe = batches[0][:2]
+        saved = {"digests": digests(prepared, optimizer), "logits": inner(probe).logits.detach().tolist()}
     return {
+        **saved,
         "losses": losses,
         "reference": reference_losses,
         "worst": worst,
         "keys": keys,
-        "shapes": {k: list(v.shape) for k, v in inner.state_dict().items() if "experts" in k},
+        "shapes": {k: list(_local(v).shape) for k, v in inner.state_dict().items() if "experts" in k},
         "routed": [{k: v["routed"] for k, v in step.items()} for step in loads],
         "dropped": [{k: v["dropped"] for k, v in step.items()} for step in loads],
         "world_routed": [{k: v["world_routed"] for k, v in step.items()} for step in loads],
@@ -161,3 +191,13 @@ def peer_dies_in_the_all_to_all() -> dict[str, Any]:
     except faccel.errors.DistributedError as error:
         return {"error": str(error)}
     return {"error": None}
+
+
+def restore_into(*, layout: str, root: str) -> dict[str, str]:
+    """The checkpoint in ``root`` restored into a fresh model under ``layout``: its whole digests."""
+    dist = faccel.detect(layout=layout)
+    model = tiny_mixtral(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    state = faccel.restore(dist, faccel.TrainState.create(model=model, optimizer=optimizer), root)
+    return digests(state.model, optimizer)

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from tests.budget import expert_moves
 from tests.distributed import experts_workers, harness
 
 
@@ -23,9 +27,8 @@ def _check_like_one_process(ranks: list[dict]) -> None:
 
 def test_expert_parallel_trains_as_one_process_even_with_every_token_to_one_rank() -> None:
     both = harness.run(experts_workers.train_both, world_size=2, timeout=120, layout="expert=2")
-    ranks = [r["even"] for r in both]
-    _check_like_one_process(ranks)
-    assert ranks[0]["routed"][0] != ranks[1]["routed"][0]  # each rank's own tokens
+    _check_like_one_process([r["even"] for r in both])
+    assert both[0]["even"]["routed"][0] != both[1]["even"]["routed"][0]  # each rank's own tokens
     # uneven routing: every router weight zero
     ranks = [r["skew"] for r in both]
     _check_like_one_process(ranks)
@@ -33,6 +36,47 @@ def test_expert_parallel_trains_as_one_process_even_with_every_token_to_one_rank
     # every token to one rank's two experts (topk's choice among ties), none to the other rank's
     assert all(sorted(counts) == [0, 0, 32, 32] for counts in first.values()), first
     assert all(counts[:2] == [0, 0] or counts[2:] == [0, 0] for counts in first.values()), first
+
+
+@expert_moves
+def test_an_expert_parallel_checkpoint_restores_at_any_layout_and_exports_for_transformers(
+    tmp_path: Path,
+) -> None:
+    root, model_dir = tmp_path / "ckpt", tmp_path / "model"
+    both = harness.run(
+        experts_workers.train_both,
+        world_size=2,
+        timeout=120,
+        layout="expert=2",
+        root=str(root),
+        model_dir=str(model_dir),
+    )
+    _check_like_one_process([r["even"] for r in both])
+    # the checkpoint at expert=2 restores in one process, bitwise, optimizer state included
+    import faccel
+
+    saved = both[0]["even"]
+    model = experts_workers.tiny_mixtral(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    one = faccel.detect({})
+    model, optimizer = faccel.prepare(one, model, optimizer)
+    state = faccel.restore(one, faccel.TrainState.create(model=model, optimizer=optimizer), root)
+    assert experts_workers.digests(state.model, optimizer) == saved["digests"]
+    # ... and into shard=2 (FSDP2, no expert split) and expert=4 (one expert a rank), bitwise
+    for layout, world in (("shard=2", 2), ("expert=4", 4)):
+        ranks = harness.run(
+            experts_workers.restore_into, world_size=world, timeout=180, layout=layout, root=str(root)
+        )
+        assert all(r == saved["digests"] for r in ranks), layout
+    # save_model wrote the Hugging Face layout under the model's own names: from_pretrained reads it,
+    # and its logits are the expert-parallel model's
+    from transformers import MixtralForCausalLM
+
+    loaded = MixtralForCausalLM.from_pretrained(model_dir)
+    loaded.config._experts_implementation = "eager"
+    probe = experts_workers.batches_of(2)[0][:2]
+    # (to float32 rounding: on two ranks each expert multiplied both ranks' probe rows at once)
+    torch.testing.assert_close(loaded(probe).logits, torch.tensor(saved["logits"]), rtol=1e-5, atol=1e-6)
 
 
 def test_a_peer_dying_in_the_all_to_all_is_named_on_the_survivor() -> None:

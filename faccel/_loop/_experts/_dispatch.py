@@ -4,8 +4,10 @@ forward sends each token to its experts' ranks and back.
 ``shard_experts`` replaces, in each experts module (``faccel._loop._experts._find``),
 every stacked parameter by this rank's rows of it (experts ``r * E / R`` to
 ``(r + 1) * E / R - 1`` of the ``R`` ranks of its expert group), under the
-same name: ``state_dict`` keys do not change, their first dimension is this
-rank's share. Its forward becomes the dispatch, one instance attribute
+same name, as a DTensor ``Shard(0)`` over the mesh's ``"expert"`` dimension:
+``state_dict`` keys do not change, each holds the whole shape and this rank's
+rows, and checkpoints and exports gather and scatter it as any DTensor faccel
+made (the model is marked as tensor parallelism marks it). Its forward becomes the dispatch, one instance attribute
 (``forward``, as activation checkpointing sets; faccel._marks):
 
 1. the plan (``_plan.dispatch_plan``): assignments by expert, rows per rank;
@@ -38,13 +40,13 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from faccel._dist._mesh import dimension_group
+from faccel._dist._mesh import device_mesh, dimension_group
 from faccel._dist._state import DistState
 from faccel._loop._experts._find import find_experts
 from faccel._loop._experts._plan import capacity_of, dispatch_plan, inverse, receive_plan
 from faccel._loop._options import PrepareOptions
-from faccel._marks import EXPERT_SHARD
-from faccel._torch_compat import ddp_ignore
+from faccel._marks import EXPERT_SHARD, TENSOR_PARALLEL
+from faccel._torch_compat import ddp_ignore, is_dtensor
 from faccel.errors import DistributedError, PrepareError
 
 __all__ = ["ExpertShard", "expert_shards", "ignore_experts_in_ddp", "shard_experts", "split_experts"]
@@ -146,7 +148,10 @@ def _local_view(module: nn.Module, shard: ExpertShard) -> nn.Module:
     """
     view = copy.copy(module)
     scale = 1.0 / shard.ranks
-    own = {name: _ScaleGrad.apply(param, scale) for name, param in module.named_parameters(recurse=False)}
+    own = {
+        name: _ScaleGrad.apply(param.to_local() if is_dtensor(param) else param, scale)
+        for name, param in module.named_parameters(recurse=False)
+    }
     view.__dict__["_parameters"] = own  # nn.Module reads its parameters from this dict
     view.__dict__["num_experts"] = shard.local
     return view
@@ -260,12 +265,27 @@ def shard_experts(
             if shard.ranks == 1:
                 break  # every expert here: the parameters stay as they are
             mine = param.detach()[shard.first : shard.first + shard.local].clone()
-            setattr(module, pname, nn.Parameter(mine, requires_grad=param.requires_grad))
+            setattr(module, pname, nn.Parameter(_on_mesh(dist, mine), requires_grad=param.requires_grad))
         original = type(module).forward
         object.__setattr__(module, "forward", _dispatched(module, original, shard, group, loads))
         object.__setattr__(module, EXPERT_SHARD, shard)
         shards[name] = shard
+    if shards and layout.expert > 1:
+        # checkpoints, restores and exports treat the model as one of DTensors faccel made (faccel._marks)
+        object.__setattr__(model, TENSOR_PARALLEL, True)
     return shards
+
+
+def _on_mesh(dist: DistState, rows: torch.Tensor) -> Any:
+    """This rank's block of a stacked parameter as a DTensor: ``Shard(0)`` over the expert dimension.
+
+    The whole tensor is then what DTensor says it is: checkpoints gather and scatter it (the
+    whole-tensor format, any layout on restore), ``save_model`` writes it whole under its own name,
+    as for tensor parallelism's DTensors.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(rows, device_mesh(dist)["expert"], [Shard(0)], run_check=False)
 
 
 def split_experts(dist: DistState, model: nn.Module, options: PrepareOptions) -> None:
