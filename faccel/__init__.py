@@ -67,6 +67,9 @@ if (
     from faccel._loop._context import context_attention as context_attention
     from faccel._loop._deepspeed import ConfigOptimizer as ConfigOptimizer
     from faccel._loop._deepspeed import ConfigScheduler as ConfigScheduler
+    from faccel._loop._experts._balance import expert_load as expert_load
+    from faccel._loop._experts._balance import load_balancing_loss as load_balancing_loss
+    from faccel._loop._experts._balance import update_expert_bias as update_expert_bias
     from faccel._loop._local_sgd import LocalSGD as LocalSGD
     from faccel._loop._local_sgd import local_sgd as local_sgd
     from faccel._loop._micro_step import MicroStep as MicroStep

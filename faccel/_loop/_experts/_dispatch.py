@@ -7,8 +7,9 @@ every stacked parameter by this rank's rows of it (experts ``r * E / R`` to
 same name, as a DTensor ``Shard(0)`` over the mesh's ``"expert"`` dimension:
 ``state_dict`` keys do not change, each holds the whole shape and this rank's
 rows, and checkpoints and exports gather and scatter it as any DTensor faccel
-made (the model is marked as tensor parallelism marks it). Its forward becomes the dispatch, one instance attribute
-(``forward``, as activation checkpointing sets; faccel._marks):
+made (the model is marked as tensor parallelism marks it). Its forward becomes
+the dispatch, one instance attribute (``forward``, as activation checkpointing
+sets; faccel._marks):
 
 1. the plan (``_plan.dispatch_plan``): assignments by expert, rows per rank;
 2. ``all_to_all_single`` of the counts, then of the tokens (uneven splits),
@@ -141,6 +142,11 @@ def _exchange(
         raise DistributedError(msg) from error
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a split parameter (a DTensor's local tensor, differentiable), else itself."""
+    return param.to_local() if is_dtensor(param) else param  # type: ignore[attr-defined, no-any-return]
+
+
 def _local_view(module: nn.Module, shard: ExpertShard) -> nn.Module:
     """A shallow copy of ``module`` whose stacked parameters are this rank's, their gradients scaled.
 
@@ -149,8 +155,7 @@ def _local_view(module: nn.Module, shard: ExpertShard) -> nn.Module:
     view = copy.copy(module)
     scale = 1.0 / shard.ranks
     own = {
-        name: _ScaleGrad.apply(param.to_local() if is_dtensor(param) else param, scale)
-        for name, param in module.named_parameters(recurse=False)
+        name: _ScaleGrad.apply(_local(param), scale) for name, param in module.named_parameters(recurse=False)
     }
     view.__dict__["_parameters"] = own  # nn.Module reads its parameters from this dict
     view.__dict__["num_experts"] = shard.local
