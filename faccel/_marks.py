@@ -46,7 +46,7 @@ itself, under these names, and nowhere else:
   write its chunks of rows, and the chunk this rank writes)
   (``faccel._checkpoint._strategies._pipeline``).
 - ``_faccel_expert_shard`` (:data:`EXPERT_SHARD`), on each experts module that
-  expert parallelism split (``Layout(expert=...)``; ``faccel._loop._experts``):
+  expert parallelism split (``Layout(expert=...)``; ``faccel._loop._strategies._experts``):
   its ``ExpertShard`` (the layer's expert count, the group's size, this rank's
   block), so that checkpoints and exports find the whole tensors' shapes and
   which rows of each stacked parameter this rank holds. Its ``forward`` is then
@@ -88,7 +88,7 @@ Three hooks, registered through torch's own ``register_*_hook`` and held (their
   adds the bucket's last tree sums and posts the bucket's first round of the
   exchange, so the messages travel while the backward goes on (as DDP's own
   hooks do). Outside that backward it tests one attribute and returns
-  (``faccel._loop._exact``).
+  (``faccel._loop._exact._mode``).
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
@@ -138,5 +138,6 @@ HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP, EXACT_BUCKET_READY)
 #: The name of the one process group faccel makes for itself, kept in ``dist.runtime.groups``.
 CHECK_IN_GROUP = "evaluation check-in"
 OTHER_STAGE = "_faccel_other_stage"
-# On each experts module that expert parallelism split (faccel._loop._experts._dispatch): its ExpertShard.
+# On each experts module that expert parallelism split: its ExpertShard
+# (faccel._loop._strategies._experts._dispatch).
 EXPERT_SHARD = "_faccel_expert_shard"

@@ -22,7 +22,7 @@ def _simulate(case: dict) -> tuple[list[torch.Tensor], list[dict[int, list[tuple
     Rows are ``(rank, assignment, expert)`` ids; each expert returns its row's id with its own mark,
     so the result shows who computed what, and where it came back to.
     """
-    from faccel._loop._experts._plan import dispatch_plan, inverse, receive_plan
+    from faccel._loop._strategies._experts._plan import dispatch_plan, inverse, receive_plan
 
     num_experts, ranks = case["num_experts"], case["ranks"]
     local = num_experts // ranks
@@ -94,7 +94,7 @@ def test_every_assignment_is_sent_once_and_comes_back_to_its_place(case: dict) -
 @settings(max_examples=100, deadline=None)
 @given(routings())
 def test_each_expert_sees_the_rows_one_process_would_give_it(case: dict) -> None:
-    from faccel._loop._experts._plan import dispatch_plan
+    from faccel._loop._strategies._experts._plan import dispatch_plan
 
     case = {**case, "capacity": None}
     _, seen, _ = _simulate(case)
@@ -116,7 +116,7 @@ def test_each_expert_sees_the_rows_one_process_would_give_it(case: dict) -> None
 @pytest.mark.parametrize(("experts", "ranks"), [(8, 3), (4, 8), (0, 1)])
 def test_a_group_that_does_not_divide_the_experts_is_refused_by_name(experts: int, ranks: int) -> None:
     import faccel
-    from faccel._loop._experts._plan import dispatch_plan
+    from faccel._loop._strategies._experts._plan import dispatch_plan
 
     with pytest.raises(faccel.errors.ArgumentValueError, match="must divide the number of experts"):
         dispatch_plan(torch.zeros(2, 1, dtype=torch.int64), num_experts=experts, ranks=ranks)
@@ -175,7 +175,7 @@ def test_a_capacity_drops_and_counts_what_is_past_it() -> None:
 
 def test_an_experts_module_is_found_or_named_and_a_wrong_one_refused_by_name() -> None:
     import faccel
-    from faccel._loop._experts._find import find_experts
+    from faccel._loop._strategies._experts._find import find_experts
 
     with pytest.raises(faccel.errors.PrepareError, match="no submodule of the Linear holds experts"):
         find_experts(torch.nn.Linear(2, 2))

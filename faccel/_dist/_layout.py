@@ -19,7 +19,7 @@ borrows its ``ep`` ranks from ``dp_shard`` the same way): the ranks of an
 expert group read different batches, hold the rest of the model as data
 parallelism holds it, and split each mixture-of-experts layer's experts
 between them, each token sent to its experts' ranks and back
-(``faccel._loop._experts``). It sits innermost of the data dimensions, so an
+(``faccel._loop._strategies._experts``). It sits innermost of the data dimensions, so an
 expert group is a run of consecutive ranks (its all-to-all stays on a node).
 Ranks along ``context`` read
 the same batch (each its slice of every sequence), ranks along ``tensor`` the

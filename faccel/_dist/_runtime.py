@@ -169,7 +169,7 @@ class Runtime:
         # iteration reuses them (pages already mapped) rather than allocating its own.
         self.exact: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         # Expert parallelism's load in the last forward of each experts module, by its name:
-        # (tokens routed to each expert, assignments dropped) (faccel._loop._experts).
+        # (tokens routed to each expert, assignments dropped) (faccel._loop._strategies._experts).
         self.expert_loads: dict[str, tuple[torch.Tensor, int]] = {}
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
         self.step: int | None = None

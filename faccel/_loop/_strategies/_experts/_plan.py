@@ -20,7 +20,7 @@ of its expert. The plan of a rank is a few integer tensors:
 Both are permutations, and :func:`inverse` undoes them: every assignment is
 sent once and comes back to its own place (tests/test_experts.py states the
 laws for any routing, any ``E`` and ``R``). Nothing here communicates;
-``faccel._loop._experts._dispatch`` runs the all-to-alls the plan sizes.
+``faccel._loop._strategies._experts._dispatch`` runs the all-to-alls the plan sizes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Expert parallelism at ``prepare``: each rank keeps its block of every experts module, and their
 forward sends each token to its experts' ranks and back.
 
-``shard_experts`` replaces, in each experts module (``faccel._loop._experts._find``),
+``shard_experts`` replaces, in each experts module (``faccel._loop._strategies._experts._find``),
 every stacked parameter by this rank's rows of it (experts ``r * E / R`` to
 ``(r + 1) * E / R - 1`` of the ``R`` ranks of its expert group), under the
 same name, as a DTensor ``Shard(0)`` over the mesh's ``"expert"`` dimension:
@@ -43,9 +43,9 @@ from torch import nn
 
 from faccel._dist._mesh import device_mesh, dimension_group
 from faccel._dist._state import DistState
-from faccel._loop._experts._find import find_experts
-from faccel._loop._experts._plan import capacity_of, dispatch_plan, inverse, receive_plan
 from faccel._loop._options import PrepareOptions
+from faccel._loop._strategies._experts._find import find_experts
+from faccel._loop._strategies._experts._plan import capacity_of, dispatch_plan, inverse, receive_plan
 from faccel._marks import EXPERT_SHARD, TENSOR_PARALLEL
 from faccel._torch_compat import ddp_ignore, is_dtensor
 from faccel.errors import DistributedError, PrepareError

@@ -16,7 +16,7 @@ That is how transformers (5.x) holds every mixture of experts it ships
 ``DeepseekV3NaiveMoe``...: fused 3-D ``gate_up_proj`` / ``down_proj``) beside a
 router (``gate``) whose output the block hands to ``experts``. The router,
 and everything else, stays as it is; only the experts module's forward is
-replaced (``faccel._loop._experts._dispatch``). ``prepare(..., experts=[names])``
+replaced (``faccel._loop._strategies._experts._dispatch``). ``prepare(..., experts=[names])``
 names the experts modules where the search below finds none (or finds too many).
 Pure: reads the model, changes nothing.
 """
