@@ -196,3 +196,31 @@ def test_the_balancing_loss_and_the_loss_free_bias() -> None:
     assert loss.item() > 0 and logits.grad is not None  # through the router's probabilities
     bias = faccel.update_expert_bias(torch.zeros(4), [4, 0, 2, 2], rate=0.5)
     assert bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
+
+
+def test_the_memory_plan_counts_each_expert_rank_its_block() -> None:
+    import faccel
+    from faccel._report._memory_plan import param_specs, rank_bytes
+
+    with torch.device("meta"):
+        block = _mixtral_block_meta()
+    specs = {spec.name: spec for spec in param_specs(block)}
+    assert specs["experts.gate_up_proj"].expert and not specs["gate.weight"].expert
+    for name, spec in specs.items():
+        whole = rank_bytes(spec, faccel.Layout(), 0)
+        split = [rank_bytes(spec, faccel.Layout(expert=2), rank) for rank in range(2)]
+        assert split == ([whole // 2] * 2 if spec.expert else [whole] * 2), name
+
+
+def _mixtral_block_meta() -> torch.nn.Module:
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = torch.nn.Parameter(torch.empty(4, 8, 4))
+            self.down_proj = torch.nn.Parameter(torch.empty(4, 4, 4))
+
+    block = torch.nn.Module()
+    block.gate = torch.nn.Linear(4, 4, bias=False)
+    block.experts = Experts()
+    return block

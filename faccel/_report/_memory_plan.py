@@ -63,6 +63,8 @@ class ParamSpec:
         unit: The FSDP2 unit it belongs to (the module path ``fully_shard`` is applied to; ``""``: the root).
         stage: The pipeline coordinate (``layout.coordinate("pipeline", rank)``) of the
             ranks that hold it: its stage's place (None: every rank, as without a pipeline).
+        expert: Whether it is an experts module's stacked parameter, split along dim 0 over
+            the ``expert`` ranks (faccel._loop._strategies._experts).
     """
 
     name: str
@@ -72,6 +74,7 @@ class ParamSpec:
     trainable: bool = True
     unit: str = ""
     stage: int | None = None
+    expert: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +117,9 @@ def rank_bytes(spec: ParamSpec, layout: Layout, rank: int) -> int:
         >>> staged = ParamSpec("w", (10, 4), 4, stage=1)
         >>> [rank_bytes(staged, Layout(pipeline=2, shard=2), r) for r in range(4)]
         [0, 0, 80, 80]
+        >>> experts = ParamSpec("w", (8, 4), 4, expert=True)
+        >>> [rank_bytes(experts, Layout(expert=2), r) for r in range(2)]
+        [64, 64]
     """
     if spec.stage is not None and layout.coordinate("pipeline", rank) != spec.stage:
         return 0
@@ -121,6 +127,8 @@ def rank_bytes(spec: ParamSpec, layout: Layout, rank: int) -> int:
     if layout.tensor > 1 and spec.tensor_dim is not None and shape:
         tensor = layout.coordinate("tensor", rank)
         shape[spec.tensor_dim] = shard_rows(shape[spec.tensor_dim], layout.tensor, tensor)
+    if spec.expert and layout.expert > 1 and shape:  # each expert rank holds its block of the experts
+        shape[0] = shard_rows(shape[0], layout.expert, layout.coordinate("expert", rank))
     shards = layout.shard * layout.context
     if shards > 1 and shape:
         piece = layout.coordinate("shard", rank) * layout.context + layout.coordinate("context", rank)
@@ -365,8 +373,16 @@ def param_specs(model: nn.Module, tp_plan: Mapping[str, Any] | None = None) -> l
         >>> [(s.name, s.shape, s.itemsize) for s in param_specs(net)]
         [('weight', (2, 3), 4), ('bias', (2,), 4)]
     """
+    from faccel._loop._strategies._experts._find import experts_problem
+
     dims = _tensor_dims(model, tp_plan)
     units = _units(model)
+    experts = {
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        if not experts_problem(module)
+        for name, _ in module.named_parameters(recurse=False)
+    }
     return [
         ParamSpec(
             name=name,
@@ -375,6 +391,7 @@ def param_specs(model: nn.Module, tp_plan: Mapping[str, Any] | None = None) -> l
             tensor_dim=dims.get(name),
             trainable=param.requires_grad,
             unit=units[name],
+            expert=name in experts,
         )
         for name, param in model.named_parameters()
     ]
