@@ -224,3 +224,15 @@ def _mixtral_block_meta() -> torch.nn.Module:
     block.gate = torch.nn.Linear(4, 4, bias=False)
     block.experts = Experts()
     return block
+
+
+@pytest.mark.parametrize("layout", ["replicate=2,expert=2", "expert=2,tensor=2", "pipeline=2,expert=2"])
+def test_expert_parallelism_beside_other_dimensions_is_refused_by_name(layout: str) -> None:
+    import faccel
+    from faccel._dist._layout import parse_layout
+    from faccel._loop._strategies._experts._dispatch import shard_experts
+
+    grid = parse_layout(layout)
+    dist = faccel.DistState.simulated(rank=0, world_size=grid.world_size, layout=grid, strategy="fsdp")
+    with pytest.raises(faccel.errors.PrepareError, match="combines expert parallelism with"):
+        shard_experts(dist, _mixtral_block_meta(), names=None, capacity_factor=None)

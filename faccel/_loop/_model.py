@@ -27,7 +27,12 @@ from faccel._loop._check_in import add_check_in
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
 from faccel._loop._strategies._deepspeed._engine import is_deepspeed_engine
-from faccel._loop._strategies._experts._dispatch import ignore_experts_in_ddp, split_experts
+from faccel._loop._strategies._experts._dispatch import (
+    expert_units,
+    experts_mesh,
+    ignore_experts_in_ddp,
+    split_experts,
+)
 from faccel._loop._strategies._mesh._tp_plan import apply_plan, plan_key_matches
 from faccel._loop._ties import check_ties_in_plan, check_ties_in_units, ties_in_one_unit
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
@@ -268,6 +273,15 @@ def _wrap_fsdp(dist: DistState, model: nn.Module, options: PrepareOptions, mesh:
     if options.shard_policy is not None:  # a tie split over two units: refused before anything is sharded
         check_ties_in_units(model, options.shard_policy)
     should_shard = options.shard_policy or default_shard_policy(model)
+    # Split experts (expert parallelism beside shard): their own units over the shard ranks first.
+    for experts in expert_units(dist, model):
+        fully_shard(
+            experts,
+            mesh=experts_mesh(dist),
+            mp_policy=inner,
+            reshard_after_forward=reshard,
+            offload_policy=offload,
+        )
     # Innermost first: fully_shard on a parent skips parameters its children already own.
     for module in reversed(list(model.modules())):
         if module is not model and should_shard(module):

@@ -372,8 +372,10 @@ def prepare(
             that meets the experts contract (docs/parallelism.md, "Mixture of
             experts": transformers' ``MixtralExperts``, ``Qwen2MoeExperts``...).
             Each rank keeps its block of each one's experts; tokens travel to
-            them by all-to-all. Given in one process, the same dispatch runs
-            with every expert here (the same forward at any size).
+            them by all-to-all. ``Layout(expert=E)`` over every rank (DDP for the
+            rest) and ``Layout(shard=S, expert=E)`` (FSDP2) are supported. Given in
+            one process, the same dispatch runs with every expert here (the same
+            forward at any size).
         expert_capacity: Each expert's capacity per batch, as a multiple of its
             even share of the assignments (``ceil(c * tokens * k / experts)``
             on each rank); the assignments past it are dropped (their output

@@ -12,15 +12,15 @@ from tests.budget import expert_moves
 from tests.distributed import experts_workers, harness
 
 
-def _check_like_one_process(ranks: list[dict]) -> None:
+def _check_like_one_process(ranks: list[dict], rows: int = 2) -> None:
     for r in ranks:
         # the dispatch only moves rows: the same losses and weights as one process, to float32 rounding
         # (the one process averages the loss over the global batch at once, two ranks each over half)
         assert r["losses"] == pytest.approx(r["reference"], rel=1e-5, abs=1e-6)
         assert max(r["worst"].values()) < 1e-5, r["worst"]
-        # the model's own names, each rank holding its two of the four experts
-        assert all(shape[0] == 2 for shape in r["shapes"].values()), r["shapes"]
-    assert ranks[0]["keys"] == ranks[1]["keys"]
+        # the model's own names, each rank holding its rows of the four experts
+        assert all(shape[0] == rows for shape in r["shapes"].values()), r["shapes"]
+    assert all(r["keys"] == ranks[0]["keys"] for r in ranks)
     # the load, summed over the ranks, is what one process routed for the global batch
     assert ranks[0]["world_routed"][:1] == ranks[0]["one_routed"][:1] == ranks[1]["world_routed"][:1]
 
@@ -77,6 +77,15 @@ def test_an_expert_parallel_checkpoint_restores_at_any_layout_and_exports_for_tr
     probe = experts_workers.batches_of(2)[0][:2]
     # (to float32 rounding: on two ranks each expert multiplied both ranks' probe rows at once)
     torch.testing.assert_close(loaded(probe).logits, torch.tensor(saved["logits"]), rtol=1e-5, atol=1e-6)
+
+
+@expert_moves
+def test_experts_beside_shards_train_as_one_process() -> None:
+    # torchtitan's dp_shard x ep: the rest of the model sharded over the 4 ranks, each expert group's
+    # block of experts sharded again over the 2 ranks that hold it (one expert's rows a rank)
+    both = harness.run(experts_workers.train_both, world_size=4, timeout=300, layout="shard=2,expert=2")
+    _check_like_one_process([r["even"] for r in both], rows=1)
+    _check_like_one_process([r["skew"] for r in both], rows=1)
 
 
 def test_a_peer_dying_in_the_all_to_all_is_named_on_the_survivor() -> None:

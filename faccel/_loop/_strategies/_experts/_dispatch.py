@@ -32,7 +32,6 @@ kept in ``dist.runtime`` for :func:`faccel.expert_load`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +49,15 @@ from faccel._marks import EXPERT_SHARD, TENSOR_PARALLEL
 from faccel._torch_compat import ddp_ignore, is_dtensor
 from faccel.errors import DistributedError, PrepareError
 
-__all__ = ["ExpertShard", "expert_shards", "ignore_experts_in_ddp", "shard_experts", "split_experts"]
+__all__ = [
+    "ExpertShard",
+    "expert_shards",
+    "expert_units",
+    "experts_mesh",
+    "ignore_experts_in_ddp",
+    "shard_experts",
+    "split_experts",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -147,12 +154,15 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if is_dtensor(param) else param  # type: ignore[attr-defined, no-any-return]
 
 
-def _local_view(module: nn.Module, shard: ExpertShard) -> nn.Module:
-    """A shallow copy of ``module`` whose stacked parameters are this rank's, their gradients scaled.
+def _local_view(module: nn.Module, kind: type, shard: ExpertShard) -> nn.Module:
+    """A shallow copy of ``module`` (of its own class ``kind``, whatever FSDP2 made of it) whose
+    stacked parameters are this rank's, their gradients scaled.
 
     The module's own forward runs on it as on ``module`` with ``num_experts`` local experts.
+    (Made without ``__init__``: FSDP2's class would run it again, transformers' needs a config.)
     """
-    view = copy.copy(module)
+    view: nn.Module = object.__new__(kind)
+    view.__dict__.update(module.__dict__)
     scale = 1.0 / shard.ranks
     own = {
         name: _ScaleGrad.apply(_local(param), scale) for name, param in module.named_parameters(recurse=False)
@@ -163,7 +173,7 @@ def _local_view(module: nn.Module, shard: ExpertShard) -> nn.Module:
 
 
 def _dispatched(
-    module: nn.Module, original: Any, shard: ExpertShard, group: Any, loads: dict[str, Any]
+    kind: type, module: nn.Module, original: Any, shard: ExpertShard, group: Any, loads: dict[str, Any]
 ) -> Any:
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
         tokens, top_k = top_k_index.shape
@@ -194,7 +204,7 @@ def _dispatched(
             device
         )
         ones = torch.ones(ids.numel(), 1, dtype=top_k_weights.dtype, device=device)
-        computed = original(_local_view(module, shard), grouped, ids[:, None], ones)
+        computed = original(_local_view(module, kind, shard), grouped, ids[:, None], ones)
         if torch.is_grad_enabled() and grouped.requires_grad and not computed.requires_grad:
             # no rows for this rank's experts: still a node of the graph, so that its reverse
             # all-to-all runs in the backward as every peer's does
@@ -236,12 +246,16 @@ def shard_experts(
             expert parallelism does not run under (yet).
     """
     layout = dist.parallel
-    others = {name: size for name, size in layout.sizes.items() if name != "expert" and size > 1}
-    if layout.expert > 1 and (others or dist.strategy != "ddp"):
+    others = {
+        name: size for name, size in layout.sizes.items() if name not in ("expert", "shard") and size > 1
+    }
+    alone = layout.shard == 1 and dist.strategy == "ddp"
+    with_shards = dist.strategy == "fsdp"  # torchtitan's dp_shard x ep: experts' blocks sharded over shard
+    if layout.expert > 1 and (others or not (alone or with_shards)):
         msg = (
             f"layout {layout} combines expert parallelism with {sorted(others) or dist.strategy!r}; faccel "
-            "splits experts over expert ranks alone so far (Layout(expert=E), the rest of the model "
-            "whole on every rank, strategy 'ddp'); use Layout(expert=E) with E the world size"
+            "splits experts over expert ranks alone (Layout(expert=E), strategy 'ddp') or beside "
+            "shards (Layout(shard=S, expert=E), strategy 'fsdp') so far; use one of those"
         )
         raise PrepareError(msg)
     group = dimension_group(dist, "expert") if layout.expert > 1 else None
@@ -272,7 +286,9 @@ def shard_experts(
             mine = param.detach()[shard.first : shard.first + shard.local].clone()
             setattr(module, pname, nn.Parameter(_on_mesh(dist, mine), requires_grad=param.requires_grad))
         original = type(module).forward
-        object.__setattr__(module, "forward", _dispatched(module, original, shard, group, loads))
+        object.__setattr__(
+            module, "forward", _dispatched(type(module), module, original, shard, group, loads)
+        )
         object.__setattr__(module, EXPERT_SHARD, shard)
         shards[name] = shard
     if shards and layout.expert > 1:
@@ -321,6 +337,29 @@ def expert_shards(model: nn.Module) -> dict[str, ExpertShard]:
         for name, module in model.named_modules()
         if EXPERT_SHARD in module.__dict__
     }
+
+
+def expert_units(dist: DistState, model: nn.Module) -> list[nn.Module]:
+    """The split experts modules that FSDP2 shards on their own, over the ``shard`` ranks.
+
+    Beside ``shard > 1`` (torchtitan's ``dp_shard`` x ``ep``) each rank's block of
+    experts is sharded again over the ranks that hold the same block, while the
+    rest of the model is sharded over every data-parallel rank; the experts'
+    gradients are averaged over the shard ranks by FSDP2 and over the expert
+    group by the dispatch's ``1 / E``.
+    """
+    if dist.parallel.expert == 1 or dist.parallel.shard == 1:
+        return []
+    return [
+        module
+        for module in model.modules()
+        if EXPERT_SHARD in module.__dict__ and module.__dict__[EXPERT_SHARD].ranks > 1
+    ]
+
+
+def experts_mesh(dist: DistState) -> Any:
+    """The mesh an experts module's FSDP2 unit shards over: the ``shard`` dimension."""
+    return device_mesh(dist)["shard"]
 
 
 def ignore_experts_in_ddp(wrapped: nn.Module) -> None:
