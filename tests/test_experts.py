@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from tests.budget import EXPERT_MOVES
 from tests.strategies import routings
 
 
@@ -60,7 +61,7 @@ def _simulate(case: dict) -> tuple[list[torch.Tensor], list[dict[int, list[tuple
     return results, seen, plans
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(routings())
 def test_every_assignment_is_sent_once_and_comes_back_to_its_place(case: dict) -> None:
     results, seen, plans = _simulate(case)
@@ -91,7 +92,7 @@ def test_every_assignment_is_sent_once_and_comes_back_to_its_place(case: dict) -
     assert len(everything) == len(set(everything)) == sum(int(p.counts.sum()) for p in plans)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(routings())
 def test_each_expert_sees_the_rows_one_process_would_give_it(case: dict) -> None:
     from faccel._loop._strategies._experts._plan import dispatch_plan
@@ -135,19 +136,34 @@ def _mixtral_block(implementation: str | None) -> torch.nn.Module:
     return block
 
 
+def _plain_block() -> torch.nn.Module:
+    from tests.distributed.experts_workers import Block
+
+    torch.manual_seed(0)
+    return Block(experts=4, hidden=16)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers: a standalone experts module
-@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        "plain",
+        pytest.param("eager", marks=EXPERT_MOVES),  # transformers' import: 15 s here
+        pytest.param("batched_mm", marks=EXPERT_MOVES),
+    ],
+)
 def test_the_dispatch_with_every_expert_here_is_bitwise_the_models_own_forward(implementation: str) -> None:
     import copy
 
     import faccel
 
-    block = _mixtral_block(implementation)
+    block = _plain_block() if implementation == "plain" else _mixtral_block(implementation)
     reference = copy.deepcopy(block)
     dist = faccel.detect({})
     assert faccel.prepare(dist, block, experts=["experts"]) is block  # one process: no wrapper
     assert list(block.state_dict()) == list(reference.state_dict())
-    x, grad = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    shape = (10, 16) if implementation == "plain" else (2, 5, 16)
+    x, grad = torch.randn(shape), torch.randn(shape)
     out, want = block(x), reference(x)
     assert torch.equal(out, want)
     out.backward(grad)
@@ -158,19 +174,18 @@ def test_the_dispatch_with_every_expert_here_is_bitwise_the_models_own_forward(i
     assert sum(load["routed"]) == 20 and load["dropped"] == 0 and load["world_routed"] == load["routed"]
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_capacity_drops_and_counts_what_is_past_it() -> None:
     import faccel
 
-    block = _mixtral_block("eager")
+    block = _plain_block()
     torch.nn.init.zeros_(block.gate.weight)  # every token to the same two experts
     dist = faccel.detect({})
     faccel.prepare(dist, block, expert_capacity=1.0)  # found by the search: the experts module
-    out = block(torch.randn(1, 8, 16))
+    out = block(torch.randn(8, 16))
     load = faccel.expert_load(dist)["experts"]
     # 16 assignments, 4 experts: each keeps ceil(16 / 4) = 4; two experts got 8 each
     assert sorted(load["routed"]) == [0, 0, 8, 8] and load["dropped"] == 8
-    assert out.shape == (1, 8, 16)
+    assert out.shape == (8, 16)
 
 
 def test_an_experts_module_is_found_or_named_and_a_wrong_one_refused_by_name() -> None:

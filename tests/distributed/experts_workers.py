@@ -155,8 +155,8 @@ class Experts(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
-        for expert in range(self.num_experts):
-            token, slot = torch.where(index == expert)
+        for expert in range(self.num_experts):  # each expert's rows by slot, then token (as transformers')
+            slot, token = torch.where(index.t() == expert)
             rows = torch.relu(hidden[token] @ self.up[expert].t()) @ self.down[expert].t()
             out = out.index_add(0, token, rows * weights[token, slot, None])
         return out
