@@ -74,6 +74,8 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
     "exact_step": "exact: time per step in exact mode (8 atoms), 2 and 4 gloo processes / ordinary DDP's",
     "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / by hand",
+    "moe": "moe: time per step of a Mixtral-like layer at expert=2, 2 gloo processes / the dispatch by hand",
+    "moe_memory": "moe: peak memory per rank at expert=2 / FSDP2's without expert parallelism",
 }
 
 

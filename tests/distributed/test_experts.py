@@ -80,12 +80,29 @@ def test_an_expert_parallel_checkpoint_restores_at_any_layout_and_exports_for_tr
 
 
 @expert_moves
-def test_experts_beside_shards_train_as_one_process() -> None:
+def test_experts_beside_shards_train_as_one_process_and_restore_in_one(tmp_path: Path) -> None:
     # torchtitan's dp_shard x ep: the rest of the model sharded over the 4 ranks, each expert group's
     # block of experts sharded again over the 2 ranks that hold it (one expert's rows a rank)
-    both = harness.run(experts_workers.train_both, world_size=4, timeout=300, layout="shard=2,expert=2")
+    root, model_dir = tmp_path / "ckpt", tmp_path / "model"
+    both = harness.run(
+        experts_workers.train_both,
+        world_size=4,
+        timeout=300,
+        layout="shard=2,expert=2",
+        root=str(root),
+        model_dir=str(model_dir),
+    )
     _check_like_one_process([r["even"] for r in both], rows=1)
     _check_like_one_process([r["skew"] for r in both], rows=1)
+    # its checkpoint restores in one process, bitwise, optimizer state included
+    import faccel
+
+    model = experts_workers.tiny_mixtral(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    one = faccel.detect({})
+    model, optimizer = faccel.prepare(one, model, optimizer)
+    state = faccel.restore(one, faccel.TrainState.create(model=model, optimizer=optimizer), root)
+    assert experts_workers.digests(state.model, optimizer) == both[0]["even"]["digests"]
 
 
 def test_a_peer_dying_in_the_all_to_all_is_named_on_the_survivor() -> None:
