@@ -21,6 +21,7 @@ __all__ = [
     "MissingExtraError",
     "PrecisionError",
     "PrepareError",
+    "RankFailedError",
     "SetupMismatchError",
     "StorageError",
     "UsageError",
@@ -71,6 +72,19 @@ class DistributedError(FaccelError, RuntimeError):
     (another rank or world size), or a collective needs a group that is not
     running. Fix: call :func:`faccel.detect` once per process, before any
     collective, and :func:`faccel.shutdown` at the end.
+    """
+
+
+class RankFailedError(DistributedError):
+    """Another rank failed or left inside a step that every rank runs together.
+
+    Cause: a pipeline schedule or exact mode's gradient exchange was waiting
+    for a peer that raised (its own error names the mistake), was killed, or
+    exited; the message names that rank and, when it said, its error. Raised
+    on the ranks that were waiting, instead of the backend's bare connection
+    error or timeout. Fix: read the named rank's own error (or its log and
+    exit code); the process group cannot be trusted after it, so restart the
+    job from the latest checkpoint.
     """
 
 
