@@ -8,7 +8,9 @@ ranks (another atom count per rank, ``optimizer.zero_grad(set_to_none=False)`` a
 then rank 1 alone zeroes the gradients in place, skips a backward, or is killed inside a step,
 while rank 0 waits in the gradient exchange: rank 1 keeps its own refusal, rank 0 gets a
 ``RankFailedError`` naming rank 1, never torch's raw gloo error, never a hang (each launch's
-timeout: 120 s). The suite runs each case once (tests/distributed/test_exact.py).
+timeout: 120 s). Last, rank 1 catches its refusal and lives on (a 5 s process-group timeout): rank
+0's wait ends with gloo's timeout, which becomes the same ``RankFailedError``. The suite runs the
+first four cases once each (tests/distributed/test_exact.py).
 """
 
 from __future__ import annotations

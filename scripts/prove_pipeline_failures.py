@@ -43,7 +43,7 @@ def main(repeats: int) -> None:
             said = [None if r is None else r[case] for r in ranks]
             ok = all(named(case, s) for s in said)
             bad += not ok
-            cells = [("-- killed" if s is None else s)[:68] for s in said]
+            cells = [("-- killed" if s is None else " ".join(s.split()))[:68] for s in said]
             print(f"{case:<22} {cells[0]:<70} {cells[1]}{'' if ok else '   <- NOT NAMED'}", flush=True)
     seconds = time.perf_counter() - start
     print(f"{repeats * len(pipeline_workers.FAILURES)} launches, {bad} not named, {seconds:.0f} s")

@@ -153,11 +153,18 @@ def overlapped_and_serial(bucket: int) -> dict[str, Any]:
 
 # The failure table (scripts/prove_exact_failures.py, tests/distributed/test_exact.py): mistakes
 # made on every rank alike, then on one rank only, and a rank that dies inside a step.
-FAILURES = ("alike", "zero_grad_on_one_rank", "skipped_backward_on_one_rank", "killed_mid_step")
+FAILURES = (
+    "alike",
+    "zero_grad_on_one_rank",
+    "skipped_backward_on_one_rank",
+    "killed_mid_step",
+    "refused_on_one_rank_which_lives_on",
+)
 
 
 def failure(case: str) -> dict[str, str]:
     """One case of FAILURES on this rank: what each call raised, ``"TypeName: message"`` by name."""
+    import datetime
     import os
 
     import torch
@@ -166,7 +173,9 @@ def failure(case: str) -> dict[str, str]:
 
     import faccel
 
-    dist = faccel.detect()
+    # The last case: rank 1 catches its refusal and lives on, so rank 0 waits out the timeout.
+    lives_on = case == "refused_on_one_rank_which_lives_on"
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=5)) if lives_on else faccel.detect()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     generator = torch.Generator().manual_seed(0)
@@ -215,6 +224,15 @@ def failure(case: str) -> dict[str, str]:
         said("after", steps)  # every refusal came before any message: the ranks train on
     elif case == "zero_grad_on_one_rank":
         said("step", lambda: steps(mistake="optimizer.zero_grad", on=(1,)))
+    elif lives_on:
+        from faccel._torch_compat import default_store
+
+        said("step", lambda: steps(mistake="optimizer.zero_grad", on=(1,)))
+        store = default_store()
+        if dist.rank == 0:
+            store.set("test/rank0-done", "1")  # rank 1 stays alive until rank 0 has its error
+        else:
+            store.wait(["test/rank0-done"], datetime.timedelta(seconds=120))
     elif case == "skipped_backward_on_one_rank":
         said("step", lambda: steps(mistake="skip", on=(1,)))
     else:

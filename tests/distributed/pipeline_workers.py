@@ -523,6 +523,7 @@ FAILURES = (
     "loss_raises",
     "forward_raises",
     "tied_weight",
+    "tied_weight_built",
     "killed_mid_step",
     "killed_between_steps",
 )
@@ -534,6 +535,22 @@ class _Tied(Net):
     def __init__(self) -> None:
         super().__init__()
         self.layers[3].weight = self.layers[0].weight
+
+
+class _PartOf(nn.Module):
+    """Stage ``stage`` of 2 built from a whole :class:`Net`'s own modules (torchtitan's way)."""
+
+    def __init__(self, whole: Net, stage: int) -> None:
+        super().__init__()
+        self.embed = whole.embed if stage == 0 else None
+        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(2 * stage, 2 * stage + 2)})
+        self.head = whole.head if stage == 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.embed(h) if self.embed is not None else h
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.head(h) if self.head is not None else h
 
 
 class _DictStage(Stage):
@@ -578,8 +595,13 @@ def _failure(dist: Any, case: str) -> str:
     import faccel
 
     torch.manual_seed(0)
-    net: nn.Module = _Tied() if case == "tied_weight" else Net()
+    net: nn.Module = _Tied() if case.startswith("tied_weight") else Net()
     split: Any = ("",) if case == "empty_split" else SPLITS[2]
+    if case == "tied_weight_built":  # stages built from the tied model's own modules (a function split)
+
+        def split(stage: int, stages: int) -> nn.Module:
+            return _PartOf(net, stage)
+
     if case in ("dict_output", "forward_raises"):
         cls = _DictStage if case == "dict_output" else _Raising
 
