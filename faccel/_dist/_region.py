@@ -15,7 +15,9 @@ wait ends with the backend's error reads the peers' keys and raises
 when no peer wrote (a process killed or gone without a word), naming the
 peers it was waiting on. The key is written before the failed process can
 close its connections or time out, so the peer reads it when it looks. One
-store write on the failing path; nothing on the path that succeeds.
+store write on the failing path; on the path that succeeds, one attribute
+read (a rank that caught its failure and completes a later region deletes
+its key, so a later loss is not blamed on it).
 """
 
 from __future__ import annotations
@@ -82,6 +84,16 @@ def announce(dist: DistState, what: str, error: BaseException) -> None:
         default_store().set(_key(dist.rank), f"{what}: {_first_line(error)}")
     except RuntimeError:  # the store's host is gone: the peers name this rank as lost instead
         return
+    dist.runtime.announced = True
+
+
+def _withdraw(dist: DistState) -> None:
+    """This rank completed a region after announcing a failure (the user caught it): take it back."""
+    dist.runtime.announced = False
+    try:
+        default_store().delete_key(_key(dist.rank))
+    except RuntimeError:  # the store's host is gone: nothing to take back
+        return
 
 
 def _announced(peers: Sequence[int]) -> dict[int, str]:
@@ -128,6 +140,8 @@ def region(dist: DistState, what: str, peers: Sequence[int] | None = None) -> It
     """
     try:
         yield
+        if dist.runtime.announced:
+            _withdraw(dist)
     except RankFailedError:
         raise
     except Exception as error:

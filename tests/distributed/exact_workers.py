@@ -221,7 +221,12 @@ def failure(case: str) -> dict[str, str]:
         said("atoms", lambda: steps(atoms=8 if dist.rank == 0 else 4))
         said("optimizer.zero_grad", lambda: steps(mistake="optimizer.zero_grad"))
         said("model.zero_grad", lambda: steps(mistake="model.zero_grad"))
+        from faccel._torch_compat import default_store
+
+        key = f"faccel/region/failed/rank{dist.rank}"
+        out["told"] = str(default_store().check([key]))  # each refusal told the peers ...
         said("after", steps)  # every refusal came before any message: the ranks train on
+        out["taken back"] = str(not default_store().check([key]))  # ... and the next step took it back
     elif case == "zero_grad_on_one_rank":
         said("step", lambda: steps(mistake="optimizer.zero_grad", on=(1,)))
     elif lives_on:

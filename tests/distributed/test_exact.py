@@ -79,6 +79,7 @@ def test_mistakes_made_on_every_rank_are_refused_alike_and_the_ranks_train_on() 
         for who in ("optimizer", "model"):
             assert r[f"{who}.zero_grad"].startswith("UsageError: a parameter's .grad was written in place")
         assert r["after"] == "ok"
+        assert (r["told"], r["taken back"]) == ("True", "True")  # a later loss is not blamed on it
 
 
 @pytest.mark.parametrize(
