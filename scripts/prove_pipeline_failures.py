@@ -4,7 +4,8 @@
 
 Each case runs on 2 gloo ranks under ``pipeline=2`` (1F1B, 4 micro-batches): a split naming the
 model itself, batches of 10 and 3 rows, a non-scalar loss, a dict output, a loss function or a stage
-forward that raises, a weight tied across the stages, rank 1 killed inside a step or between two.
+forward that raises, a weight tied across the stages (split by names, or built by a function),
+rank 1 killed inside a step, between two, or between ``forward_backward`` and ``clip_grad_norm``.
 A row per case and rank: what it raised. Every rank must end named: a ``faccel.errors`` class, or
 the user's own error on the rank where the user's code raised (the peer then names that rank in a
 ``RankFailedError``); never torch's raw gloo error, never a hang (each launch's timeout: 120 s).

@@ -526,6 +526,7 @@ FAILURES = (
     "tied_weight_built",
     "killed_mid_step",
     "killed_between_steps",
+    "killed_before_clip",
 )
 
 
@@ -641,6 +642,9 @@ def _failure(dist: Any, case: str) -> str:
             if case == "killed_between_steps" and steps_done == 1 and dist.rank == 1:
                 os._exit(0)
             faccel.forward_backward(dist, model, loss_fn, x, y)
+            if case == "killed_before_clip" and steps_done == 1 and dist.rank == 1:
+                os._exit(0)
+            faccel.clip_grad_norm(dist, model, 1.0)  # a sum over the stages
             faccel.optimizer_step(dist, optimizer)
             steps_done += 1
     except Exception as error:

@@ -841,7 +841,9 @@ def clip_stages(
     inf = norm_type == float("inf")
     value = (local if inf else local**norm_type).to(dist.device)
     op = tdist.ReduceOp.MAX if inf else tdist.ReduceOp.SUM
-    tdist.all_reduce(value, op=op, group=dimension_group(dist, "pipeline"))
+    peers = [r for r in dist.parallel.members("pipeline", dist.rank) if r != dist.rank]
+    with region(dist, "clip_grad_norm() over the pipeline stages", peers):
+        tdist.all_reduce(value, op=op, group=dimension_group(dist, "pipeline"))
     total = (value if inf else value ** (1.0 / norm_type)).float().cpu()
     if error_if_nonfinite and not torch.isfinite(total):
         msg = f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})"
