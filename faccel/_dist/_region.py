@@ -22,6 +22,7 @@ its key, so a later loss is not blamed on it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -66,9 +67,15 @@ def _key(rank: int) -> str:
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
-    """``Type: first line`` of ``error`` (to its first sentence), and of its cause (torch wraps a stage's)."""
+    """``Type: first line`` of ``error`` (to its first sentence), and of its cause (torch wraps a stage's).
+
+    Example:
+        >>> _first_line(RuntimeError("[/src/gloo/pair.cc:553] Connection closed by peer. Typically ..."))
+        'RuntimeError: Connection closed by peer'
+    """
     text = str(error).strip()
-    line = text.splitlines()[0].split(". ")[0][:limit] if text else ""
+    line = text.splitlines()[0].split(". ")[0] if text else ""
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line)[:limit].rstrip(":")  # gloo's source location
     said = f"{type(error).__name__}: {line}" if line else type(error).__name__
     cause = error.__cause__
     if cause is not None and not isinstance(cause, tdist.DistError):
