@@ -6,7 +6,8 @@ On 2 gloo ranks, exact mode (atoms=4, 2 optimizer steps): ``alike`` makes each m
 ranks (another atom count per rank, ``optimizer.zero_grad(set_to_none=False)`` and
 ``model.zero_grad(set_to_none=False)`` inside a step), each refused by name on both, then trains on;
 then rank 1 alone zeroes the gradients in place, skips a backward, or is killed inside a step,
-while rank 0 waits in the gradient exchange: rank 1 keeps its own refusal, rank 0 gets a
+while rank 0 waits in the gradient exchange, or killed between two iterations of ``micro_batches``
+while rank 0 agrees on the next one's set-up: rank 1 keeps its own refusal, rank 0 gets a
 ``RankFailedError`` naming rank 1, never torch's raw gloo error, never a hang (each launch's
 timeout: 120 s). Last, rank 1 catches its refusal and lives on (a 5 s process-group timeout): rank
 0's wait ends with gloo's timeout, which becomes the same ``RankFailedError``. The suite runs the

@@ -158,6 +158,7 @@ FAILURES = (
     "zero_grad_on_one_rank",
     "skipped_backward_on_one_rank",
     "killed_mid_step",
+    "killed_between_iterations",
     "refused_on_one_rank_which_lives_on",
 )
 
@@ -238,6 +239,15 @@ def failure(case: str) -> dict[str, str]:
             store.set("test/rank0-done", "1")  # rank 1 stays alive until rank 0 has its error
         else:
             store.wait(["test/rank0-done"], datetime.timedelta(seconds=120))
+    elif case == "killed_between_iterations":  # rank 1 dies after an iteration; rank 0 starts the next
+
+        def iterations() -> None:
+            steps(count=1)
+            if dist.rank == 1:
+                os._exit(0)
+            steps(count=1)
+
+        said("step", iterations)
     elif case == "skipped_backward_on_one_rank":
         said("step", lambda: steps(mistake="skip", on=(1,)))
     else:

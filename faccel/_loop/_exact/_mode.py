@@ -249,7 +249,8 @@ def _agree(dist: DistState, atoms: Any, failed: bool) -> None:
     if dist.distributed:
         device = comm_device(dist)
         gathered = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(dist.world_size)]
-        tdist.all_gather(gathered, mine.to(device))
+        with region(dist, "micro_batches(..., atoms=) agreeing on exact mode's set-up"):
+            tdist.all_gather(gathered, mine.to(device))
         rows = [tuple(int(v) for v in g.tolist()) for g in gathered]
     else:
         rows = [tuple(int(v) for v in mine.tolist())]
