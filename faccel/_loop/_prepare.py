@@ -44,7 +44,7 @@ def _module(dist: DistState, obj: Any, options: _Options) -> Any:
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
     if options.comm_hook is not None:
-        register_comm_hook(prepared, options.comm_hook, options.comm_hook_options)
+        register_comm_hook(dist, prepared, options.comm_hook, options.comm_hook_options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
     # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
     # object is left behind, untrained; it says what replaced it, so an optimizer that
