@@ -639,7 +639,8 @@ def estimate_memory(
 
     Raises:
         ArgumentError: ``model`` is none of the accepted kinds, or an argument of the wrong type.
-        ArgumentValueError: A candidate that does not span ``world_size`` ranks, or an unknown optimizer.
+        ArgumentValueError: A candidate that does not span ``world_size`` ranks, an unknown optimizer,
+            or a model with no parameters or one of an empty shape (a size of 0 in its config).
 
     Example:
         >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
@@ -666,6 +667,14 @@ def estimate_memory(
             msg = f"layout {layout} spans {layout.world_size} ranks, but the world size is {world_size}"
             raise ArgumentValueError(msg)
     specs = param_specs(built, tp_plan)
+    empty = next((spec for spec in specs if _numel(spec.shape) == 0), None)
+    if not specs or empty is not None:
+        said = "no parameters" if empty is None else f"parameter {empty.name} of shape {list(empty.shape)}"
+        msg = (
+            f"the {type(built).__name__} has {said}: a plan of it would be a table of zeros. Its config "
+            "probably gives a size of 0 or below (n_embd=0, n_layer=-3); fix the config or the function"
+        )
+        raise ArgumentValueError(msg)
     buffers = sum(b.numel() * b.element_size() for b in built.buffers())
     activations: int | None = None
     if inputs is None:
