@@ -82,7 +82,7 @@ Three hooks, registered through torch's own ``register_*_hook`` and held (their
   adds the bucket's last tree sums and posts the bucket's first round of the
   exchange, so the messages travel while the backward goes on (as DDP's own
   hooks do). Outside that backward it tests one attribute and returns
-  (``faccel._loop._exact``).
+  (``faccel._loop._exact._mode``).
 
 One hook on a wrapper faccel builds (not an object of yours), and its mark:
 
