@@ -170,7 +170,8 @@ def test_rollback_and_into_are_checked_before_anything(tmp_path: Path) -> None:
 def test_a_name_faccel_gives_things_in_a_root_is_refused_before_anything_is_written(
     tmp_path: Path, name: str
 ) -> None:
-    with pytest.raises(faccel.errors.ArgumentValueError, match="is a name faccel gives things|not one plain"):
+    said = r"is a name faccel gives things|not one plain"
+    with pytest.raises(faccel.errors.ArgumentValueError, match=said):
         faccel.checkpoint(faccel.detect({}), _state(), tmp_path / "root", name=name)
     assert not (tmp_path / "root").exists()
 
