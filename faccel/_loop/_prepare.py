@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from faccel._choices import Init, Offload, WorkerSeeds
+from faccel._choices import CommHookName, Init, Offload, WorkerSeeds
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
@@ -237,7 +237,7 @@ def prepare(
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
     schedule: Schedule | None = None,
     example: Any = None,
-    comm_hook: str | None = None,
+    comm_hook: CommHookName | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from torch import nn
 
+from faccel._choices import CommHookName
 from faccel._dist._state import DistState
 from faccel._marks import COMM_HOOK
 from faccel._torch_compat import batched_powersgd_works
@@ -34,8 +35,8 @@ from faccel.errors import ArgumentError, ArgumentValueError, PrepareError
 
 __all__ = ["COMM_HOOKS", "CommHook", "check_comm_hook", "register_comm_hook"]
 
-CommHook = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
-COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
+CommHook = CommHookName
+COMM_HOOKS: tuple[str, ...] = get_args(CommHookName)
 # Each hook: its function's name in torch's ddp_comm_hooks, and whether it is a PowerSGD one (which
 # takes PowerSGDState's keywords and a compression wrapper).
 _HOOKS: Mapping[str, tuple[str, bool]] = {
@@ -149,7 +150,7 @@ def _check_powersgd(settings: Mapping[str, Any]) -> None:
 
 
 def register_comm_hook(
-    dist: DistState, model: nn.Module, hook: str, options: Mapping[str, Any] | None
+    dist: DistState, model: nn.Module, hook: CommHookName, options: Mapping[str, Any] | None
 ) -> None:
     """Register ``hook`` on ``model`` when it is a ``DistributedDataParallel`` wrapper (else nothing).
 
