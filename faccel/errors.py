@@ -76,15 +76,17 @@ class DistributedError(FaccelError, RuntimeError):
 
 
 class RankFailedError(DistributedError):
-    """Another rank failed or left inside a step that every rank runs together.
+    """Another rank failed or left (it raised, crashed, was killed or stopped answering) in a collective step.
 
-    Cause: a pipeline schedule or exact mode's gradient exchange was waiting
-    for a peer that raised (its own error names the mistake), was killed, or
-    exited; the message names that rank and, when it said, its error. Raised
-    on the ranks that were waiting, instead of the backend's bare connection
-    error or timeout. Fix: read the named rank's own error (or its log and
-    exit code); the process group cannot be trusted after it, so restart the
-    job from the latest checkpoint.
+    Cause: this rank was waiting inside a step the ranks run together (a
+    pipeline schedule, exact mode's gradient exchange, DeepSpeed's backward or
+    optimizer step) for a peer that raised (its own error names the mistake),
+    or whose process ended; the backend reported the lost connection or its
+    timeout. The message names this rank, the step, the rank that failed and,
+    when it said, its error (or the other ranks' last faccel calls).
+    Fix: that rank's own error or log holds the first error; the process
+    group cannot be trusted after it: restart the job from the latest
+    checkpoint.
     """
 
 
