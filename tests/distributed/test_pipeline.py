@@ -10,6 +10,10 @@ each batch runs as 4 micro-batches, so a gradient is the sum of 4 partial produc
 each instead of one product over 8 rows, and the loss the mean of 4 means; the clipping norm is
 combined from the stages' norms; with shard=2 FSDP2 averages two halves' gradients. Observed:
 6e-8 on losses near 1.
+
+The failure cases at the end (pipeline_workers.FAILURES, bounded): what can be checked before the
+schedule is refused on every rank alike; a rank that fails or dies inside it is named on the other
+(``RankFailedError``). scripts/prove_pipeline_failures.py runs the whole table, repeatedly.
 """
 
 from __future__ import annotations
