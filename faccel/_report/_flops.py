@@ -112,7 +112,10 @@ def count_flops(step: Callable[[], Any]) -> tuple[Any, int]:
     Run the first training step through it (forward, loss and backward; the
     optimizer's element-wise update is not counted by torch) and divide by the
     step's items for :func:`faccel.start_meter`'s ``flops_per_item``. The step
-    runs as usual, only slower by the counter's bookkeeping: do it once.
+    runs as usual, only slower by the counter's bookkeeping: do it once. torch's
+    counter has no formula for ``scaled_dot_product_attention``'s CPU kernel (it
+    counts the CUDA ones): on a CPU, attention through SDPA counts 0, and
+    :func:`transformer_flops` is the better numerator.
 
     Args:
         step: A callable that runs one step.
