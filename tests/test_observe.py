@@ -6,6 +6,7 @@ tests/distributed/test_observe.py; the plot's PNG and HTML in tests/test_observe
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -40,7 +41,7 @@ def test_the_run_rate_is_the_items_over_the_time_and_each_step_rate_its_own(
     total_items, total_time = sum(i for i, _ in steps), sum(s for _, s in steps)
     assert last.step == len(steps) and last.items == total_items
     assert math.isclose(last.run_items_per_second, total_items / total_time, rel_tol=1e-9)
-    for meter, (items, seconds) in zip(meters, steps, strict=True):
+    for meter, (items, _) in zip(meters, steps, strict=True):
         assert math.isclose(meter.items_per_second * meter.step_seconds, items, rel_tol=1e-9, abs_tol=1e-9)
     # The peak memory is the largest seen so far, never less.
     assert [m.memory_bytes for m in meters] == [max(i for i, _ in steps[: k + 1]) for k in range(len(steps))]
@@ -164,7 +165,7 @@ def test_the_transformer_formula_is_what_the_flop_counter_counts(
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(1, 16), min_size=2, max_size=4), st.integers(1, 8))
 def test_an_mlp_counts_six_flops_per_weight_per_sample(sizes: list[int], batch: int) -> None:
-    layers = [torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False)]
+    layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(sizes)]
     model = torch.nn.Sequential(*layers)
     x = torch.randn(batch, sizes[0], requires_grad=True)  # its gradient too: every layer's backward is whole
     _, counted = count_flops(lambda: model(x).sum().backward())
