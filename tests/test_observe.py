@@ -24,7 +24,7 @@ from tests.strategies import meter_steps, rank_times
 
 
 def _run(steps: list[tuple[int, float]], *, start: float = 0.0) -> list[Meter]:
-    meter, now, out = Meter(started=start, last=start), start, []
+    meter, now, out = Meter.create(started=start), start, []
     for items, seconds in steps:
         now += seconds
         meter = advance(meter, items=items, now=now, memory=items)
@@ -59,19 +59,19 @@ def test_a_slower_clock_divides_every_rate_by_its_factor(steps: list[tuple[int, 
 def test_mfu_is_the_model_flops_per_second_over_the_peak(
     steps: list[tuple[int, float]], flops: float, peak: float
 ) -> None:
-    meter = Meter(started=0.0, last=0.0, flops_per_item=flops, peak_flops=peak)
+    meter = Meter.create(started=0.0, flops_per_item=flops, peak_flops=peak)
     now = 0.0
     for items, seconds in steps:
         now += seconds
         meter = advance(meter, items=items, now=now)
     assert meter.mfu is not None
     assert math.isclose(meter.mfu * peak, flops * meter.items_per_second, rel_tol=1e-9)
-    assert Meter(started=0.0, last=0.0).mfu is None  # no FLOPs, no MFU: left out, not zero
+    assert Meter.create(started=0.0).mfu is None  # no FLOPs, no MFU: left out, not zero
     assert METER_NAMES["mfu"] in meter.metrics()
 
 
 def test_the_forward_time_is_the_part_before_the_last_backward() -> None:
-    meter = advance(Meter(started=0.0, last=1.0), items=4, now=3.0, backward_at=2.5)
+    meter = advance(Meter.create(started=1.0), items=4, now=3.0, backward_at=2.5)
     assert meter.forward_seconds == 1.5 and meter.window_seconds == 1.5
     # A backward from before this step (none in it) says nothing about it: the whole step counts.
     meter = advance(meter, items=4, now=4.0, backward_at=2.5)
@@ -88,7 +88,7 @@ def test_the_meter_on_this_process_reads_the_clock_and_the_peak_rss() -> None:
     model = torch.nn.Linear(4, 1)
     faccel.backward(dist, model(torch.ones(2, 4)).sum())
     meter = faccel.measure(dist, meter, items=2)
-    assert meter.memory_source == "rss" and meter.memory_bytes and meter.memory_bytes > 1 << 20
+    assert meter.spec.memory_source == "rss" and meter.memory_bytes and meter.memory_bytes > 1 << 20
     assert meter.forward_seconds is not None and 0 <= meter.forward_seconds <= meter.step_seconds
     assert meter.eta(10) > 0
     assert dist.runtime.phase == "forward"  # the next step begins: what a hang record would say
@@ -179,6 +179,6 @@ def test_the_peak_table_knows_the_lent_gpus_and_no_cpu() -> None:
     assert device_peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on a V100
     assert device_peak_flops("cpu") is None
     meter = faccel.start_meter(faccel.detect({}), peak_flops=2e12)
-    assert meter.peak_flops == 2e12
+    assert meter.spec.peak_flops == 2e12
     with pytest.raises(ArgumentValueError, match="peak_flops must be > 0"):
         faccel.start_meter(faccel.detect({}), peak_flops=0.0)

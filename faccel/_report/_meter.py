@@ -32,9 +32,21 @@ from faccel._report._flops import FlopSource, device_peak_flops
 from faccel._report._tracking import METER_NAMES
 from faccel.errors import ArgumentValueError
 
-__all__ = ["MemorySource", "Meter", "advance", "measure", "peak_memory", "start_meter"]
+__all__ = [
+    "MEMORY_EVERY",
+    "MemorySource",
+    "Meter",
+    "MeterSpec",
+    "advance",
+    "measure",
+    "peak_memory",
+    "start_meter",
+]
 
 MemorySource = Literal["cuda", "rss"]
+# measure reads the peak memory on the first step and every MEMORY_EVERY steps: a peak moves little
+# once training runs, and its read (a syscall, or CUDA's counters) is a third of measure's cost.
+MEMORY_EVERY = 16
 # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 
@@ -62,12 +74,41 @@ def peak_memory(source: MemorySource, device: torch.device | str = "cpu") -> int
 
 
 @attrs.frozen(kw_only=True)
-class Meter:
-    """One rank's measures after its last step; made by :func:`start_meter`, advanced by :func:`measure`.
+class MeterSpec:
+    """What a meter knows from its start and never changes: its clock's start, FLOPs, peak, memory source.
 
     Attributes:
         started: When the meter started (``time.perf_counter``).
-        last: When the last step ended (the last :func:`measure`), or ``started``.
+        memory_source: ``"cuda"`` (the allocator's peak) or ``"rss"`` (peak resident set).
+        flops_per_item: FLOPs of one item's forward and backward, or None (no MFU).
+        flops_source: How ``flops_per_item`` was found: ``"counted"``
+            (``FlopCounterMode``), ``"formula"`` (6N + attention) or ``"given"``.
+        peak_flops: The device's peak FLOP/s, or None (no MFU).
+        device: Where memory is read.
+
+    Example:
+        >>> MeterSpec(started=0.0).memory_source
+        'rss'
+    """
+
+    started: float
+    memory_source: MemorySource = "rss"
+    flops_per_item: float | None = None
+    flops_source: FlopSource = "given"
+    peak_flops: float | None = None
+    device: str = "cpu"
+
+
+@attrs.frozen(kw_only=True)
+class Meter:
+    """One rank's measures after its last step; made by :func:`start_meter`, advanced by :func:`measure`.
+
+    The fields are what changes each step; what does not (the start, the FLOPs,
+    the peak) sits in ``spec``, so each step makes a small record.
+
+    Attributes:
+        spec: The :class:`MeterSpec`: start time, FLOPs per item, device peak, memory source.
+        last: When the last step ended (the last :func:`measure`), or the start.
         step: Steps measured.
         items: Items (samples, tokens) over the run, this rank's.
         step_items: The last step's items.
@@ -78,22 +119,16 @@ class Meter:
         window_seconds: Time summed since the last straggler check (forward time
             where known, else step time); :func:`faccel.check_stragglers` gathers it.
         window_steps: Steps in that window.
-        memory_bytes: Peak memory so far (``memory_source``), or None before a step.
-        memory_source: ``"cuda"`` (the allocator's peak) or ``"rss"`` (peak resident set).
-        flops_per_item: FLOPs of one item's forward and backward, or None (no MFU).
-        flops_source: How ``flops_per_item`` was found: ``"counted"``
-            (``FlopCounterMode``), ``"formula"`` (6N + attention) or ``"given"``.
-        peak_flops: The device's peak FLOP/s, or None (no MFU).
-        device: Where memory is read.
+        memory_bytes: Peak memory so far (``spec.memory_source``), or None before it is read.
 
     Example:
-        >>> m = Meter(started=0.0, last=0.0, peak_flops=1e9, flops_per_item=1e6)
+        >>> m = Meter.create(started=0.0, peak_flops=1e9, flops_per_item=1e6)
         >>> m = advance(m, items=32, now=0.5, memory=1 << 20)
         >>> m.items_per_second, m.mfu
         (64.0, 0.064)
     """
 
-    started: float
+    spec: MeterSpec
     last: float
     step: int = 0
     items: int = 0
@@ -103,11 +138,33 @@ class Meter:
     window_seconds: float = 0.0
     window_steps: int = 0
     memory_bytes: int | None = None
-    memory_source: MemorySource = "rss"
-    flops_per_item: float | None = None
-    flops_source: FlopSource = "given"
-    peak_flops: float | None = None
-    device: str = "cpu"
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        started: float,
+        memory_source: MemorySource = "rss",
+        flops_per_item: float | None = None,
+        flops_source: FlopSource = "given",
+        peak_flops: float | None = None,
+        device: str = "cpu",
+    ) -> Meter:
+        """A meter at step 0 that started at ``started``, with its :class:`MeterSpec` from the keywords.
+
+        Example:
+            >>> Meter.create(started=1.0).last
+            1.0
+        """
+        spec = MeterSpec(
+            started=started,
+            memory_source=memory_source,
+            flops_per_item=flops_per_item,
+            flops_source=flops_source,
+            peak_flops=peak_flops,
+            device=device,
+        )
+        return cls(spec=spec, last=started)
 
     @property
     def items_per_second(self) -> float:
@@ -117,26 +174,28 @@ class Meter:
     @property
     def run_items_per_second(self) -> float:
         """Items per second on this rank over the whole run so far."""
-        return _rate(self.items, self.last - self.started)
+        return _rate(self.items, self.last - self.spec.started)
 
     @property
     def flops_per_second(self) -> float | None:
         """The model's FLOP/s on this rank in the last step, or None without ``flops_per_item``."""
-        return None if self.flops_per_item is None else self.flops_per_item * self.items_per_second
+        flops = self.spec.flops_per_item
+        return None if flops is None else flops * self.items_per_second
 
     @property
     def mfu(self) -> float | None:
         """Model FLOPs utilisation of the last step (0 to 1), or None without FLOPs or a peak."""
         flops = self.flops_per_second
-        if flops is None or not self.peak_flops:
+        peak = self.spec.peak_flops
+        if flops is None or not peak:
             return None
-        return flops / self.peak_flops
+        return flops / peak
 
     def eta(self, remaining_items: int) -> float:
         """Seconds left for ``remaining_items`` at the run's rate so far (inf before any item).
 
         Example:
-            >>> advance(Meter(started=0.0, last=0.0), items=10, now=2.0).eta(50)
+            >>> advance(Meter.create(started=0.0), items=10, now=2.0).eta(50)
             10.0
         """
         rate = self.run_items_per_second
@@ -149,7 +208,7 @@ class Meter:
         ``faccel.backward``) is left out, not logged as zero.
 
         Example:
-            >>> sorted(advance(Meter(started=0.0, last=0.0), items=4, now=1.0, memory=8).metrics())
+            >>> sorted(advance(Meter.create(started=0.0), items=4, now=1.0, memory=8).metrics())
             ['memory/peak_gib', 'perf/items_per_second', 'perf/items_per_second_run', 'perf/step_seconds']
         """
         values: dict[str, float | None] = {
@@ -190,7 +249,7 @@ def advance(
         ArgumentValueError: Negative ``items``, or ``now`` before the last step's end.
 
     Example:
-        >>> m = advance(Meter(started=0.0, last=0.0), items=8, now=0.25, backward_at=0.2)
+        >>> m = advance(Meter.create(started=0.0), items=8, now=0.25, backward_at=0.2)
         >>> m.step, m.items_per_second, m.forward_seconds
         (1, 32.0, 0.2)
     """
@@ -208,8 +267,10 @@ def advance(
     peak = meter.memory_bytes
     if memory is not None and (peak is None or memory > peak):
         peak = memory
-    return attrs.evolve(
-        meter,
+    # Made whole, not with attrs.evolve: evolve reads every field back first, which in a loop
+    # of a small model cost as much again as the record (benchmarks/bench_observe.py).
+    return Meter(
+        spec=meter.spec,
         last=now,
         step=meter.step + 1,
         items=meter.items + items,
@@ -251,7 +312,7 @@ def start_meter(
     Example:
         >>> import faccel
         >>> meter = faccel.start_meter(faccel.detect({}), flops_per_item=1e6, peak_flops=1e12)
-        >>> meter.step, meter.memory_source
+        >>> meter.step, meter.spec.memory_source
         (0, 'rss')
     """
     if flops_per_item is not None and not flops_per_item >= 0:
@@ -265,10 +326,8 @@ def start_meter(
     if peak_flops is None and device.type == "cuda":
         precision = dist.precision if dist.precision in ("bf16", "fp16") else "fp32"
         peak_flops = device_peak_flops(torch.cuda.get_device_name(device), precision)  # type: ignore[arg-type]
-    now = time.perf_counter()
-    return Meter(
-        started=now,
-        last=now,
+    return Meter.create(
+        started=time.perf_counter(),
         memory_source=source,
         flops_per_item=flops_per_item,
         flops_source=flops_source,
@@ -280,7 +339,8 @@ def start_meter(
 def measure(dist: DistState, meter: Meter, *, items: int) -> Meter:
     """The meter after this step: call it once at the end of every step, on every rank.
 
-    Reads the clock, the peak memory and when the step's last
+    Reads the clock, the peak memory (on the first step and every
+    :data:`MEMORY_EVERY` steps after) and when the step's last
     ``faccel.backward`` began, and returns :func:`advance`'s new record. No
     collective: per-rank only (:func:`faccel.check_stragglers` compares the
     ranks every N steps). The next step's phase, for a hang record, is
@@ -303,10 +363,7 @@ def measure(dist: DistState, meter: Meter, *, items: int) -> Meter:
     """
     runtime = dist.runtime
     runtime.phase = "forward"
-    return advance(
-        meter,
-        items=items,
-        now=time.perf_counter(),
-        memory=_MEMORY[meter.memory_source](meter.device),
-        backward_at=runtime.backward_at,
-    )
+    now = time.perf_counter()
+    spec = meter.spec
+    memory = None if meter.step % MEMORY_EVERY else _MEMORY[spec.memory_source](spec.device)
+    return advance(meter, items=items, now=now, memory=memory, backward_at=runtime.backward_at)
