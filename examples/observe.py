@@ -35,10 +35,12 @@ class Decoder(nn.Module):
         )
         self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(tokens), mask=self.causal, is_causal=True))
+        # The mask made here, not kept as a buffer: DDP broadcasts buffers at every forward, and the
+        # fast ranks would wait for a slow one there, inside the time check_stragglers compares.
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        return self.head(self.blocks(self.embed(tokens), mask=causal, is_causal=True))
 
 
 def main(run_dir: str, steps: int = 40, slow_rank: int | None = None) -> None:
@@ -56,17 +58,19 @@ def main(run_dir: str, steps: int = 40, slow_rank: int | None = None) -> None:
     peak = None if dist.device.type == "cuda" else 100e9
     meter = faccel.start_meter(dist, flops_per_item=flops, flops_source="formula", peak_flops=peak)
     generator = torch.Generator().manual_seed(dist.rank)
+    slow_by = 0.0  # --slow-rank's delay: 4 of its forwards, as measured in the first step
     for step in faccel.progress(dist, range(steps), items_per_batch=tokens_per_step, desc="tokens"):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator).to(dist.device)
         if dist.rank == slow_rank:
-            # A slow data loader, say: this rank's forward starts late, by 4 of its own forwards.
-            time.sleep(4 * (meter.forward_seconds or 0.05))
+            time.sleep(slow_by)  # a slow data loader, say: this rank's forward starts late
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         faccel.backward(dist, loss)
         optimizer.step()
         optimizer.zero_grad()
         meter = faccel.measure(dist, meter, items=tokens_per_step)  # the one call a step
+        if step == 0:
+            slow_by = 4 * (meter.forward_seconds or meter.step_seconds)
         spread, meter = faccel.check_stragglers(dist, meter, every=10, factor=2.0)
         faccel.log(dist, tracker, step, {"loss": loss.detach(), **meter.metrics()})
         if spread is not None:

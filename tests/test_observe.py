@@ -141,7 +141,7 @@ def _decoder(vocab: int, width: int, heads: int, layers: int) -> torch.nn.Module
     )
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     st.integers(2, 24),  # vocab
     st.integers(1, 3),  # heads
