@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import faccel
+from faccel._dist._hangs import MAX_RECORD_BYTES, HangRecord, read_record, write_record
 from faccel._report._flops import count_flops, device_peak_flops, transformer_flops
 from faccel._report._meter import Meter, advance
 from faccel._report._stragglers import slow_ranks
@@ -182,3 +185,39 @@ def test_the_peak_table_knows_the_lent_gpus_and_no_cpu() -> None:
     assert meter.spec.peak_flops == 2e12
     with pytest.raises(ArgumentValueError, match="peak_flops must be > 0"):
         faccel.start_meter(faccel.detect({}), peak_flops=0.0)
+
+
+def test_the_phase_a_hang_record_would_say_follows_the_step(tmp_path: Path) -> None:
+    dist = faccel.detect({})
+    model, optimizer = faccel.prepare(dist, torch.nn.Linear(2, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    meter = faccel.start_meter(dist)
+    seen = [dist.runtime.phase]
+    faccel.backward(dist, model(torch.ones(1, 2)).sum())
+    seen.append(dist.runtime.phase)
+    faccel.clip_grad_norm(dist, model, 1.0)
+    faccel.optimizer_step(dist, optimizer)
+    seen.append(dist.runtime.phase)
+    faccel.measure(dist, meter, items=1)
+    seen.append(dist.runtime.phase)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer, step=1)
+    faccel.checkpoint(dist, state, tmp_path / "ckpt")
+    seen.append(dist.runtime.phase)
+    assert seen == ["setup", "backward", "optimizer", "forward", "checkpoint"]
+
+
+def test_a_hang_record_reads_back_and_anything_else_in_its_place_reads_as_none(tmp_path: Path) -> None:
+    record = HangRecord(
+        rank=3, host="node-a", local_rank=1, call="gather", number=9, phase="backward", step=None,
+        backwards=4, time=1.5, state="running",
+    )  # fmt: skip
+    write_record(tmp_path, record)
+    assert read_record(tmp_path, 3) == record
+    assert (
+        "rank 3 (host node-a, local rank 1): in backward after gather() (its collective #9)"
+        in record.describe()
+    )
+    assert read_record(tmp_path, 4) is None  # never written
+    (tmp_path / "rank-00005.json").write_text('{"rank": "five"}')
+    (tmp_path / "rank-00006.json").write_bytes(b"{" * (MAX_RECORD_BYTES + 1))
+    os.mkfifo(tmp_path / "rank-00007.json")  # a FIFO is refused, never waited on
+    assert [read_record(tmp_path, r) for r in (5, 6, 7)] == [None, None, None]
