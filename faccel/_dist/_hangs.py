@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,8 @@ def write_record(folder: Path, record: HangRecord) -> None:
         True
     """
     target = record_path(folder, record.rank)
-    partial = target.with_name(f".{target.name}.tmp")
+    # One partial file a thread: the runtime's thread and the loop's collectives may both write.
+    partial = target.with_name(f".{target.name}.tmp-{threading.get_ident()}")
     with contextlib.suppress(OSError):
         partial.write_text(json.dumps(attrs.asdict(record)))
         os.replace(partial, target)
