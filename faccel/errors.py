@@ -21,6 +21,7 @@ __all__ = [
     "MissingExtraError",
     "PrecisionError",
     "PrepareError",
+    "RankFailedError",
     "SetupMismatchError",
     "StorageError",
     "UsageError",
@@ -71,6 +72,21 @@ class DistributedError(FaccelError, RuntimeError):
     (another rank or world size), or a collective needs a group that is not
     running. Fix: call :func:`faccel.detect` once per process, before any
     collective, and :func:`faccel.shutdown` at the end.
+    """
+
+
+class RankFailedError(DistributedError):
+    """Another rank failed or left (it raised, crashed, was killed or stopped answering) in a collective step.
+
+    Cause: this rank was waiting inside a step the ranks run together (a
+    pipeline schedule, exact mode's gradient exchange, DeepSpeed's backward or
+    optimizer step) for a peer that raised (its own error names the mistake),
+    or whose process ended; the backend reported the lost connection or its
+    timeout. The message names this rank, the step, the rank that failed and,
+    when it said, its error (or the other ranks' last faccel calls).
+    Fix: that rank's own error or log holds the first error; the process
+    group cannot be trusted after it: restart the job from the latest
+    checkpoint.
     """
 
 

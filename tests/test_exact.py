@@ -153,7 +153,7 @@ def test_fsdp_tensor_parallelism_and_a_bare_loader_are_refused_by_name() -> None
 def test_cuda_without_deterministic_algorithms_is_refused() -> None:
     assert not torch.are_deterministic_algorithms_enabled()
     with pytest.raises(UsageError, match="use_deterministic_algorithms"):
-        _agree(faccel.DistState(device="cuda:0", backend="nccl"))
+        _agree(faccel.DistState(device="cuda:0", backend="nccl"), 4, failed=False)
 
 
 def test_zeroing_inside_a_step_or_skipping_a_backward_is_refused() -> None:
@@ -171,6 +171,31 @@ def test_zeroing_inside_a_step_or_skipping_a_backward_is_refused() -> None:
     next(batches)
     with pytest.raises(UsageError, match=r"must go through faccel\.backward"):
         next(batches)
+
+
+@pytest.mark.parametrize("who", ["optimizer", "model"])
+@pytest.mark.parametrize("where", ["first piece", "second piece"])
+def test_zeroing_in_place_inside_a_step_is_refused(who: str, where: str) -> None:
+    """zero_grad(set_to_none=False) keeps each .grad object and writes zeros into it: still refused."""
+    dist, loader = prepared(1, batch=8, accumulation_steps=2)
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    zero = optimizer.zero_grad if who == "optimizer" else net.zero_grad
+    batches = faccel.micro_batches(dist, loader, atoms=4, model=net)
+    micro, (x,) = next(batches)
+    if where == "second piece":
+        faccel.backward(dist, net(x).sum(), micro=micro)
+        micro, (x,) = next(batches)
+    zero(set_to_none=False)
+    with pytest.raises(UsageError, match=r"zero_grad\(set_to_none=False\)"):
+        faccel.backward(dist, net(x).sum(), micro=micro)
+    batches.close()
+    # after optimizer_step it is the user's: the next step starts from its own buffers
+    for micro, (x,) in faccel.micro_batches(dist, loader, atoms=4, model=net):
+        faccel.backward(dist, net(x).sum(), micro=micro)
+        if micro.sync:
+            faccel.optimizer_step(dist, optimizer)
+            zero(set_to_none=False)
 
 
 def test_with_the_mode_off_a_micro_step_is_what_it_was() -> None:

@@ -64,6 +64,8 @@ def _net() -> torch.nn.Module:
     [
         ({}, "fsdp", "got no split="),
         ({"split": ("9",)}, "fsdp", r"split names \['9'\]"),
+        ({"split": ("",)}, "fsdp", r"split names \[''\], which are not submodules .* \(e.g. '0', '1'\)"),
+        ({"split": ("1", "1")}, "fsdp", "split names a module twice"),
         ({"split": "1"}, "fsdp", "split must be a non-empty tuple"),
         ({"split": ("1",)}, "ddp", "use strategy='fsdp'"),
     ],
@@ -76,6 +78,20 @@ def test_prepare_refuses_a_pipeline_it_cannot_build(
     dist = faccel.DistState.simulated(world_size=2, layout=faccel.Layout(pipeline=2), strategy=strategy)
     with pytest.raises(faccel.errors.PrepareError, match=match):
         faccel.prepare(dist, _net(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_loss_that_is_not_a_scalar_and_a_tie_across_stages_are_named() -> None:
+    from faccel._loop._strategies._pipeline._stages import _scaled_loss, _tied_across
+    from faccel.errors import UsageError
+
+    mse = torch.nn.functional.mse_loss
+    out, target = torch.ones(2, 3), torch.zeros(2, 3)
+    with pytest.raises(UsageError, match=r"returned a tensor of shape \(2, 3\) on the last"):
+        _scaled_loss(out, target, fn=lambda o, t: mse(o, t, reduction="none"), factor=1.0, scaler=None)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    net[1].weight = net[0].weight
+    assert "(1.weight is 0.weight)" in _tied_across(net, ["1.weight"])
+    assert _tied_across(net, ["2.weight"]) == ""  # not a tie: the caller's own message
 
 
 def test_a_pipelined_model_is_not_called_directly() -> None:

@@ -180,6 +180,9 @@ class Runtime:
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
         self.step: int | None = None
         self.backwards = 0  # backward calls: a crumb says how far training had got
+        # This rank told its peers it failed inside a collective region (faccel._dist._region): the
+        # next region it completes takes the word back, so a later loss is not blamed on it.
+        self.announced = False
         self.timeout: datetime.timedelta | None = None  # the train_timeout, once applied
         # The checkpoint roots this process has written into: the first checkpoint into any
         # other root checks, at once, that the root holds no later steps this run would meet.

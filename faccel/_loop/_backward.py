@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from faccel._dist._region import region
 from faccel._dist._state import DistState
 from faccel._loop._micro_step import MicroStep
 from faccel.errors import AccumulationError, ArgumentError, ArgumentValueError, PrecisionError
@@ -79,7 +80,10 @@ def backward(
     if kwargs and not kwargs.keys() <= _TORCH_KEYWORDS:
         _check_keywords(kwargs)
     if micro is not None and micro.atom is not None:
-        _atom_backward(dist, loss, micro, items, scaler, kwargs)
+        # A collective region: this rank's refusal reaches the peers waiting in the exchange, and a
+        # peer lost there is named (RankFailedError), not the backend's bare error.
+        with region(dist, "backward() in exact mode's gradient exchange"):
+            _atom_backward(dist, loss, micro, items, scaler, kwargs)
         return
     if items is not None or (micro is not None and micro.items is not None):
         loss = _by_items(dist, loss, micro, items)
@@ -95,7 +99,7 @@ def backward(
     if dist.strategy == "deepspeed":  # the engine's backward: its reductions, its fp16 loss scale
         from faccel._loop._strategies._deepspeed._engine import engine_backward
 
-        engine_backward(loss, sync=micro is None or micro.sync, **kwargs)
+        engine_backward(loss, sync=micro is None or micro.sync, dist=dist, **kwargs)
         return
     if scaler is not None and scaler.is_enabled():
         loss = scaler.scale(loss)
@@ -137,6 +141,7 @@ def _atom_backward(
     """
     group = micro.atom.group  # type: ignore[union-attr]
     group.check_no_sync()
+    group.check_untouched()
     if items is not None or micro.items is not None:
         loss = loss / max(_check_items(micro, items), 1)
     else:

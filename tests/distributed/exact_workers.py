@@ -149,3 +149,107 @@ def overlapped_and_serial(bucket: int) -> dict[str, Any]:
     faccel.shutdown(dist)
     out["hooks after shutdown"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
     return out
+
+
+# The failure table (scripts/prove_exact_failures.py, tests/distributed/test_exact.py): mistakes
+# made on every rank alike, then on one rank only, and a rank that dies inside a step.
+FAILURES = (
+    "alike",
+    "zero_grad_on_one_rank",
+    "skipped_backward_on_one_rank",
+    "killed_mid_step",
+    "killed_between_iterations",
+    "refused_on_one_rank_which_lives_on",
+)
+
+
+def failure(case: str) -> dict[str, str]:
+    """One case of FAILURES on this rank: what each call raised, ``"TypeName: message"`` by name."""
+    import datetime
+    import os
+
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import faccel
+
+    # The last case: rank 1 catches its refusal and lives on, so rank 0 waits out the timeout.
+    lives_on = case == "refused_on_one_rank_which_lives_on"
+    dist = faccel.detect(timeout=datetime.timedelta(seconds=5)) if lives_on else faccel.detect()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=generator), torch.randn(64, 1, generator=generator))
+    model, optimizer, loader = faccel.prepare(
+        dist, net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(data, batch_size=4)
+    )
+    out: dict[str, str] = {}
+
+    def said(name: str, call: Any) -> None:
+        try:
+            call()
+            out[name] = "ok"
+        except Exception as error:
+            out[name] = f"{type(error).__name__}: {error}"
+
+    def steps(atoms: int = 4, mistake: str = "", on: tuple[int, ...] = (0, 1), count: int = 2) -> None:
+        done = 0
+        batches = faccel.micro_batches(dist, loader, atoms=atoms, model=model)
+        try:
+            for micro, (x, y) in batches:
+                atom = micro.atom.index if micro.atom is not None else -1
+                here = dist.rank in on and done == 1 and atom == dist.rank
+                if here and mistake == "kill":
+                    os._exit(0)
+                if here and mistake == "optimizer.zero_grad":
+                    optimizer.zero_grad(set_to_none=False)
+                if here and mistake == "model.zero_grad":
+                    model.zero_grad(set_to_none=False)
+                if not (here and mistake == "skip"):
+                    with faccel.accumulate(dist, model, micro):
+                        faccel.backward(dist, nn.functional.mse_loss(model(x), y), micro=micro)
+                if micro.sync:
+                    faccel.optimizer_step(dist, optimizer)
+                    optimizer.zero_grad()
+                    done += 1
+                    if done == count:
+                        return
+        finally:
+            batches.close()
+
+    if case == "alike":
+        said("atoms", lambda: steps(atoms=8 if dist.rank == 0 else 4))
+        said("optimizer.zero_grad", lambda: steps(mistake="optimizer.zero_grad"))
+        said("model.zero_grad", lambda: steps(mistake="model.zero_grad"))
+        from faccel._torch_compat import default_store
+
+        key = f"faccel/region/failed/rank{dist.rank}"
+        out["told"] = str(default_store().check([key]))  # each refusal told the peers ...
+        said("after", steps)  # every refusal came before any message: the ranks train on
+        out["taken back"] = str(not default_store().check([key]))  # ... and the next step took it back
+    elif case == "zero_grad_on_one_rank":
+        said("step", lambda: steps(mistake="optimizer.zero_grad", on=(1,)))
+    elif lives_on:
+        from faccel._torch_compat import default_store
+
+        said("step", lambda: steps(mistake="optimizer.zero_grad", on=(1,)))
+        store = default_store()
+        if dist.rank == 0:
+            store.set("test/rank0-done", "1")  # rank 1 stays alive until rank 0 has its error
+        else:
+            store.wait(["test/rank0-done"], datetime.timedelta(seconds=120))
+    elif case == "killed_between_iterations":  # rank 1 dies after an iteration; rank 0 starts the next
+
+        def iterations() -> None:
+            steps(count=1)
+            if dist.rank == 1:
+                os._exit(0)
+            steps(count=1)
+
+        said("step", iterations)
+    elif case == "skipped_backward_on_one_rank":
+        said("step", lambda: steps(mistake="skip", on=(1,)))
+    else:
+        said("step", lambda: steps(mistake="kill", on=(1,)))
+    return out

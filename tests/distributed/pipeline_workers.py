@@ -510,3 +510,143 @@ def llama_export(layout: str | None, out: str) -> None:
         faccel.forward_backward(dist, model, _token_loss, batch[:, :-1], batch[:, 1:])
         faccel.optimizer_step(dist, optimizer)
     faccel.save_model(dist, model, out)
+
+
+# The failure table (scripts/prove_pipeline_failures.py, tests/distributed/test_pipeline_failures.py):
+# each case a mistake or a death on one or both ranks of pipeline=2 (1F1B, 4 micro-batches).
+FAILURES = (
+    "empty_split",
+    "batch_of_10",
+    "batch_of_3",
+    "non_scalar_loss",
+    "dict_output",
+    "loss_raises",
+    "forward_raises",
+    "tied_weight",
+    "tied_weight_built",
+    "killed_mid_step",
+    "killed_between_steps",
+    "killed_before_clip",
+)
+
+
+class _Tied(Net):
+    """Net with its first and last blocks sharing one weight: the two sit in different stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[3].weight = self.layers[0].weight
+
+
+class _PartOf(nn.Module):
+    """Stage ``stage`` of 2 built from a whole :class:`Net`'s own modules (torchtitan's way)."""
+
+    def __init__(self, whole: Net, stage: int) -> None:
+        super().__init__()
+        self.embed = whole.embed if stage == 0 else None
+        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(2 * stage, 2 * stage + 2)})
+        self.head = whole.head if stage == 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.embed(h) if self.embed is not None else h
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.head(h) if self.head is not None else h
+
+
+class _DictStage(Stage):
+    """A stage whose last returns a dict (a Hugging Face style output)."""
+
+    def forward(self, h: torch.Tensor) -> Any:
+        out = super().forward(h)
+        return {"logits": out} if self.last else out
+
+
+class _Raising(Stage):
+    """A stage whose forward raises from the second step on (after the stages are built)."""
+
+    def __init__(self, stage: int, stages: int) -> None:
+        super().__init__(stage, stages)
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 8:  # the first step: 4 micro-batches, and torch's shape inference
+            msg = "a bad row in the user's forward"
+            raise ValueError(msg)
+        return super().forward(h)
+
+
+def failures(cases: list[str]) -> dict[str, str]:
+    """Each case of FAILURES in turn on this rank: what it raised, ``"TypeName: message"`` (or ``"ok"``).
+
+    Several cases share one launch only where each is refused on every rank before any message
+    (the process group stays usable); a case that fails on one rank ends the launch.
+    """
+    import faccel
+
+    dist = faccel.detect(layout="pipeline=2")
+    return {case: _failure(dist, case) for case in cases}
+
+
+def _failure(dist: Any, case: str) -> str:
+    """One case of FAILURES on this rank."""
+    import os
+
+    import faccel
+
+    torch.manual_seed(0)
+    net: nn.Module = _Tied() if case.startswith("tied_weight") else Net()
+    split: Any = ("",) if case == "empty_split" else SPLITS[2]
+    if case == "tied_weight_built":  # stages built from the tied model's own modules (a function split)
+
+        def split(stage: int, stages: int) -> nn.Module:
+            return _PartOf(net, stage)
+
+    if case in ("dict_output", "forward_raises"):
+        cls = _DictStage if case == "dict_output" else _Raising
+
+        def split(stage: int, stages: int) -> nn.Module:
+            torch.manual_seed(0)
+            return cls(stage, stages)
+
+    loss_fn: Any = nn.functional.mse_loss
+    if case == "non_scalar_loss":
+        loss_fn = nn.functional.mse_loss if dist.rank == 0 else (lambda o, t: (o - t) ** 2)
+    elif case == "dict_output":
+
+        def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(output["logits"], target)
+    elif case == "loss_raises":
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            msg = "the user's loss function failed"
+            raise ValueError(msg)
+    elif case == "killed_mid_step":
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if steps_done:  # the second step, inside the schedule: this process dies (rank 1's)
+                os._exit(0)
+            return nn.functional.mse_loss(output, target)
+
+    rows = {"batch_of_10": 10, "batch_of_3": 3}.get(case, 8)
+    steps_done = 0
+    try:
+        schedule = faccel.Schedule(kind="1f1b", microbatches=4)
+        model, optimizer = faccel.prepare(
+            dist, net, torch.optim.SGD(net.parameters(), lr=0.1), split=split, schedule=schedule
+        )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+            if case == "killed_between_steps" and steps_done == 1 and dist.rank == 1:
+                os._exit(0)
+            faccel.forward_backward(dist, model, loss_fn, x, y)
+            if case == "killed_before_clip" and steps_done == 1 and dist.rank == 1:
+                os._exit(0)
+            faccel.clip_grad_norm(dist, model, 1.0)  # a sum over the stages
+            faccel.optimizer_step(dist, optimizer)
+            steps_done += 1
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import exact_workers, harness
 
 
@@ -66,3 +68,35 @@ def test_the_exchange_started_bucket_by_bucket_in_the_last_backward_gives_the_se
         # One hook per parameter; shutdown removes them.
         assert (rank["hooks"], rank["hooks after shutdown"]) == (9, 0)
     assert (one["hooks"], one["hooks after shutdown"]) == (0, 0)  # one process: none
+
+
+def test_mistakes_made_on_every_rank_are_refused_alike_and_the_ranks_train_on() -> None:
+    """Another atom count per rank; zero_grad(set_to_none=False) of the optimizer or the model in a step."""
+    ranks = harness.run(exact_workers.failure, world_size=2, case="alike")
+    for r in ranks:
+        assert r["atoms"].startswith("ArgumentValueError: exact mode needs the same atoms= on every rank")
+        assert "got atoms = [8, 4] by rank" in r["atoms"]
+        for who in ("optimizer", "model"):
+            assert r[f"{who}.zero_grad"].startswith("UsageError: a parameter's .grad was written in place")
+        assert r["after"] == "ok"
+        assert (r["told"], r["taken back"]) == ("True", "True")  # a later loss is not blamed on it
+
+
+@pytest.mark.parametrize(
+    ("case", "own"),
+    [
+        ("zero_grad_on_one_rank", "UsageError: a parameter's .grad was written in place"),
+        ("skipped_backward_on_one_rank", "UsageError: in exact mode every micro-step's loss must go through"),
+        ("killed_mid_step", None),
+    ],
+)
+def test_a_rank_failing_inside_a_step_is_named_on_the_other(case: str, own: str | None) -> None:
+    """Rank 1 refuses (or dies) alone; rank 0, waiting in the exchange, gets RankFailedError naming it."""
+    ranks = harness.run(exact_workers.failure, world_size=2, case=case, lost=() if own else (1,))
+    survivor = ranks[0]["step"]
+    assert survivor.startswith("RankFailedError: backward() in exact mode's gradient exchange on rank 0")
+    if own is None:
+        assert "lost rank(s) [1]" in survivor
+    else:
+        assert ranks[1]["step"].startswith(own)
+        assert "rank(s) [1] failed while this rank waited for them" in survivor and own in survivor

@@ -10,6 +10,10 @@ each batch runs as 4 micro-batches, so a gradient is the sum of 4 partial produc
 each instead of one product over 8 rows, and the loss the mean of 4 means; the clipping norm is
 combined from the stages' norms; with shard=2 FSDP2 averages two halves' gradients. Observed:
 6e-8 on losses near 1.
+
+The failure cases at the end (pipeline_workers.FAILURES, bounded): what can be checked before the
+schedule is refused on every rank alike; a rank that fails or dies inside it is named on the other
+(``RankFailedError``). scripts/prove_pipeline_failures.py runs the whole table, repeatedly.
 """
 
 from __future__ import annotations
@@ -127,3 +131,43 @@ def test_bf16_stages_train_like_one_process_in_bf16() -> None:
     )
     for r in ranks:  # bf16's 8-bit mantissa shows the other summation order at ~1e-3
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-2)
+
+
+# Refused on every rank before any message: one launch, the process group usable throughout.
+ALIKE = ["empty_split", "batch_of_10", "batch_of_3"]
+
+
+def test_what_can_be_checked_before_the_schedule_is_refused_on_every_rank_alike() -> None:
+    ranks = harness.run(pipeline_workers.failures, world_size=2, timeout=120, cases=ALIKE)
+    for r in ranks:
+        assert r["empty_split"].startswith("PrepareError: split names ['']"), r
+        for rows in (10, 3):
+            said = r[f"batch_of_{rows}"]
+            assert said.startswith("ArgumentValueError: forward_backward splits the batch into 4")
+            assert f"inputs[0] has {rows} row(s)" in said
+    assert ranks[0] == ranks[1]
+
+
+# (case, the rank that fails or dies, what its own error says; None: it dies)
+ONE_RANK = [
+    ("non_scalar_loss", 1, "UsageError: the loss function given to forward_backward returned a tensor"),
+    ("forward_raises", 0, "[Stage 0] failed to run forward"),
+    ("killed_mid_step", 1, None),
+]
+
+
+@pytest.mark.parametrize(("case", "failed", "own"), ONE_RANK)
+def test_a_rank_failing_inside_the_schedule_is_named_on_the_other(
+    case: str, failed: int, own: str | None
+) -> None:
+    """The rank that raised keeps its own error; the one waiting on it gets RankFailedError naming it."""
+    lost = (failed,) if own is None else ()
+    ranks = harness.run(pipeline_workers.failures, world_size=2, timeout=120, lost=lost, cases=[case])
+    survivor = ranks[1 - failed][case]
+    assert survivor.startswith("RankFailedError: forward_backward() in the pipeline schedule on rank")
+    if own is None:
+        assert f"lost rank(s) [{failed}]" in survivor
+    else:
+        assert own in ranks[failed][case], ranks[failed][case]
+        assert f"rank(s) [{failed}] failed while this rank waited" in survivor
+        assert own in survivor  # the failed rank's own error, told to this one

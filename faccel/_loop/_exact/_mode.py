@@ -32,12 +32,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._data._loader import PreparedLoader
 from faccel._dist._process_group import comm_device
+from faccel._dist._region import region
 from faccel._dist._state import DistState
 from faccel._loop._exact._tree_reduce import Exchange, TreeStack, bit_reversed, is_power_of_two, scratch_for
 from faccel._loop._micro_step import Atom, MicroStep
 from faccel._loop._model import is_sharded, unwrap_model
 from faccel._tree import map_tensors
-from faccel.errors import ArgumentError, ArgumentValueError, UsageError
+from faccel.errors import ArgumentError, ArgumentValueError, FaccelError, UsageError
 
 __all__ = ["Atom", "AtomGroup", "ExactRun", "atom_seed", "exact_problem"]
 
@@ -234,19 +235,43 @@ def _problem_of_setup(dist: DistState, model: nn.Module) -> str:
     return ""
 
 
-def _agree(dist: DistState) -> None:
-    """Refuse, on every rank alike, a run whose ranks may compute an atom differently."""
+def _agree(dist: DistState, atoms: Any, failed: bool) -> None:
+    """Refuse, on every rank alike, a run whose ranks may compute an atom differently or split it otherwise.
+
+    ``failed``: this rank refused the set-up itself (it raises its own error after this); the
+    others learn it here and refuse too, instead of waiting for it in the first exchange.
+    """
     import torch.distributed as tdist
 
     deterministic = torch.are_deterministic_algorithms_enabled()
-    mine = torch.tensor([torch.get_num_threads(), int(deterministic)], dtype=torch.int64)
+    count = atoms if type(atoms) is int else -1
+    mine = torch.tensor([torch.get_num_threads(), int(deterministic), count, int(failed)], dtype=torch.int64)
     if dist.distributed:
         device = comm_device(dist)
-        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(dist.world_size)]
-        tdist.all_gather(gathered, mine.to(device))
+        gathered = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(dist.world_size)]
+        with region(dist, "micro_batches(..., atoms=) agreeing on exact mode's set-up"):
+            tdist.all_gather(gathered, mine.to(device))
         rows = [tuple(int(v) for v in g.tolist()) for g in gathered]
     else:
-        rows = [(int(mine[0]), int(mine[1]))]
+        rows = [tuple(int(v) for v in mine.tolist())]
+    if failed:
+        return
+    refused = [rank for rank, row in enumerate(rows) if row[3]]
+    if refused:
+        msg = (
+            f"micro_batches(..., atoms=...) on rank {dist.rank}: rank(s) {refused} refused exact mode's "
+            "set-up (their own error says why); every rank refuses it, so none waits for the others in "
+            "the first exchange"
+        )
+        raise UsageError(msg)
+    counts = [row[2] for row in rows]
+    if len(set(counts)) > 1:
+        msg = (
+            f"exact mode needs the same atoms= on every rank (each rank computes a fixed subtree of one "
+            f"tree over the atoms), got atoms = {counts} by rank; pass one value, from the same config, "
+            "on every rank"
+        )
+        raise ArgumentValueError(msg)
     threads = [row[0] for row in rows]
     if dist.device.type == "cpu" and len(set(threads)) > 1:
         msg = (
@@ -276,6 +301,35 @@ class ExactRun:
     """
 
     def __init__(self, dist: DistState, loader: Any, atoms: Any, model: Any) -> None:
+        try:
+            self._check(dist, loader, atoms, model)
+        except FaccelError:
+            import torch.distributed as tdist
+
+            if dist.distributed and tdist.is_initialized():
+                _agree(dist, atoms, failed=True)  # the others refuse too, rather than wait for this rank
+            raise
+        _agree(dist, atoms, failed=False)
+        self.dist = dist
+        self.model = model
+        self.atoms: int = atoms
+        self.world = dist.data_world_size if dist.distributed else 1
+        self.rank = dist.data_rank if dist.distributed else 0
+        self.local = atoms // dist.data_world_size  # atoms per rank (simulated ranks too)
+        self.first_atom = dist.data_rank
+        self.stride = dist.data_world_size
+        self.epoch = loader.epoch
+        self.consumed = loader.consumed
+        s = loader.sharding
+        self.global_batch = s.batch_size * s.world_size
+        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad], BUCKET)
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.device = self.layout.params[0].device if self.layout.params else dist.device
+        self._pool = _pool(dist, model, self.layout, self.device)
+
+    @staticmethod
+    def _check(dist: DistState, loader: Any, atoms: Any, model: Any) -> None:
+        """This rank's refusals of the iteration (the same on every rank given the same arguments)."""
         if not isinstance(model, nn.Module):
             msg = (
                 f"micro_batches(..., atoms=...) needs model= (the prepared model whose gradients it sums), "
@@ -308,22 +362,6 @@ class ExactRun:
         )
         if problem:
             raise ArgumentValueError(problem)
-        _agree(dist)
-        self.dist = dist
-        self.model = model
-        self.atoms: int = atoms
-        self.world = dist.data_world_size if dist.distributed else 1
-        self.rank = dist.data_rank if dist.distributed else 0
-        self.local = atoms // dist.data_world_size  # atoms per rank (simulated ranks too)
-        self.first_atom = dist.data_rank
-        self.stride = dist.data_world_size
-        self.epoch = loader.epoch
-        self.consumed = loader.consumed
-        self.global_batch = s.batch_size * s.world_size
-        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad], BUCKET)
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.device = self.layout.params[0].device if self.layout.params else dist.device
-        self._pool = _pool(dist, model, self.layout, self.device)
 
     # -- buffers -------------------------------------------------------------------------------------
     def take(self) -> list[torch.Tensor]:
@@ -410,7 +448,8 @@ class ExactRun:
                         group.arm()
                     micro = MicroStep(index=first + m, sync=sync, group_size=size, items=items, atom=info)
                     yield micro, piece
-                    group.leave()
+                    with region(self.dist, "micro_batches() in exact mode"):
+                        group.leave()
         finally:
             group.restore()
             group.disarm()
@@ -444,6 +483,7 @@ class AtomGroup:
         self._level = 0
         self._exchange: Exchange | None = None
         self._awaited: list[int] = []
+        self._versions: list[int] = []  # the current buffers' version counters when this step last wrote them
 
     @property
     def atoms(self) -> int:
@@ -467,6 +507,23 @@ class AtomGroup:
         else:
             self._current = self.run.take()
         self._views = self.run.point_grads(self._current)
+        self._stamp()
+
+    def _stamp(self) -> None:
+        """Remember the current atom's buffers' version counters (their views' in-place writes bump them)."""
+        self._versions = [b._version for b in self._current[:-1]]
+
+    def check_untouched(self) -> None:
+        """Before a piece's backward: nothing wrote into ``.grad`` since (zero_grad(set_to_none=False))."""
+        if [b._version for b in self._current[:-1]] != self._versions:
+            msg = (
+                "a parameter's .grad was written in place during an exact step (optimizer.zero_grad("
+                "set_to_none=False) or model.zero_grad(set_to_none=False) inside the group, or a clip or "
+                "scale of .grad before its last micro-step?): it would lose the atoms summed so far. Exact "
+                "mode owns .grad from the first micro-step of a step to its last: zero gradients after "
+                "optimizer_step, or not at all"
+            )
+            raise UsageError(msg)
 
     def arm(self) -> None:
         """Before the step's last piece: have its backward start each bucket's exchange when ready."""
@@ -554,6 +611,7 @@ class AtomGroup:
         current[-1].add_(loss.detach().to(torch.float64).reshape(1))
         atom = micro.atom
         if not atom.last:  # type: ignore[union-attr]
+            self._stamp()  # the backward's own accumulation
             return
         for p, view in zip(self.run.layout.params, self._views, strict=True):
             if p.grad is not view:

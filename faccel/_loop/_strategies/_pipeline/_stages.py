@@ -27,12 +27,13 @@ training (checkpoints of stages: ``faccel._checkpoint._strategies._pipeline``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
 from torch import nn
 
+from faccel._dist._region import region
 from faccel._dist._state import DistState
 from faccel._loop._backward import backward
 from faccel._loop._micro_step import MicroStep
@@ -43,6 +44,8 @@ __all__ = ["SCHEDULES", "PipelinedModel", "Schedule", "forward_backward", "pipel
 
 # kind -> (torch's schedule class in torch.distributed.pipelining, how stages sit on ranks, stages per rank)
 # "loop": rank r holds stages r, r + p, r + 2p ...; "v": rank r holds r and 2p - 1 - r (a V).
+# Schedule.kind: each of SCHEDULES' keys (tests/test_pipeline.py holds them equal).
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 SCHEDULES: dict[str, tuple[str, str, int]] = {
     "gpipe": ("ScheduleGPipe", "loop", 1),
     "1f1b": ("Schedule1F1B", "loop", 1),
@@ -89,7 +92,7 @@ class Schedule:
         4
     """
 
-    kind: str = attrs.field(default="1f1b", validator=_kind)
+    kind: ScheduleKind = attrs.field(default="1f1b", validator=_kind)
     microbatches: int | None = attrs.field(default=None, validator=_positive_or_none)
     stages_per_rank: int | None = attrs.field(default=None, validator=_positive_or_none)
 
@@ -224,6 +227,14 @@ class PipelinedModel(nn.Module):
         return self._source
 
     @property
+    def _peers(self) -> tuple[int, ...]:
+        """The global ranks of this rank's pipeline group but this one: whom its schedule waits on."""
+        dist = self._dist
+        if not dist.distributed:
+            return ()
+        return tuple(r for r in dist.parallel.members("pipeline", dist.rank) if r != dist.rank)
+
+    @property
     def built(self) -> bool:
         """Whether the stages exist (after the first :func:`forward_backward`)."""
         return self._driver is not None
@@ -258,10 +269,16 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
         )
         raise PrepareError(msg)
     if isinstance(split, tuple):
-        known = {name for name, _ in model.named_modules()}
+        known = {name for name, _ in model.named_modules() if name}  # "" is the model itself
         unknown = [name for name in split if name not in known]
         if unknown:
-            msg = f"split names {unknown}, which are not submodules of the {type(model).__name__}"
+            msg = (
+                f"split names {unknown}, which are not submodules of the {type(model).__name__}: name "
+                f"the modules where a stage begins, as model.named_modules() names them (e.g. {_some(known)})"
+            )
+            raise PrepareError(msg)
+        if len(set(split)) != len(split):
+            msg = f"split names a module twice, {split!r}: each name is where one stage begins"
             raise PrepareError(msg)
     if dist.strategy != "fsdp":
         msg = (
@@ -277,10 +294,17 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
     piped = PipelinedModel(dist, model, split, schedule, options)
     if options.example is not None:  # built now: a restore or load_model can fill the stages before training
         args = options.example if isinstance(options.example, tuple) else (options.example,)
-        _build(piped, args)
+        _check_rows(args, None, schedule.micro(pipeline=dist.parallel.pipeline))
+        with region(dist, "prepare(..., example=) building the pipeline stages", piped._peers):
+            _build(piped, args)
         shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
         object.__setattr__(piped, "shapes", shapes)
     return piped
+
+
+def _some(names: set[str]) -> str:
+    """A few module names, for a message."""
+    return ", ".join(repr(name) for name in sorted(names, key=lambda n: (n.count("."), n))[:3])
 
 
 _NOT_BUILT = (
@@ -313,6 +337,15 @@ def _scaled_loss(
         tensor(1., grad_fn=<MseLossBackward0>)
     """
     loss = fn(output, target)
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else None
+        what = type(loss).__name__ if shape is None else f"a tensor of shape {shape}"
+        msg = (
+            f"the loss function given to forward_backward returned {what} on the last pipeline stage; it "
+            "must return the micro-batch's loss as a scalar tensor: reduce it with .mean() (or .sum() "
+            "with items=)"
+        )
+        raise UsageError(msg)
     if sink is not None:
         sink.add(loss)
     if factor != 1.0:
@@ -531,6 +564,10 @@ def _build(model: PipelinedModel, inputs: tuple[Any, ...]) -> None:
         before = dict(module.named_parameters())
         foreign = sorted(set(before) - set(source))
         if foreign:
+            tied = _tied_across(model._source, foreign)
+            if tied:
+                raise PrepareError(tied)
+        if foreign:
             msg = (
                 f"stage {stage_id}'s parameters {foreign[:3]} are not parameters of the model given to "
                 "prepare: a stage keeps the model's names (build it from the model's own modules), so "
@@ -567,6 +604,20 @@ def _build(model: PipelinedModel, inputs: tuple[Any, ...]) -> None:
     object.__setattr__(model, "stage_ids", ids)
     object.__setattr__(model, "_route", route)
     object.__setattr__(model, "_driver", driver)
+
+
+def _tied_across(source: nn.Module, names: list[str]) -> str:
+    """Why ``names`` of a traced stage are not the model's: a parameter tied to one of another stage."""
+    canonical = {id(p): name for name, p in source.named_parameters()}
+    every = dict(source.named_parameters(remove_duplicate=False))
+    pairs = [f"{name} is {canonical[id(every[name])]}" for name in names if name in every]
+    if not pairs:
+        return ""
+    return (
+        f"the model ties parameters across pipeline stages ({', '.join(pairs[:3])}): a stage holds its "
+        "own parameters, so a weight shared by two stages would be trained apart in each; untie them "
+        "(a copy per stage), or move the split so that both users of the weight are in one stage"
+    )
 
 
 def _factor(dist: DistState, count: int, micro: MicroStep | None, items: int | None) -> float:
@@ -661,9 +712,12 @@ def forward_backward(
             "use precision='bf16' (no loss scaling), or no pipeline"
         )
         raise PrecisionError(msg)
+    count = model.schedule.micro(pipeline=dist.parallel.pipeline)
+    _check_rows(args, targets, count)  # on every rank alike, before any message
     shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
     if not model.built:
-        _build(model, args)
+        with region(dist, "forward_backward() building the pipeline stages", model._peers):
+            _build(model, args)
         object.__setattr__(model, "shapes", shapes)
     elif shapes != model.shapes:
         msg = (
@@ -672,21 +726,49 @@ def forward_backward(
             "DataLoader, or pad the last batch)"
         )
         raise UsageError(msg)
-    count = model.schedule.micro(pipeline=dist.parallel.pipeline)
     factor = _factor(dist, count, micro, items)
     route: _LossRoute = model._route
+    with region(dist, "forward_backward() in the pipeline schedule", model._peers):
+        mean = items is None
+        return _step(dist, model, route, args, targets, loss_fn, count=count, factor=factor, mean=mean)
+
+
+def _step(
+    dist: DistState,
+    model: PipelinedModel,
+    route: _LossRoute,
+    args: tuple[Any, ...],
+    targets: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    count: int,
+    factor: float,
+    mean: bool,
+) -> torch.Tensor:
+    """The schedule's step and the loss's way to every rank (inside a collective region)."""
     # The last stage sums its losses as the schedule makes them (its first step also makes one for
     # torch's metadata inference: that step sums after the schedule); the others, over gloo, post
     # their receive of the batch's loss now, so it arrives while the schedule runs (see _StepLoss).
     sink = None
     if route.holds_loss:
-        sink = _StepLoss(route, count=count, mean=items is None, deferred=not model._warm)
+        sink = _StepLoss(route, count=count, mean=mean, deferred=not model._warm)
     early = _expect_loss(route, dist.device) if route.early and not route.holds_loss else None
-    model._driver.step(
-        *(args if 0 in model.stage_ids else ()),
-        target=targets if route.holds_loss else None,
-        loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None, "sink": sink},
-    )
+    from torch.distributed.pipelining._utils import PipeliningMetadataError
+
+    try:
+        model._driver.step(
+            *(args if 0 in model.stage_ids else ()),
+            target=targets if route.holds_loss else None,
+            loss_kwargs={"fn": loss_fn, "factor": factor, "scaler": None, "sink": sink},
+        )
+    except PipeliningMetadataError as error:
+        msg = (
+            f"a pipeline stage on rank {dist.rank} (stages {model.stage_ids}) returned what torch's stages "
+            f"cannot pass on ({error}): each stage, the last included, must return a tensor or a tuple of "
+            "tensors (return output['logits'] or output.logits rather than a dict or a model output; the "
+            "loss function gets the last stage's tensor)"
+        )
+        raise UsageError(msg) from error
     object.__setattr__(model, "_warm", True)
     if early is not None:
         buffer, work = early
@@ -698,6 +780,23 @@ def forward_backward(
 
         tdist.broadcast(total, group=route.group, group_src=route.holder)
     return total
+
+
+def _check_rows(args: tuple[Any, ...], targets: Any, count: int) -> None:
+    """Refuse a batch whose tensors do not split into ``count`` equal micro-batches along dim 0."""
+    tensors = [(f"inputs[{i}]", x) for i, x in enumerate(args) if isinstance(x, torch.Tensor)]
+    if isinstance(targets, torch.Tensor):
+        tensors.append(("targets", targets))
+    for name, x in tensors:
+        rows = x.shape[0] if x.ndim else 0
+        if rows < count or rows % count:
+            msg = (
+                f"forward_backward splits the batch into {count} micro-batches along dim 0, but {name} has "
+                f"{rows} row(s), which {count} does not divide: give every step a batch of a multiple of "
+                f"{count} rows (drop_last=True in the DataLoader), or faccel.Schedule(microbatches=k) with "
+                "k dividing the batch"
+            )
+            raise ArgumentValueError(msg)
 
 
 def _expect_loss(route: _LossRoute, device: torch.device) -> tuple[torch.Tensor, Any]:
@@ -744,7 +843,9 @@ def clip_stages(
     inf = norm_type == float("inf")
     value = (local if inf else local**norm_type).to(dist.device)
     op = tdist.ReduceOp.MAX if inf else tdist.ReduceOp.SUM
-    tdist.all_reduce(value, op=op, group=dimension_group(dist, "pipeline"))
+    peers = [r for r in dist.parallel.members("pipeline", dist.rank) if r != dist.rank]
+    with region(dist, "clip_grad_norm() over the pipeline stages", peers):
+        tdist.all_reduce(value, op=op, group=dimension_group(dist, "pipeline"))
     total = (value if inf else value ** (1.0 / norm_type)).float().cpu()
     if error_if_nonfinite and not torch.isfinite(total):
         msg = f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})"
