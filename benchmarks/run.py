@@ -76,6 +76,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / by hand",
     "moe": "moe: time per step of a Mixtral-like layer at expert=2, 2 gloo processes / the dispatch by hand",
     "moe_memory": "moe: peak memory per rank at expert=2 / FSDP2's without expert parallelism",
+    "observe_step": "observe: time per step with faccel.measure once a step / the same loop without it",
 }
 
 

@@ -84,13 +84,21 @@ if (
     from faccel._loop._strategies._pipeline._stages import Schedule as Schedule
     from faccel._loop._strategies._pipeline._stages import forward_backward as forward_backward
     from faccel._loop._uneven import uneven_inputs as uneven_inputs
+    from faccel._report._flops import count_flops as count_flops
+    from faccel._report._flops import transformer_flops as transformer_flops
     from faccel._report._logging import RankLogger as RankLogger
     from faccel._report._logging import get_logger as get_logger
     from faccel._report._logging import print as print
     from faccel._report._memory_plan import MemoryPlan as MemoryPlan
     from faccel._report._memory_plan import estimate_memory as estimate_memory
+    from faccel._report._meter import Meter as Meter
+    from faccel._report._meter import measure as measure
+    from faccel._report._meter import start_meter as start_meter
     from faccel._report._profile import profile as profile
     from faccel._report._progress import progress as progress
+    from faccel._report._stragglers import Spread as Spread
+    from faccel._report._stragglers import Straggler as Straggler
+    from faccel._report._stragglers import check_stragglers as check_stragglers
     from faccel._report._tracking import Tracker as Tracker
     from faccel._report._tracking import end_training as end_training
     from faccel._report._tracking import init_tracker as init_tracker

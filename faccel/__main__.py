@@ -310,16 +310,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     plot = commands.add_parser(
         "plot",
-        help="draw a run's logged metrics (faccel.init_tracker's jsonl) to a PNG",
+        help="draw a run's logged metrics (faccel.init_tracker's jsonl) to a PNG or an HTML page",
         description="Draw every metric of RUN/metrics.jsonl against its step into one image "
-        "(needs matplotlib). Reads a regular file of at most 64 MiB, lines of at most 1 MiB, "
-        "and draws at most 64 metrics.",
+        "(needs matplotlib), or, with --out PAGE.html, a self-contained HTML page of the same curves: "
+        "the loss beside the meter's throughput, MFU, memory and the ranks' step-time spread. Reads "
+        "a regular file of at most 64 MiB, lines of at most 1 MiB, and draws at most 64 metrics.",
     )
     plot.add_argument("run", help="the run's folder (or its metrics.jsonl)")
     plot.add_argument(
         "--out",
         default=None,
-        help="the image to write (.png, .pdf or .svg) in a folder that exists (default RUN/metrics.png)",
+        help="the image or page to write (.png, .pdf, .svg or .html) in a folder that exists "
+        "(default RUN/metrics.png)",
     )
     plan = commands.add_parser(
         "plan",

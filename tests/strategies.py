@@ -539,6 +539,26 @@ def state_files(draw: st.DrawFn) -> Any:
 
 
 @st.composite
+def meter_steps(draw: st.DrawFn) -> list[tuple[int, float]]:
+    """A run's steps for the meter: (items, seconds) each, seconds > 0 (a step takes time)."""
+    return draw(
+        st.lists(
+            st.tuples(
+                st.integers(min_value=0, max_value=10_000),
+                st.floats(min_value=1e-4, max_value=100.0, allow_nan=False, allow_infinity=False),
+            ),
+            min_size=1,
+            max_size=20,
+        )
+    )
+
+
+rank_times = st.lists(
+    st.floats(min_value=1e-4, max_value=1e3, allow_nan=False, allow_infinity=False), min_size=1, max_size=64
+)
+
+
+@st.composite
 def routings(draw: st.DrawFn, *, max_ranks: int = 4, max_tokens: int = 12) -> dict:
     """An expert group's routing: ``num_experts``, ``ranks`` (dividing it), ``top_k`` and each rank's
     ``[T_r, k]`` expert ids (any skew: all to one expert, experts with none, empty batches)."""

@@ -103,6 +103,15 @@ PINNED: dict[str, list[str]] = {
         "local_sgd",
         "profile",
         "local_main_process_first",
+        # observing a run: the meter a step, MFU's FLOPs, stragglers every N steps (docs/observe.md)
+        "Meter",
+        "start_meter",
+        "measure",
+        "count_flops",
+        "transformer_flops",
+        "Spread",
+        "Straggler",
+        "check_stragglers",
     ],
     # functional training (torch.func): pytrees, gradient sync, pure optimizers
     "faccel.func": [

@@ -22,6 +22,7 @@ import torch.distributed as tdist
 
 from faccel._choices import STRATEGY, Backend, Precision, Strategy
 from faccel._dist._deepspeed_config import read_config
+from faccel._dist._hangs import read_record
 from faccel._dist._launch import OPTION_VARIABLES
 from faccel._dist._layout import Layout
 from faccel._dist._runtime import Crumb
@@ -307,6 +308,10 @@ def pin_process_group(wrapper: Any) -> None:
     object.__setattr__(wrapper, PROCESS_GROUP, _Pin(getattr(wrapper, "process_group", None)))
 
 
+# The step's phase a faccel call puts the rank in (a hang record says it); other calls leave it.
+_PHASES = {"checkpoint": "checkpoint", "restore": "checkpoint", "prepare": "setup"}
+
+
 def _crumb_key(rank: int) -> str:
     return f"faccel/crumb/rank{rank}"
 
@@ -333,7 +338,11 @@ def breadcrumb(dist: DistState, call: str, *, step: int | None = None, collectiv
         >>> dist.runtime.last().call
         'prepare'
     """
-    crumb = dist.runtime.note(call, step=step, collective=collective)
+    runtime = dist.runtime
+    crumb = runtime.note(call, step=step, collective=collective)
+    runtime.phase = _PHASES.get(call, runtime.phase)
+    if runtime.hangs is not None:
+        runtime.write_hang_record()
     if dist.distributed and tdist.is_initialized():
         store = _default_store()
         if store is not None:
@@ -366,32 +375,56 @@ def last_calls(dist: DistState, ranks: Sequence[int]) -> str:
 
 
 def _absent(dist: DistState, mine: Crumb | None) -> str:
-    """Which ranks did not reach this rank's collective, and their last calls, as the store says."""
-    store = _default_store()
-    if store is None or mine is None:
+    """Which ranks did not reach this rank's collective, and what each was doing.
+
+    From the store's crumbs, and, where the run keeps hang records
+    (``faccel._dist._hangs``), from each rank's record: its phase, host and
+    local rank. A rank is late when its last collective is an earlier one (or
+    another call under the same number).
+    """
+    if mine is None:
         return ""
-    late: list[str] = []
+    late = _late_in_store(dist, mine)
+    folder = dist.runtime.hangs
+    if folder is not None:
+        dist.runtime.write_hang_record(state=f"timed out in {mine.call}")
+        for rank in range(dist.world_size):
+            record = read_record(folder, rank) if rank != dist.rank else None
+            if record is not None and (
+                record.number < mine.number or (record.number == mine.number and record.call != mine.call)
+            ):
+                late[rank] = record.describe()
+    if not late:
+        return ""
+    where = f" (their records: {folder})" if folder is not None else ""
+    return (
+        f" The ranks that did not arrive at this {mine.call}() (this rank's collective "
+        f"#{mine.number}){where}: {'; '.join(late[rank] for rank in sorted(late))}."
+    )
+
+
+def _late_in_store(dist: DistState, mine: Crumb) -> dict[int, str]:
+    """The late ranks by the crumbs in the group's store, by rank."""
+    store = _default_store()
+    if store is None:
+        return {}
+    late: dict[int, str] = {}
     try:
         for rank in range(dist.world_size):
             if rank == dist.rank:
                 continue
             key = _crumb_key(rank)
             if not store.check([key]):
-                late.append(f"rank {rank} (no faccel call of it seen yet)")
+                late[rank] = f"rank {rank} (no faccel call of it seen yet)"
                 continue
             crumb = Crumb.parse(store.get(key).decode(errors="replace"))
             if crumb is None:
                 continue
             if crumb.number < mine.number or (crumb.number == mine.number and crumb.call != mine.call):
-                late.append(f"rank {rank} (its last faccel call: {crumb.describe()})")
+                late[rank] = f"rank {rank} (its last faccel call: {crumb.describe()})"
     except RuntimeError:  # the store itself is gone (its host died): say nothing more
-        return ""
-    if not late:
-        return ""
-    return (
-        f" The ranks that did not arrive at this {mine.call}() (this rank's collective "
-        f"#{mine.number}): {'; '.join(late)}."
-    )
+        return {}
+    return late
 
 
 def require_group(dist: DistState, name: str) -> None:

@@ -35,7 +35,13 @@ the same facts are equal whatever they hold), shared by the states
 - a bounded breadcrumb of this rank's last faccel calls (:class:`Crumb`), which
   a rank publishes to the process group's store when it enters a collective,
   so that a rank whose collective times out can name the ranks that did not
-  arrive and what each was last doing.
+  arrive and what each was last doing;
+- the phase of the step this rank is in (``forward``, ``backward``,
+  ``optimizer``, ``checkpoint``: :meth:`Runtime.enter`) and the time it
+  entered its last backward (the meter's ``forward_seconds``), and, where
+  :func:`faccel.init_tracker` gave a local logdir to a run of several ranks,
+  the folder of hang records and the thread that keeps this rank's record
+  there up to date (``faccel._dist._hangs``), stopped by ``shutdown``.
 
 A copy of a ``DistState`` in another process (pickled by a ``multiprocessing``
 harness) gets a fresh, empty handle: resources do not travel.
@@ -46,13 +52,16 @@ from __future__ import annotations
 import collections
 import datetime
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from faccel._dist._hangs import WRITE_SECONDS, HangRecord, here, now, write_record
 from faccel._torch_compat import set_group_timeout
 
 __all__ = ["CheckpointThread", "Crumb", "LoaderRecord", "Pending", "Runtime"]
@@ -181,6 +190,15 @@ class Runtime:
         # The checkpoint roots this process has written into: the first checkpoint into any
         # other root checks, at once, that the root holds no later steps this run would meet.
         self.roots: set[str] = set()
+        # The phase of the step (enter()), and when this rank last entered backward (perf_counter).
+        self.phase = "setup"
+        self.backward_at = 0.0
+        # Hang records (faccel._dist._hangs): the folder, this rank's identity, the writer thread.
+        self.hangs: Path | None = None
+        self.identity: tuple[int, int] = (0, 0)  # (rank, local rank)
+        self.written: tuple[Any, ...] = ()  # what the last record said: written again only on change
+        self.recorder: threading.Thread | None = None
+        self.stop_recording = threading.Event()
 
     def warm_up(self, timeout: datetime.timedelta) -> None:
         """Shorten the collectives' timeout to ``timeout``: the default group's and the meshes' groups'.
@@ -213,6 +231,64 @@ class Runtime:
         crumb = Crumb(call=call, number=self.collectives, step=self.step, backwards=self.backwards)
         self.crumbs.append(crumb)
         return crumb
+
+    def enter(self, phase: str) -> None:
+        """This rank is now in ``phase`` of its step (an attribute store: free in the loop)."""
+        self.phase = phase
+
+    def entered_backward(self) -> None:
+        """A backward call begins: counted, its phase and time noted (the meter's forward time ends here)."""
+        self.backwards += 1
+        self.phase = "backward"
+        self.backward_at = time.perf_counter()
+
+    def hang_record(self, state: str = "running") -> HangRecord:
+        """What this rank last entered, as its hang record says it."""
+        crumb = self.last()
+        rank, local_rank = self.identity
+        return HangRecord(
+            rank=rank,
+            host=here(),
+            local_rank=local_rank,
+            call=crumb.call if crumb else "",
+            number=self.collectives,
+            phase=self.phase,
+            step=self.step,
+            backwards=self.backwards,
+            time=now(),
+            state=state,
+        )
+
+    def record_hangs(self, folder: Path, *, rank: int, local_rank: int) -> None:
+        """Keep this rank's hang record in ``folder`` from now on, by a thread of this handle.
+
+        Called by ``init_tracker`` on every rank of a run of several; a second
+        call moves the records to the new folder.
+        """
+        folder.mkdir(parents=True, exist_ok=True)
+        self.hangs, self.identity, self.written = folder, (rank, local_rank), ()
+        self.write_hang_record()
+        if self.recorder is None or not self.recorder.is_alive():
+            self.stop_recording.clear()
+            self.recorder = threading.Thread(target=self._record, name="faccel-hang-record", daemon=True)
+            self.recorder.start()
+
+    def write_hang_record(self, state: str = "running") -> None:
+        """Write this rank's hang record now, if it changed (or ``state`` is not ``running``)."""
+        folder = self.hangs
+        if folder is None:
+            return
+        said = (self.phase, self.collectives, self.backwards, self.step, self.last(), state)
+        if said == self.written and state == "running":
+            return
+        self.written = said
+        write_record(folder, self.hang_record(state))
+
+    def _record(self) -> None:
+        # Wakes every WRITE_SECONDS and writes only when the phase moved on: a rank that stops
+        # leaves its last phase on the disk, and a running one costs a comparison.
+        while not self.stop_recording.wait(WRITE_SECONDS):
+            self.write_hang_record()
 
     def last(self) -> Crumb | None:
         """The last call noted, or None."""
@@ -290,3 +366,7 @@ class Runtime:
             self.staging.clear()
             self.exact.clear()
             self.meshes.clear()
+            self.stop_recording.set()
+            if self.recorder is not None and self.recorder is not threading.current_thread():
+                self.recorder.join()
+            self.recorder = None

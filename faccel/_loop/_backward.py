@@ -110,7 +110,7 @@ def backward(
         )
         raise PrecisionError(msg)
     runtime = dist.runtime
-    runtime.backwards += 1  # how far training had got, for a hang report (one integer add)
+    runtime.entered_backward()  # how far training had got, for a hang report and the meter
     # Once the first optimizer step is done, a shorter timeout, if asked for (applied once).
     if (
         dist.train_timeout is not None
@@ -155,7 +155,7 @@ def _atom_backward(
             "pass scaler= to faccel.backward and faccel.optimizer_step"
         )
         raise PrecisionError(msg)
-    dist.runtime.backwards += 1
+    dist.runtime.entered_backward()
     scaled.backward(**kwargs)
     group.done(micro, loss)
 

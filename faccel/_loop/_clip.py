@@ -104,6 +104,7 @@ def clip_grad_norm(
         >>> [round(g, 4) for g in w.grad.tolist()]
         [0.6, 0.8]
     """
+    dist.runtime.phase = "optimizer"  # clipping belongs to the step's update, for a hang record
     _unscale(scaler, optimizer)
     params = _params(model_or_params)
     if isinstance(model_or_params, PipelinedModel):  # the norm over every stage of the pipeline

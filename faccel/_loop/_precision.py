@@ -99,6 +99,7 @@ def optimizer_step(
         >>> faccel.optimizer_step(dist, opt), w.item()
         (True, 0.0)
     """
+    dist.runtime.phase = "optimizer"  # what a hang record says this rank is doing
     if scaler is None or not scaler.is_enabled():
         optimizer.step()
         stepped = True

@@ -18,8 +18,9 @@ import json
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import BinaryIO, cast
 
 from faccel._storage._roots import is_url, spot_of
 from faccel.errors import ArgumentValueError, StorageError
@@ -43,8 +44,8 @@ MAX_BYTES = 64 << 20
 MAX_LINE = 1 << 20
 # Panels in one plot (three a row): more would be an image too tall to read.
 MAX_METRICS = 64
-# The image formats plot writes, by the target's suffix.
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+# The formats plot writes, by the target's suffix: matplotlib's images, and a self-contained HTML page.
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".html")
 
 
 def _kind(mode: int) -> str:
@@ -264,11 +265,17 @@ def _target(run: str | os.PathLike[str], out: str | os.PathLike[str] | None) -> 
 
 
 def plot(run: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
-    """Draw every metric of a JSONL run against its step into one image; returns its path.
+    """Draw every metric of a JSONL run against its step into one image or page; returns its path.
 
-    Needs matplotlib. The default output is ``metrics.png`` beside ``metrics.jsonl``;
-    ``out`` ends in ``.png``, ``.pdf`` or ``.svg`` (the format) and is written whole
-    (beside it, then renamed) or not at all. At most :data:`MAX_METRICS` metrics.
+    A metric has a panel of its own, except the ranks' step-time spread
+    (``step_time/min``, ``/median``, ``/max``, logged from ``Spread.metrics()``),
+    which shares one; the meter's throughput, MFU and memory are metrics like the
+    loss (docs/observe.md). The default output is ``metrics.png`` beside
+    ``metrics.jsonl`` (needs matplotlib); ``out`` ends in ``.png``, ``.pdf`` or
+    ``.svg`` (the image's format), or ``.html``: a self-contained page with the
+    same curves in the same colours (inline SVG, no script; needs nothing). It
+    is written whole (beside it, then renamed) or not at all. At most
+    :data:`MAX_METRICS` metrics.
 
     Raises:
         ArgumentValueError: ``out`` is a folder, not a file, of another suffix or in a
@@ -287,24 +294,46 @@ def plot(run: str | os.PathLike[str], out: str | os.PathLike[str] | None = None)
             "read them with faccel._report._metrics_file.read_metrics and draw the ones you need"
         )
         raise ArgumentValueError(msg)
+    suffix = target.suffix.lower()
+    if suffix == ".html":
+        from faccel._report._plot_html import html_page
+
+        page = html_page(curves, title=f"faccel run {Path(run).name}").encode()
+        _write_whole(target, lambda file: file.write(page))
+        return target
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows, columns = (len(curves) + 2) // 3, min(len(curves), 3)
+    from faccel._report._plot_panels import panels
+
+    planned = panels(list(curves))
+    rows, columns = (len(planned) + 2) // 3, min(len(planned), 3)
     figure = Figure(figsize=(5 * columns, 3.5 * rows), dpi=100)
     FigureCanvasAgg(figure)
-    for index, (name, points) in enumerate(sorted(curves.items()), start=1):
+    for index, panel in enumerate(planned, start=1):
         axes = figure.add_subplot(rows, columns, index)
-        steps, values = zip(*points, strict=True)
-        axes.plot(steps, [v if math.isfinite(v) else math.nan for v in values])
-        axes.set_title(name)
+        for name, colour in panel.series:
+            steps, values = zip(*curves[name], strict=True)
+            finite = [v if math.isfinite(v) else math.nan for v in values]
+            axes.plot(
+                steps, finite, color=colour, linewidth=2.5, label=name, marker="o" if len(steps) == 1 else ""
+            )
+        axes.set_title(panel.title)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
+        if len(panel.series) > 1:
+            axes.legend(fontsize="small")
     figure.tight_layout()
+    _write_whole(target, lambda file: figure.savefig(file, format=suffix.lstrip(".")))
+    return target
+
+
+def _write_whole(target: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write`` into a file beside ``target``, flushed and renamed into place; nothing left on failure."""
     partial = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         with open(partial, "wb") as file:
-            figure.savefig(file, format=target.suffix.lower().lstrip("."))
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, target)
@@ -313,4 +342,3 @@ def plot(run: str | os.PathLike[str], out: str | os.PathLike[str] | None = None)
             partial.unlink()
         msg = f"plot could not write {target} ({error}); nothing was left there. Free space, or choose out="
         raise StorageError(msg) from error
-    return target

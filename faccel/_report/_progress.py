@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from faccel._data._loader import PreparedLoader
 from faccel._dist._state import DistState
 from faccel._typecheck import setup_checked
+from faccel.errors import ArgumentValueError
 
 __all__ = ["progress"]
 
@@ -30,7 +31,12 @@ def _position(iterable: object) -> tuple[int | None, int]:
 
 @setup_checked
 def progress(
-    dist: DistState, iterable: Iterable[T], *, total: int | None = None, **tqdm_kwargs: Any
+    dist: DistState,
+    iterable: Iterable[T],
+    *,
+    total: int | None = None,
+    items_per_batch: int | None = None,
+    **tqdm_kwargs: Any,
 ) -> Iterable[T]:
     """Show a tqdm progress bar over ``iterable`` on the main process only.
 
@@ -47,6 +53,9 @@ def progress(
         iterable: What to iterate, usually a prepared loader.
         total: Items in the whole bar; by default the loader's batches per
             epoch, or ``len(iterable)`` when it has one.
+        items_per_batch: The items (samples, or tokens) a batch holds on this
+            rank: the bar then counts items, and shows items/s and the time left
+            (the ETA) in them. By default it counts batches (it/s).
         **tqdm_kwargs: Passed to ``tqdm.tqdm`` (``desc``, ``unit``, ``initial``,
             ``file``, ``disable``...).
 
@@ -62,10 +71,17 @@ def progress(
         [[4, 5], [6, 7]]
         >>> "4/4" in bar.getvalue()         # resumed at batch 2 of 4, finished at 4 of 4
         True
+        >>> bar = io.StringIO()
+        >>> _ = list(faccel.progress(faccel.detect({}), loader, items_per_batch=2, file=bar))
+        >>> "8/8" in bar.getvalue() and "item/s" in bar.getvalue()    # 4 batches of 2 items
+        True
         >>> other = faccel.DistState.simulated(rank=1, world_size=2)
         >>> faccel.progress(other, loader) is loader
         True
     """
+    if items_per_batch is not None and items_per_batch < 1:  # refused on every rank alike
+        msg = f"progress: items_per_batch must be >= 1 (the items a batch holds), got {items_per_batch}"
+        raise ArgumentValueError(msg)
     if not dist.is_main_process:
         return iterable
     from tqdm.auto import tqdm
@@ -74,6 +90,10 @@ def progress(
     if total is None:
         total = epoch_length
     tqdm_kwargs.setdefault("initial", start)
+    if items_per_batch is not None:
+        # tqdm shows n, total and the rate times unit_scale: items, and items/s; the ETA is the same time.
+        tqdm_kwargs.setdefault("unit", "item")
+        tqdm_kwargs.setdefault("unit_scale", items_per_batch)
     # A loader is handed over as one iterator: tqdm.auto calls iter() on what it gets and
     # then iterates it again, which would start a loader's workers twice (and iterate a
     # bare loader twice, which faccel refuses).

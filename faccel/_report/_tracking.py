@@ -8,6 +8,12 @@ main process's own values) or ``mean over 4 ranks`` (``reduce="mean"``, a
 collective every rank must call). Close it with :func:`end_training` or a
 ``with`` block; nothing is kept in module state.
 
+On a run of several ranks with a local ``logdir``, every rank also keeps its
+hang record in ``logdir/hangs`` (``faccel._dist._hangs``): what it last
+entered, which a timed-out collective's error quotes. The meter's measures
+are logged under the standard names :data:`METER_NAMES` and
+:data:`SPREAD_NAMES` (docs/observe.md).
+
 Back-ends, one small writer each (the table ``_WRITERS``): ``jsonl`` (the default)
 and ``csv`` need nothing (each record appended whole or not at all);
 ``tensorboard``, ``wandb`` (offline) and ``mlflow`` (a local SQLite store) use
@@ -35,6 +41,7 @@ import attrs
 import torch
 
 from faccel._choices import TRACKER_KIND, ReduceOpName, TrackerKind
+from faccel._dist._hangs import HANGS_FOLDER
 from faccel._dist._state import DistState
 from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
 from faccel._storage._roots import is_url, shown, spot_of
@@ -42,9 +49,36 @@ from faccel._storage._store import Spot
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError, CheckpointError, StorageError
 
-__all__ = ["Tracker", "end_training", "init_tracker", "log", "plot", "read_metrics"]
+__all__ = [
+    "METER_NAMES",
+    "SPREAD_NAMES",
+    "Tracker",
+    "end_training",
+    "init_tracker",
+    "log",
+    "plot",
+    "read_metrics",
+]
 
 CONFIG_FILE = "config.json"
+# The standard names a meter's measures are logged under (Meter.metrics), one table for every back-end
+# and for `python -m faccel plot`, which draws them: the rank's rates, times, FLOP/s and peak memory.
+METER_NAMES: Mapping[str, str] = {
+    "items_per_second": "perf/items_per_second",
+    "run_items_per_second": "perf/items_per_second_run",
+    "step_seconds": "perf/step_seconds",
+    "forward_seconds": "perf/forward_seconds",
+    "tflops": "perf/tflops",
+    "mfu": "perf/mfu",
+    "peak_memory_gib": "memory/peak_gib",
+}
+# The ranks' step times at a straggler check (Spread.metrics): drawn together, one panel, as the spread.
+SPREAD_NAMES: Mapping[str, str] = {
+    "min": "step_time/min",
+    "median": "step_time/median",
+    "max": "step_time/max",
+    "stragglers": "stragglers/count",
+}
 # On object storage, a log's object is rewritten at most this often (and at the first record and the close).
 FLUSH_SECONDS = 10.0
 # The back-ends that write to a URL logdir (the others' libraries write local files).
@@ -456,6 +490,7 @@ def init_tracker(
     if project is not None:
         base = base / project / run_name if run_name is not None else base / project
     if not per_rank and not dist.is_main_process:
+        _record_hangs(dist, base)
         return Tracker(kind=kind, folder=None)
     folder = base / f"rank-{dist.rank:05d}" if per_rank else base
     kinds = [kind] if kind != "all" else ["jsonl", *(k for k, package in _ALL if _installed(package))]
@@ -481,9 +516,19 @@ def init_tracker(
             "logdir you can write to"
         )
         raise StorageError(msg) from error
+    _record_hangs(dist, base)
     writer = writers[0] if len(writers) == 1 else _Each(writers)
     where = shown(folder) if isinstance(folder, Spot) else folder
     return Tracker(kind=kind, folder=where, per_rank=per_rank, writer=writer)
+
+
+def _record_hangs(dist: DistState, base: Path | Spot) -> None:
+    """Have every rank of a run of several keep its hang record in ``base/hangs`` (a local logdir)."""
+    if dist.distributed and dist.world_size > 1 and isinstance(base, Path):
+        try:
+            dist.runtime.record_hangs(base / HANGS_FOLDER, rank=dist.rank, local_rank=dist.local_rank)
+        except OSError:  # a folder it cannot make: the run goes on, without hang records
+            return
 
 
 def _remove_empty(folders: list[Path]) -> None:
