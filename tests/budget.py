@@ -26,8 +26,9 @@ EXAMPLE_RUN = (
 
 # ``EXPERT_MOVES``: expert parallelism's checkpoint moves (expert=2 -> one process, -> expert=4,
 # -> shard=2) and its Hugging Face export read by from_pretrained, on 2 and 4 gloo processes with a
-# transformers model (50-90 s a test here). ``scripts/prove_experts.sh`` runs them
-# (``FACCEL_TEST_EXPERTS=1``); the suite's own 2-rank test trains against one process.
+# transformers model (18 s together on a quiet machine here, 3 minutes under load).
+# ``scripts/prove_experts.sh`` runs them (``FACCEL_TEST_EXPERTS=1``); the suite's own 2-rank test
+# trains against one process.
 EXPERT_MOVES = (
     pytest.mark.expert_moves,
     pytest.mark.skipif(
