@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 from typing import Any
 
@@ -201,3 +202,15 @@ def restore_into(*, layout: str, root: str) -> dict[str, str]:
     model, optimizer = faccel.prepare(dist, model, optimizer)
     state = faccel.restore(dist, faccel.TrainState.create(model=model, optimizer=optimizer), root)
     return digests(state.model, optimizer)
+
+
+def load_into(*, layout: str, model_dir: str) -> dict[str, str]:
+    """``save_model``'s export read by ``load_model`` into a fresh model under ``layout``: its digests
+    (parameters only; each rank kept its own experts' rows)."""
+    dist = faccel.detect(layout=layout)
+    model = faccel.prepare(dist, tiny_mixtral(seed=5))
+    faccel.load_model(dist, model, model_dir)
+    shapes = {
+        n: list(_local(p).shape) for n, p in faccel.unwrap_model(model).named_parameters() if "experts" in n
+    }
+    return {**digests(model, torch.optim.SGD([torch.zeros(1)])), "shapes": json.dumps(shapes)}

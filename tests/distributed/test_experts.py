@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,14 @@ def test_an_expert_parallel_checkpoint_restores_at_any_layout_and_exports_for_tr
             experts_workers.restore_into, world_size=world, timeout=180, layout=layout, root=str(root)
         )
         assert all(r == saved["digests"] for r in ranks), layout
+    # load_model reads the export into expert=4, each rank its own expert
+    ranks = harness.run(
+        experts_workers.load_into, world_size=4, timeout=180, layout="expert=4", model_dir=str(model_dir)
+    )
+    weights = {k: v for k, v in saved["digests"].items() if ":" not in k}
+    for r in ranks:
+        assert {k: v for k, v in r.items() if k != "shapes"} == weights
+        assert all(shape[0] == 1 for shape in json.loads(r["shapes"]).values())
     # save_model wrote the Hugging Face layout under the model's own names: from_pretrained reads it,
     # and its logits are the expert-parallel model's
     from transformers import MixtralForCausalLM
