@@ -27,6 +27,7 @@ __all__ = [
     "default_store",
     "fake_tensors",
     "flatten_mesh",
+    "incompatible_keys",
     "is_dtensor",
     "local_box",
     "local_rows",
@@ -126,6 +127,11 @@ def compiled_original(model: object) -> nn.Module | None:
     """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; None for anything else."""
     original = getattr(model, "_orig_mod", None)
     return original if isinstance(original, nn.Module) else None
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
+    """What ``Module.load_state_dict`` returns (``_IncompatibleKeys``), for a module loading its own way."""
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 def set_group_timeout(group: Any, timeout: Any) -> None:

@@ -32,7 +32,7 @@ from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._checkpoint._state_file import Extra, Generators, RngFile, Section, StateFile
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
-from faccel._loop._model import unwrap_model
+from faccel._loop._strategies import unwrap_model
 from faccel._marks import OTHER_STAGE
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs

@@ -220,7 +220,7 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     parameter), ``True`` for a whole plain tensor, None for nothing: a tensor that fits nothing the
     target can take (a model tensor of another shape; an optimizer state that fits neither its
     parameter nor the target's own state, nor, for a built-in optimizer, a scalar), never read, so
-    that a forged shape costs no allocation (issue 26, item 3); the checks name it."""
+    that a forged shape costs no allocation; the checks name it."""
     if group == "model":
         live = targets["model"].get(key)
         return (
@@ -281,7 +281,7 @@ def read_tensors(
             jobs.append((group, key, placed, live, start, stop))
     if any(group == "model" and live is None for group, _, _, live, _, _ in jobs):
         # A model tensor that does not fit: the checks will refuse the checkpoint, so nothing is
-        # read (every tensor stays a meta tensor of its saved shape) (issue 26, item 5).
+        # read (every tensor stays a meta tensor of its saved shape).
         jobs = [(group, key, placed, None, start, stop) for group, key, placed, _, start, stop in jobs]
     check_allocatable(jobs, where)
     needed = sorted(

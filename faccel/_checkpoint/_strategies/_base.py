@@ -23,7 +23,7 @@ and exports (``_hf``) never ask which strategy runs; they ask its :class:`Strate
   :meth:`~StrategyState.load_weights`.
 
 A new strategy is one module of this package implementing the protocol and one row of
-``_STRATEGIES`` in ``__init__.py`` (docs/architecture.md, "where a new feature goes").
+``STRATEGY_STATES`` in ``__init__.py`` (docs/architecture.md, "where a new feature goes").
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
-from faccel._loop._model import unwrap_model
+from faccel._loop._strategies import unwrap_model
 from faccel._storage._weights import alias_groups
 
 if TYPE_CHECKING:

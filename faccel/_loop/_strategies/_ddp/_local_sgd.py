@@ -19,7 +19,7 @@ from torch import nn
 
 from faccel._dist._collectives import reduce
 from faccel._dist._state import DistState
-from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._model import is_sharded, peel
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, PrepareError
 
@@ -39,7 +39,7 @@ def average_parameters(dist: DistState, model: nn.Module) -> None:
     """
     if not dist.distributed:
         return
-    params = [p for p in unwrap_model(model).parameters()]
+    params = [p for p in peel(model).parameters()]
     averaged = reduce(dist, [p.detach() for p in params], op="mean")
     with torch.no_grad():
         for param, mean in zip(params, averaged, strict=True):
@@ -109,7 +109,7 @@ def local_sgd(dist: DistState, model: nn.Module, *, every: int, enabled: bool = 
     if type(every) is not int or every < 1:
         msg = f"every must be an int >= 1 (optimizer steps between averages), got {every!r}"
         raise ArgumentValueError(msg)
-    if is_sharded(unwrap_model(model)) or dist.strategy == "deepspeed":
+    if is_sharded(peel(model)) or dist.strategy == "deepspeed":
         msg = (
             "local_sgd averages whole replicas of the model, and this one is sharded (FSDP2) or a "
             "DeepSpeed engine; use strategy='ddp' for LocalSGD"

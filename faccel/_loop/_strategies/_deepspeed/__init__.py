@@ -1,1 +1,2 @@
-"""DeepSpeed's room: the engine and its config (``_engine``), ZeRO's partitions whole (``_zero_state``)."""
+"""DeepSpeed's room: its loop strategy (``_strategy``), the engine and its config (``_engine``), ZeRO's
+partitions as whole tensors for checkpoints and exports (``_zero_state``)."""
