@@ -125,7 +125,10 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
 
 def compiled_original(model: object) -> nn.Module | None:
     """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; None for anything else."""
-    original = getattr(model, "_orig_mod", None)
+    # Read from the submodules' dict: a getattr that misses costs nn.Module.__getattr__'s error, and
+    # this runs for every layer unwrapped (clipping, every step).
+    modules = getattr(model, "_modules", None)
+    original = modules.get("_orig_mod") if isinstance(modules, dict) else None
     return original if isinstance(original, nn.Module) else None
 
 
