@@ -46,7 +46,7 @@ from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._marks import OTHER_STAGE, WRITTEN_BY
+from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -192,7 +192,12 @@ def _targets(state: TrainState, content: StateFile, where: str) -> dict[str, Any
     """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
     strategy = strategy_of(state.model)
     model = strategy.target(state.model)
-    found: dict[str, Any] = {"model": model, "optimizer": {}, "ownership": strategy.ownership(state.model)}
+    found: dict[str, Any] = {
+        "model": model,
+        "optimizer": {},
+        "ownership": strategy.ownership(state.model),
+        "owns_param": strategy.owns_param,
+    }
     if state.optimizer is None:
         return found
     saved = None if content.optimizer is None else content.optimizer.state_dict
@@ -231,7 +236,7 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     parts = key.split(".")
     number = int(parts[1]) if len(parts) == 3 and parts[0] == "state" and parts[1].isdigit() else None
     live = targets.get("param_of", {}).get(number)
-    if getattr(live, OTHER_STAGE, False):
+    if live is not None and not targets["owns_param"](live):
         return None  # another pipeline stage's optimizer state: its rank reads it
     # Elementwise state (exp_avg) is sharded as its parameter; anything else (a 0-d step) is whole.
     if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype):

@@ -115,6 +115,10 @@ class StrategyState(Protocol):
         """The names (and rows) of the model's state this rank holds."""
         ...
 
+    def owns_param(self, param: object) -> bool:
+        """Whether this rank holds ``param``'s optimizer state (a pipeline stage holds its own only)."""
+        ...
+
     def optimizer_view(self, optimizer: Any) -> tuple[list[dict[str, Any]], Any]:
         """The param groups a checkpoint numbers the parameters by, and the torch optimizer."""
         ...

@@ -292,6 +292,10 @@ class PipelineState(PlainState):
         _check(model)
         return _stage_state(model)
 
+    def owns_param(self, param: object) -> bool:
+        """The state of this rank's stages' parameters; another stage's (marked at ``prepare``) is not."""
+        return not getattr(param, OTHER_STAGE, False)
+
     def ownership(self, model: object) -> Ownership:
         """The names of this rank's stages; of an FSDP2 shard over the stage's ranks, its rows."""
         _check(model)

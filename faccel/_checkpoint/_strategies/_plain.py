@@ -56,6 +56,10 @@ class PlainState:
         """Every name, whole."""
         return Ownership()
 
+    def owns_param(self, param: object) -> bool:
+        """Every parameter's state."""
+        return True
+
     def optimizer_view(self, optimizer: Any) -> tuple[list[dict[str, Any]], Any]:
         """The optimizer's own groups."""
         return list(optimizer.param_groups), optimizer

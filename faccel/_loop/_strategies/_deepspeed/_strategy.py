@@ -1,9 +1,9 @@
 """DeepSpeed's loop strategy: one engine from the model and its optimizer, ZeRO's backward, step and clipping.
 
 ``DeepSpeedStrategy`` hooks the engine (``_engine``: the config faccel fills, the build, the
-optimizer and scheduler wrappers, the engine's backward) into the loop; ``_zero_state`` gives
-ZeRO's partitions as whole tensors to checkpoints and exports. ``deepspeed`` itself is imported
-only where an engine is built or met.
+optimizer and scheduler wrappers, the engine's backward) into the loop; the checkpoint seam's
+``_zero_state`` gives ZeRO's partitions as whole tensors to checkpoints and exports. ``deepspeed``
+itself is imported only where an engine is built or met.
 """
 
 from __future__ import annotations
