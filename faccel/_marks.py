@@ -30,7 +30,7 @@ itself, under these names, and nowhere else:
   one, so the group's last holder is a Python object, whose release torch
   makes without the interpreter lock: the gloo group's destructor joins its
   worker threads, and one of them may need that lock to free the last
-  collective's tensors (issue 35.11: a rank that never exited).
+  collective's tensors (a rank that never exited: tests/distributed/test_exit.py).
 - ``_faccel_other_stage`` (:data:`OTHER_STAGE`), on each parameter of a
   pipelined model that another pipeline stage holds (``prepare(...,
   split=...)`` under ``pipeline > 1``): ``True``, so an optimizer built over the

@@ -44,7 +44,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
             "update_expert_bias",
         ),
         "faccel._data._metrics": ("gather_for_metrics",),
-        "faccel._loop._model": ("unwrap_model",),
+        "faccel._loop._strategies": ("unwrap_model",),
         "faccel._dist._notebook": ("launch",),
         "faccel._loop._precision": ("autocast", "grad_scaler", "optimizer_step"),
         "faccel._loop._prepare": ("prepare",),
@@ -77,7 +77,8 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._loop._uneven": ("uneven_inputs",),
         "faccel._data._context": ("context_positions", "context_shard", "context_unshard"),
         "faccel._loop._context": ("context_attention",),
-        "faccel._loop._strategies._pipeline._stages": ("PipelinedModel", "Schedule", "forward_backward"),
+        "faccel._loop._strategies._pipeline._stages": ("PipelinedModel", "Schedule"),
+        "faccel._loop._forward_backward": ("forward_backward",),
     },
     "faccel.func": {
         "faccel._func._functional": ("FunctionalState", "loss_and_grad", "model_params"),

@@ -28,6 +28,7 @@ __all__ = [
     "default_store",
     "fake_tensors",
     "flatten_mesh",
+    "incompatible_keys",
     "is_dtensor",
     "local_box",
     "local_rows",
@@ -137,8 +138,16 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
 
 def compiled_original(model: object) -> nn.Module | None:
     """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; None for anything else."""
-    original = getattr(model, "_orig_mod", None)
+    # Read from the submodules' dict: a getattr that misses costs nn.Module.__getattr__'s error, and
+    # this runs for every layer unwrapped (clipping, every step).
+    modules = getattr(model, "_modules", None)
+    original = modules.get("_orig_mod") if isinstance(modules, dict) else None
     return original if isinstance(original, nn.Module) else None
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
+    """What ``Module.load_state_dict`` returns (``_IncompatibleKeys``), for a module loading its own way."""
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 def set_group_timeout(group: Any, timeout: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -32,3 +33,84 @@ def test_every_package_has_a_docstring_saying_what_it_holds() -> None:
     for init in sorted((ROOT / "faccel").rglob("__init__.py")):
         text = init.read_text().lstrip()
         assert text.startswith('"""') and len(text.split('"""')[1].strip()) > 10, init
+
+
+# A test of which strategy runs: the spellings the loop's and the checkpoints' seams replace.
+_STRATEGY_TEST = re.compile(r"dist\.strategy *==|is_deepspeed_engine\(|isinstance\([^)]*PipelinedModel")
+# The strategy rooms: the loop's and the checkpoints' (one module or package per strategy each).
+_ROOMS = ("faccel/_loop/_strategies/", "faccel/_checkpoint/_strategies/")
+
+
+def _sources(*folders: str) -> dict[str, str]:
+    return {
+        path.relative_to(ROOT).as_posix(): path.read_text()
+        for folder in folders
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    }
+
+
+def test_nothing_outside_the_strategy_rooms_tests_which_strategy_runs() -> None:
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name, text in _sources("faccel/_loop", "faccel/_hf", "faccel/_checkpoint").items()
+        if not name.startswith(_ROOMS)
+        for number, line in enumerate(text.splitlines(), start=1)
+        if _STRATEGY_TEST.search(line)
+    ]
+    assert found == [], "ask the strategy (faccel._loop._strategies, faccel._checkpoint._strategies):\n" + (
+        "\n".join(found)
+    )
+
+
+def _imports(text: str) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_the_generic_loop_reaches_the_rooms_only_through_the_table_and_the_protocol() -> None:
+    # Rooms import the floor, never the reverse: a generic module imports the table (the package)
+    # or the protocol (_base), so that adding a room touches no generic module.
+    allowed = {"faccel._loop._strategies", "faccel._loop._strategies._base"}
+    found = {
+        name: sorted(
+            module
+            for module in _imports(text)
+            if module.startswith("faccel._loop._strategies") and module not in allowed
+        )
+        for name, text in _sources("faccel/_loop", "faccel/_hf", "faccel/_checkpoint").items()
+        if not name.startswith(_ROOMS)
+    }
+    assert {name: rooms for name, rooms in found.items() if rooms} == {}
+
+
+def test_a_loop_strategy_is_one_module_and_one_row_of_the_table() -> None:
+    from faccel._loop._strategies import LOOP_STRATEGIES
+    from faccel._loop._strategies._base import LoopStrategy
+
+    # Every strategy class a room defines is a row of the table, once.
+    rooms = _sources("faccel/_loop/_strategies")
+    defined = {
+        node.name: name
+        for name, text in rooms.items()
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(base, ast.Name) and base.id == "LoopStrategy" for base in node.bases)
+    }
+    rows = [type(strategy).__name__ for strategy in LOOP_STRATEGIES]
+    assert sorted(rows) == sorted(defined), (rows, defined)
+    assert len({strategy.name for strategy in LOOP_STRATEGIES}) == len(rows)
+    assert all(isinstance(strategy, LoopStrategy) for strategy in LOOP_STRATEGIES)
+    # And the table is the only place that names them: nothing else of faccel lists the rooms.
+    table = "faccel/_loop/_strategies/__init__.py"
+    elsewhere = {
+        f"{name}: {cls}"
+        for name, text in _sources("faccel").items()
+        for cls, home in defined.items()
+        if name not in {table, home} and re.search(rf"\b{cls}\b", text)
+    }
+    assert elsewhere == set()

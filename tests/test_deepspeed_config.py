@@ -1,4 +1,4 @@
-"""DeepSpeed configs as Accelerate users run them (issue 36 item 2): the pure parts, no engine."""
+"""DeepSpeed configs as Accelerate users run them: the pure parts, no engine."""
 
 from __future__ import annotations
 

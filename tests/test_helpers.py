@@ -1,4 +1,4 @@
-"""Accelerate's helpers in one process: find_executable_batch_size, comm hooks (issue 36, items 3 and 5)."""
+"""Accelerate's helpers in one process: find_executable_batch_size, comm hooks."""
 
 from __future__ import annotations
 

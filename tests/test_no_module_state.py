@@ -275,18 +275,18 @@ def test_the_process_state_scan_finds_what_it_names(source: str, expected: list[
 
 
 def test_each_closed_set_is_the_table_its_code_reads() -> None:
-    # Issue 31.6: the words of each option are spelled once, as a Literal type (faccel._choices);
-    # the tables that act on them have exactly those keys.
+    # The words of each option are spelled once, as a Literal type (faccel._choices); the tables
+    # that act on them have exactly those keys (each strategy word names a room of the loop's table).
     from typing import get_args
 
     from faccel import _choices
     from faccel._dist._state import PRECISIONS
-    from faccel._loop._model import _STRATEGIES
+    from faccel._loop._strategies import LOOP_STRATEGIES
     from faccel._report._tracking import _WRITERS
     from faccel.errors import ArgumentValueError
 
     assert set(PRECISIONS) == set(get_args(_choices.Precision))
-    assert set(_STRATEGIES) | {"deepspeed"} == set(get_args(_choices.Strategy))
+    assert set(get_args(_choices.Strategy)) <= {strategy.name for strategy in LOOP_STRATEGIES}
     assert set(_WRITERS) | {"all"} == set(get_args(_choices.TrackerKind))
     for name, closed in _choices.CLOSED_SETS.items():
         assert issubclass(closed.error, ArgumentValueError), name

@@ -69,7 +69,7 @@ def test_a_rank_that_owns_some_names_restores_them_and_refuses_nothing_else(
     # Without the stage row every rank is assumed to hold every name: the other stage's are "unexpected".
     with pytest.raises(faccel.errors.CheckpointError, match=r"unexpected 'embed\.weight'"):
         faccel.restore(dist, target, tmp_path)
-    monkeypatch.setattr(_strategies, "_STRATEGIES", (_stage_row(), PlainState()))
+    monkeypatch.setattr(_strategies, "STRATEGY_STATES", (_stage_row(), PlainState()))
     restored = faccel.restore(dist, target, tmp_path)
     assert restored.step == 0
     for name, tensor in stage.state_dict().items():

@@ -57,6 +57,12 @@ def test_compiled_original() -> None:
     assert compat.compiled_original(inner) is None
 
 
+def test_incompatible_keys_is_what_load_state_dict_returns() -> None:
+    keys = compat.incompatible_keys(["a"], [])
+    assert type(keys) is type(nn.Linear(1, 1).load_state_dict(nn.Linear(1, 1).state_dict()))
+    assert (keys.missing_keys, keys.unexpected_keys) == (["a"], [])
+
+
 def test_view_base_on_meta_and_real_tensors() -> None:
     for device in ("cpu", "meta"):
         weight = torch.zeros(3, 4, device=device)
@@ -94,7 +100,7 @@ def test_the_process_group_apis_on_two_real_ranks() -> None:
 # A private name of torch's: an attribute or module segment with one leading underscore, reached
 # from torch (torch.x._y, tdist.distributed_c10d._y) or an object's private torch slot.
 _PRIVATE = re.compile(
-    r"(torch(\.\w+)*\._[a-z]\w*|distributed_c10d\._\w+|\.reducer\._\w+|\._orig_mod\b"
+    r"(torch(\.\w+)*\._[A-Za-z]\w*|distributed_c10d\._\w+|\.reducer\._\w+|\._orig_mod\b"
     r"|\._(modules|parameters|buffers|num_samples|non_persistent_buffers_set)\b|_set_pg_timeout)"
 )
 

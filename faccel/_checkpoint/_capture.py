@@ -22,7 +22,7 @@ import torch
 from faccel._checkpoint._format import EXTRAS, MODEL, OPTIMIZER
 from faccel._checkpoint._state_file import Extra, RngFile, Section, StateFile
 from faccel._dist._state import DistState
-from faccel._loop._model import unwrap_model
+from faccel._loop._strategies import unwrap_model
 from faccel._storage._tagged_json import TensorSink, encode
 from faccel._storage._weights import model_tensors
 from faccel._train_state import TrainState, global_position

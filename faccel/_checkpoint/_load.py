@@ -23,7 +23,7 @@ from faccel._checkpoint._format import STATE
 from faccel._checkpoint._state_file import Generators, NewRank
 from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import Loadable
-from faccel._loop._model import unwrap_model
+from faccel._loop._strategies import unwrap_model
 from faccel._train_state import TrainState
 from faccel._tree import paired_leaves, rebuild
 from faccel.errors import CheckpointError

@@ -96,7 +96,7 @@ def _read_checkpoint(
     def read(name: str, record: FileRecord | None = None) -> Callable[[], torch.Tensor]:
         limit = MAX_JSON if name.endswith(".json") else caps.get(name)
         # Never more than this process can allocate (a forged size, a sparse file): refused by name
-        # before read_verified's buffer, as the sharded format does (issue 35, item 8).
+        # before read_verified's buffer, as the sharded format does.
         room = allocatable_bytes()
         limit = room if limit is None else limit if room is None else min(limit, room)
         where = f"{directory}/{name}"
@@ -153,7 +153,7 @@ _OPTIMIZER_PER_PARAMETER_BYTE = 8
 def _whole_file_caps(state: TrainState) -> dict[str, int]:
     """The most bytes a whole-tensor ``model.safetensors`` and ``optimizer.safetensors`` may have to fit
     ``state``'s objects: a larger file is refused by name before a buffer for it is allocated, whatever
-    size the manifest claims (issue 26, item 3)."""
+    size the manifest claims."""
     model_bytes = sum(t.numel() * t.element_size() for t in model_target(state).values())
     return {
         # twice the model: a checkpoint written in wider dtypes than the objects now hold still counts

@@ -32,8 +32,7 @@ from faccel._checkpoint._stage import load_problem, stand_ins
 from faccel._checkpoint._state_file import Extra, Generators, RngFile, Section, StateFile
 from faccel._checkpoint._strategies import strategy_of
 from faccel._dist._state import DistState
-from faccel._loop._model import unwrap_model
-from faccel._marks import OTHER_STAGE
+from faccel._loop._strategies import unwrap_model
 from faccel._storage._durable import FileRecord
 from faccel._storage._tagged_json import decode, tensor_refs
 from faccel._storage._weights import alias_groups, compare_tensors
@@ -331,7 +330,8 @@ def _check_optimizer(
         return {}
     # A DeepSpeed run's groups hold ZeRO's flat partitions: its checkpoint numbers the model's
     # parameters (whole shapes, float32 state) as the torch optimizer held them before ZeRO.
-    live_groups, inner = strategy_of(state.model).optimizer_view(target)
+    strategy = strategy_of(state.model)
+    live_groups, inner = strategy.optimizer_view(target)
     if len(groups) != len(live_groups):
         problems.add(STATE, f"{len(groups)} optimizer param groups saved, the target has {len(live_groups)}")
         return saved
@@ -342,7 +342,7 @@ def _check_optimizer(
         if param is None or not isinstance(entry, dict):
             problems.add(STATE, f"optimizer state for parameter id {pid!r}, which no param group holds")
             continue
-        if getattr(param, OTHER_STAGE, False):
+        if not strategy.owns_param(param):
             continue  # another pipeline stage's: its rank checks it
         for key, value in entry.items():
             _check_state_entry(target, pid, param, key, value, elementwise=elementwise, problems=problems)

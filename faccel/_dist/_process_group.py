@@ -294,7 +294,7 @@ def pin_process_group(wrapper: Any) -> None:
     :func:`shutdown` destroyed, inside a release that keeps the interpreter
     lock, and the gloo group's destructor joins its worker threads there. A
     worker still freeing the tensors of the last collective needs that lock:
-    the process never exits (issue 35.11). Pinned after the reducer, the last
+    the process never exits (tests/distributed/test_exit.py). Pinned after the reducer, the last
     hold is this Python object, which torch releases without the lock.
 
     Example:

@@ -23,7 +23,8 @@ from faccel._choices import Engine
 from faccel._dist._state import DistState
 from faccel._func._module_call import ModuleCaller
 from faccel._func._optim._base import Optimizer, state_from_dict, state_to_dict
-from faccel._loop._model import Autocast, float32_outputs, unwrap_model
+from faccel._loop._model import Autocast, float32_outputs
+from faccel._loop._strategies import unwrap_model
 from faccel._torch_compat import compiled_original
 from faccel._tree import register_pytree, static_field
 from faccel._typecheck import setup_checked

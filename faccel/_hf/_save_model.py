@@ -53,8 +53,7 @@ from faccel._hf._naming import (
     split_shards,
 )
 from faccel._hf._spread_write import OwnFile, write_own
-from faccel._loop._model import unwrap_model
-from faccel._loop._strategies._pipeline._stages import PipelinedModel
+from faccel._loop._strategies import given_model, unwrap_model
 from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json, read_verified
 from faccel._storage._local import local_spot, present
@@ -250,7 +249,7 @@ def save_model(
     limit = parse_size(max_shard_size)
     arrive(dist, "save_model", timeout=arrival_timeout, raises=CheckpointError)
     # A pipelined model's config is its whole model's (the one given to prepare), as for any model.
-    whole = unwrap_model(model.source if isinstance(model, PipelinedModel) else model)
+    whole = given_model(model)
     configs = {name: content.encode() for name, content in _configs(whole).items()}
     strategy = strategy_of(model)
     # Who writes: the main process; every rank its share (FSDP2, HSDP, tensor parallelism); or

@@ -9,6 +9,7 @@ import torch
 from faccel._dist._region import region
 from faccel._dist._state import DistState
 from faccel._loop._micro_step import MicroStep
+from faccel._loop._strategies import loop_strategy
 from faccel.errors import AccumulationError, ArgumentError, ArgumentValueError, PrecisionError
 
 __all__ = ["backward"]
@@ -96,10 +97,9 @@ def backward(
             "it cannot scale the loss; iterate faccel.micro_batches(dist, loader) and pass micro="
         )
         raise AccumulationError(msg)
-    if dist.strategy == "deepspeed":  # the engine's backward: its reductions, its fp16 loss scale
-        from faccel._loop._strategies._deepspeed._engine import engine_backward
-
-        engine_backward(loss, sync=micro is None or micro.sync, dist=dist, **kwargs)
+    # The run's strategy may run the backward its own way (DeepSpeed's engine: its reductions, its fp16
+    # loss scale, the micro-step's sync as its accumulation boundary).
+    if loop_strategy(dist).backward(dist, loss, sync=micro is None or micro.sync, kwargs=kwargs):
         return
     if scaler is not None and scaler.is_enabled():
         loss = scaler.scale(loss)

@@ -9,18 +9,16 @@ import torch
 from torch import nn
 
 from faccel._dist._state import DistState
-from faccel._loop._model import unwrap_model
-from faccel._loop._strategies._deepspeed._engine import is_deepspeed_engine
-from faccel._loop._strategies._pipeline._stages import PipelinedModel, clip_stages
-from faccel._marks import DEEPSPEED_ENGINE
-from faccel.errors import PrecisionError, UsageError
+from faccel._loop._strategies import LoopStrategy, holding, unwrap_model
+from faccel.errors import PrecisionError
 
 __all__ = ["clip_grad_norm", "clip_grad_value"]
 
 Params = nn.Module | torch.Tensor | Iterable[torch.Tensor]
 
 
-def _params(model_or_params: Params) -> list[torch.Tensor]:
+def _params(model_or_params: Params) -> tuple[list[torch.Tensor], LoopStrategy]:
+    """The parameters to clip, and the strategy that holds them (it may refuse, or clip its own way)."""
     params: list[torch.Tensor]
     if isinstance(model_or_params, nn.Module):
         params = list(unwrap_model(model_or_params).parameters())
@@ -28,17 +26,9 @@ def _params(model_or_params: Params) -> list[torch.Tensor]:
         params = [model_or_params]
     else:
         params = list(model_or_params)
-    if is_deepspeed_engine(model_or_params) or any(hasattr(p, DEEPSPEED_ENGINE) for p in params):
-        # ZeRO reduces and partitions the gradients into its own buffers: clipping the parameters'
-        # .grad would not change what the step uses, silently.
-        msg = (
-            "under strategy='deepspeed' the gradients the step uses lie in ZeRO's buffers, not in the "
-            "parameters' .grad, and the engine clips them in its step: put the limit in the deepspeed "
-            "config, faccel.detect(strategy='deepspeed', deepspeed={..., 'gradient_clipping': MAX_NORM}), "
-            "and drop the clip call; model.get_global_grad_norm() gives the norm after optimizer.step()"
-        )
-        raise UsageError(msg)
-    return params
+    strategy = holding(model_or_params, params)
+    strategy.check_clip(model_or_params, params)
+    return params, strategy
 
 
 def _unscale(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer | None) -> None:
@@ -106,16 +96,13 @@ def clip_grad_norm(
     """
     dist.runtime.phase = "optimizer"  # clipping belongs to the step's update, for a hang record
     _unscale(scaler, optimizer)
-    params = _params(model_or_params)
-    if isinstance(model_or_params, PipelinedModel):  # the norm over every stage of the pipeline
-        return clip_stages(
-            dist,
-            params,
-            max_norm,
-            norm_type=norm_type,
-            error_if_nonfinite=error_if_nonfinite,
-            foreach=foreach,
-        )
+    params, strategy = _params(model_or_params)
+    # A strategy may combine the norm its own way (pipeline stages: over every stage).
+    own = strategy.clip_grad_norm(
+        dist, params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+    )
+    if own is not None:
+        return own
     by_mesh = _by_mesh(params)
     if len(by_mesh) > 1:
         return _clip_across_meshes(by_mesh, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -189,4 +176,4 @@ def clip_grad_value(
         [1.0, -0.5]
     """
     _unscale(scaler, optimizer)
-    torch.nn.utils.clip_grad_value_(_params(model_or_params), clip_value)
+    torch.nn.utils.clip_grad_value_(_params(model_or_params)[0], clip_value)

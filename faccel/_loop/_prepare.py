@@ -17,11 +17,8 @@ from faccel._dist._state import DistState
 from faccel._loop._consistency import check_setup
 from faccel._loop._context import check_context
 from faccel._loop._materialize import prepare_meta
-from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
-from faccel._loop._strategies._ddp._comm_hooks import check_comm_hook, register_comm_hook
-from faccel._loop._strategies._deepspeed._engine import ConfigOptimizer, ConfigScheduler, prepare_deepspeed
-from faccel._loop._strategies._pipeline._stages import Schedule, pipelined
+from faccel._loop._strategies import CONFIG_KINDS, Schedule, loop_strategy
 from faccel._marks import OTHER_STAGE, REPLACED_BY, WHOLE_GROUPS
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
@@ -39,12 +36,8 @@ _OTHER_STAGE = OTHER_STAGE
 
 
 def _module(dist: DistState, obj: Any, options: _Options) -> Any:
-    if dist.parallel.pipeline > 1:  # cut into stages, built at the first forward_backward
-        return pipelined(dist, obj, options)
     before = list(obj.parameters())
-    prepared = prepare_module(dist, obj, options)
-    if options.comm_hook is not None:
-        register_comm_hook(dist, prepared, options.comm_hook, options.comm_hook_options)
+    prepared = loop_strategy(dist).prepare_model(dist, obj, options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
     # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
     # object is left behind, untrained; it says what replaced it, so an optimizer that
@@ -109,7 +102,7 @@ def _replaceable(param: torch.Tensor) -> bool:
 def _optimizer(dist: DistState, optimizer: Any, options: _Options) -> Any:
     # The optimizer holds the same Parameter objects the model moved, so it needs no
     # wrapper; state loaded earlier (on another device) follows its parameter.
-    if not _rebind(optimizer) and dist.distributed and (dist.strategy == "fsdp" or dist.parallel.tensor > 1):
+    if not _rebind(optimizer) and loop_strategy(dist).replaces_parameters(dist):
         # Prepared before its model (an earlier prepare call): the model's sharding (or plan) will
         # replace these parameters, so look again just before the first step.
         # The hook is held by dist.runtime (shutdown removes it) and listed in faccel._marks.
@@ -196,12 +189,11 @@ def _config_only(dist: DistState, obj: Any, options: _Options) -> Any:
 # What prepare does with each kind of object: the first matching row wins.
 # LR schedulers pass through unchanged: each scheduler.step() call advances them once,
 # so they advance once per optimizer step whatever the world size.
-_HANDLERS: tuple[tuple[type, Callable[[DistState, Any, _Options], Any]], ...] = (
+_HANDLERS: tuple[tuple[type | tuple[type, ...], Callable[[DistState, Any, _Options], Any]], ...] = (
     (nn.Module, _module),
     (torch.optim.Optimizer, _optimizer),
     (torch.optim.lr_scheduler.LRScheduler, _unchanged),
-    (ConfigOptimizer, _config_only),
-    (ConfigScheduler, _config_only),
+    (CONFIG_KINDS, _config_only),
     (DataLoader, _loader),
     (PreparedLoader, _prepared_loader),
     (Dataset, _dataset),
@@ -254,7 +246,7 @@ def prepare(
     * ``nn.Module``: moved to ``dist.device`` *in place*; wrapped so its forward
       runs under autocast when ``dist.precision`` is not ``'no'``; wrapped in
       ``DistributedDataParallel`` when there are peer processes (or sharded
-      with FSDP2 under ``dist.strategy == 'fsdp'``, which changes the module in
+      with FSDP2 under ``strategy='fsdp'``, which changes the module in
       place). Under DDP your module object is not modified otherwise;
       :func:`unwrap_model` gives it back.
     * Optimizer: returned as is (it already holds the moved parameters; where
@@ -443,23 +435,14 @@ def prepare(
         experts=tuple(experts) if experts is not None else None,
         expert_capacity=expert_capacity,
     )
-    check_options(dist, options)
+    strategy = loop_strategy(dist)  # the run's strategy, chosen once (faccel._loop._strategies)
+    strategy.check_options(dist, options)
     check_context(dist)  # context parallelism only where torch has ring attention (faccel._loop._context)
-    check_comm_hook(dist, comm_hook, comm_hook_options)
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
-    if (
-        dist.strategy == "deepspeed"
-    ):  # one engine from the model and its optimizer (faccel._loop._strategies._deepspeed._engine)
+    if strategy.whole_model:  # a meta-built model made real and whole before the strategy takes it
         _materialize_whole(dist, objs, options)
-        prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
-        return prepared[0] if len(prepared) == 1 else prepared
-    # Modules first, whatever the order given: preparing one may replace its parameters,
-    # and optimizers in the same call must see the replacements.
-    ready = {i: _prepare_one(dist, obj, options) for i, obj in enumerate(objs) if isinstance(obj, nn.Module)}
-    prepared = tuple(
-        ready[i] if i in ready else _prepare_one(dist, obj, options) for i, obj in enumerate(objs)
-    )
+    prepared = strategy.prepare(dist, objs, lambda obj: _prepare_one(dist, obj, options))
     if len(prepared) == 1:
         return prepared[0]
     return prepared

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._state import DistState
-from faccel._loop._strategies._deepspeed._engine import is_deepspeed_engine
+from faccel._loop._strategies import holding
 from faccel.errors import UsageError
 
 __all__ = ["uneven_inputs"]
@@ -72,21 +71,11 @@ def uneven_inputs(
     if not dist.distributed:
         yield
         return
-    if is_deepspeed_engine(model):
-        msg = (
-            "uneven_inputs cannot join a DeepSpeed engine (ZeRO's collectives have no Join hook): keep "
-            "prepare(..., even_batches=True) under strategy='deepspeed', which gives every rank the same "
-            "number of batches"
-        )
-        raise UsageError(msg)
-    if not isinstance(model, DistributedDataParallel):
-        msg = (
-            f"uneven_inputs needs the DistributedDataParallel model faccel.prepare returned, got a "
-            f"{type(model).__name__}; pass the prepared model (FSDP2 models cannot join: keep "
-            "even_batches=True with them, which gives every rank the same number of batches)"
-        )
-        raise UsageError(msg)
+    problem = holding(model).uneven_problem(model)  # only DDP's Join shadows a finished rank's collectives
+    if problem is not None:
+        raise UsageError(problem)
     from torch.distributed.algorithms import Join
 
-    with Join([model], divide_by_initial_world_size=divide_by_initial_world_size):
+    # A DDP wrapper: the one strategy with no problem to join.
+    with Join([model], divide_by_initial_world_size=divide_by_initial_world_size):  # type: ignore[list-item]
         yield

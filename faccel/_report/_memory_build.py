@@ -55,7 +55,7 @@ def _tensor_dims(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[st
 
 def _units(model: nn.Module) -> dict[str, str]:
     """Parameter name -> the FSDP2 unit that owns it under faccel's default policy (innermost unit)."""
-    from faccel._loop._model import default_shard_policy
+    from faccel._loop._strategies._fsdp import default_shard_policy
 
     policy = default_shard_policy(model)
     paths = [path for path, module in model.named_modules() if path and policy(module)]

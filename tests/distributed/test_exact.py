@@ -1,4 +1,4 @@
-"""Exact mode over real gloo processes: the same bits at sizes 1, 2 and 4 and across resizes (issue 34).
+"""Exact mode over real gloo processes: the same bits at sizes 1, 2 and 4 and across resizes.
 
 The headline: examples/exact_any_scale.py's loop (a small transformer with dropout, AdamW, a
 schedule, clipping, accumulation of 2 and the loss by token count) for 20 optimizer steps over

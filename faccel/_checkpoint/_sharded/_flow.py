@@ -46,7 +46,7 @@ from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._marks import OTHER_STAGE, WRITTEN_BY
+from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -192,7 +192,12 @@ def _targets(state: TrainState, content: StateFile, where: str) -> dict[str, Any
     """The live tensor each saved key is meant for, where the target has one: ``{group: {key: tensor}}``."""
     strategy = strategy_of(state.model)
     model = strategy.target(state.model)
-    found: dict[str, Any] = {"model": model, "optimizer": {}, "ownership": strategy.ownership(state.model)}
+    found: dict[str, Any] = {
+        "model": model,
+        "optimizer": {},
+        "ownership": strategy.ownership(state.model),
+        "owns_param": strategy.owns_param,
+    }
     if state.optimizer is None:
         return found
     saved = None if content.optimizer is None else content.optimizer.state_dict
@@ -220,7 +225,7 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     parameter), ``True`` for a whole plain tensor, None for nothing: a tensor that fits nothing the
     target can take (a model tensor of another shape; an optimizer state that fits neither its
     parameter nor the target's own state, nor, for a built-in optimizer, a scalar), never read, so
-    that a forged shape costs no allocation (issue 26, item 3); the checks name it."""
+    that a forged shape costs no allocation; the checks name it."""
     if group == "model":
         live = targets["model"].get(key)
         return (
@@ -231,7 +236,7 @@ def _target_for(targets: Mapping[str, Any], group: str, key: str, placed: Placed
     parts = key.split(".")
     number = int(parts[1]) if len(parts) == 3 and parts[0] == "state" and parts[1].isdigit() else None
     live = targets.get("param_of", {}).get(number)
-    if getattr(live, OTHER_STAGE, False):
+    if live is not None and not targets["owns_param"](live):
         return None  # another pipeline stage's optimizer state: its rank reads it
     # Elementwise state (exp_avg) is sharded as its parameter; anything else (a 0-d step) is whole.
     if live is not None and (tuple(live.shape), live.dtype) == (placed.shape, placed.dtype):
@@ -281,7 +286,7 @@ def read_tensors(
             jobs.append((group, key, placed, live, start, stop))
     if any(group == "model" and live is None for group, _, _, live, _, _ in jobs):
         # A model tensor that does not fit: the checks will refuse the checkpoint, so nothing is
-        # read (every tensor stays a meta tensor of its saved shape) (issue 26, item 5).
+        # read (every tensor stays a meta tensor of its saved shape).
         jobs = [(group, key, placed, None, start, stop) for group, key, placed, _, start, stop in jobs]
     check_allocatable(jobs, where)
     needed = sorted(

@@ -3,7 +3,7 @@
 ``_base`` holds the protocol (:class:`StrategyState`) and its records; ``_plain`` (one process),
 ``_ddp``, ``_fsdp`` (FSDP2, HSDP, tensor parallelism), ``_zero`` (DeepSpeed) and ``_pipeline``
 (pipeline stages) implement it.
-:func:`strategy_of` picks a model's, from the table ``_STRATEGIES``: the first row that holds it.
+:func:`strategy_of` picks a model's, from the table ``STRATEGY_STATES``: the first row that holds it.
 A new strategy is a module here and a row there, nothing elsewhere.
 """
 
@@ -19,7 +19,13 @@ from faccel._checkpoint._strategies._zero import ZeroState
 __all__ = ["ExportKind", "Ownership", "StrategyState", "Whole", "strategy_of"]
 
 # First match wins; PlainState holds every model, so it comes last.
-_STRATEGIES: tuple[StrategyState, ...] = (PipelineState(), ZeroState(), FsdpState(), DDPState(), PlainState())
+STRATEGY_STATES: tuple[StrategyState, ...] = (
+    PipelineState(),
+    ZeroState(),
+    FsdpState(),
+    DDPState(),
+    PlainState(),
+)
 
 
 def strategy_of(model: object) -> StrategyState:
@@ -30,4 +36,4 @@ def strategy_of(model: object) -> StrategyState:
         >>> strategy_of(torch.nn.Linear(2, 1)).name
         'plain'
     """
-    return next(strategy for strategy in _STRATEGIES if strategy.holds(model))
+    return next(strategy for strategy in STRATEGY_STATES if strategy.holds(model))

@@ -23,7 +23,7 @@ and exports (``_hf``) never ask which strategy runs; they ask its :class:`Strate
   :meth:`~StrategyState.load_weights`.
 
 A new strategy is one module of this package implementing the protocol and one row of
-``_STRATEGIES`` in ``__init__.py`` (docs/architecture.md, "where a new feature goes").
+``STRATEGY_STATES`` in ``__init__.py`` (docs/architecture.md, "where a new feature goes").
 """
 
 from __future__ import annotations
@@ -113,6 +113,10 @@ class StrategyState(Protocol):
 
     def ownership(self, model: object) -> Ownership:
         """The names (and rows) of the model's state this rank holds."""
+        ...
+
+    def owns_param(self, param: object) -> bool:
+        """Whether this rank holds ``param``'s optimizer state (a pipeline stage holds its own only)."""
         ...
 
     def optimizer_view(self, optimizer: Any) -> tuple[list[dict[str, Any]], Any]:

@@ -25,7 +25,8 @@ from torch import nn
 from faccel._checkpoint._sharded._chunks import row_split
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
 from faccel._checkpoint._strategies._plain import PlainState
-from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._model import is_sharded
+from faccel._loop._strategies import unwrap_model
 from faccel._torch_compat import is_dtensor, local_rows
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ import torch
 from faccel._checkpoint._sharded._chunks import Held, rows_of, split_by_rows
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
 from faccel._checkpoint._strategies._plain import PlainState
-from faccel._loop._model import unwrap_model
+from faccel._loop._strategies import unwrap_model
 from faccel._marks import OTHER_STAGE, REPLACED_BY, WHOLE_GROUPS, WRITTEN_BY
 from faccel._torch_compat import is_dtensor, local_rows
 from faccel.errors import CheckpointError, UsageError
@@ -291,6 +291,10 @@ class PipelineState(PlainState):
         """This rank's stages' tensors, by the model's names."""
         _check(model)
         return _stage_state(model)
+
+    def owns_param(self, param: object) -> bool:
+        """The state of this rank's stages' parameters; another stage's (marked at ``prepare``) is not."""
+        return not getattr(param, OTHER_STAGE, False)
 
     def ownership(self, model: object) -> Ownership:
         """The names of this rank's stages; of an FSDP2 shard over the stage's ranks, its rows."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
-from faccel._loop._model import unwrap_model
+from faccel._loop._strategies import unwrap_model
 from faccel._storage._weights import alias_groups
 
 if TYPE_CHECKING:
@@ -55,6 +55,10 @@ class PlainState:
     def ownership(self, model: object) -> Ownership:
         """Every name, whole."""
         return Ownership()
+
+    def owns_param(self, param: object) -> bool:
+        """Every parameter's state."""
+        return True
 
     def optimizer_view(self, optimizer: Any) -> tuple[list[dict[str, Any]], Any]:
         """The optimizer's own groups."""

@@ -36,7 +36,7 @@ from faccel._dist._region import region
 from faccel._dist._state import DistState
 from faccel._loop._exact._tree_reduce import Exchange, TreeStack, bit_reversed, is_power_of_two, scratch_for
 from faccel._loop._micro_step import Atom, MicroStep
-from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._model import is_sharded, peel
 from faccel._tree import map_tensors
 from faccel.errors import ArgumentError, ArgumentValueError, FaccelError, UsageError
 
@@ -329,7 +329,7 @@ class ExactRun:
         self.consumed = loader.consumed
         s = loader.sharding
         self.global_batch = s.batch_size * s.world_size
-        self.layout = _layout([p for p in unwrap_model(model).parameters() if p.requires_grad], BUCKET)
+        self.layout = _layout([p for p in peel(model).parameters() if p.requires_grad], BUCKET)
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self.device = self.layout.params[0].device if self.layout.params else dist.device
         self._pool = _pool(dist, model, self.layout, self.device)

@@ -1,1 +1,1 @@
-"""DDP's room: its communication hooks (``_comm_hooks``) and LocalSGD (``_local_sgd``)."""
+"""DDP's room: its loop strategy (``_strategy``), its communication hooks, LocalSGD (``_local_sgd``)."""

@@ -20,7 +20,7 @@ from torch import nn
 from faccel._dist._collectives import reduce
 from faccel._dist._consensus import agree_max
 from faccel._dist._state import DistState
-from faccel._loop._model import is_sharded, unwrap_model
+from faccel._loop._model import is_sharded, peel
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError, PrepareError, SetupMismatchError, UsageError
 
@@ -47,7 +47,7 @@ def _average(dist: DistState, model: nn.Module, *, at: int | None) -> None:
     rank only when every rank gave the same step), and a difference is refused before any is copied."""
     if not dist.distributed:
         return
-    params = [p for p in unwrap_model(model).parameters()]
+    params = [p for p in peel(model).parameters()]
     tree: list[torch.Tensor] = [p.detach() for p in params]
     if at is not None:
         tree.append(torch.tensor([float(at), float(at) ** 2], dtype=torch.float64))
@@ -141,7 +141,7 @@ def local_sgd(dist: DistState, model: nn.Module, *, every: int, enabled: bool = 
     if type(every) is not int or every < 1:
         msg = f"every must be an int >= 1 (optimizer steps between averages), got {every!r}"
         raise (ArgumentValueError if type(every) is int else ArgumentError)(msg)
-    if is_sharded(unwrap_model(model)) or dist.strategy == "deepspeed":
+    if is_sharded(peel(model)) or dist.strategy == "deepspeed":
         msg = (
             "local_sgd averages whole replicas of the model, and this one is sharded (FSDP2) or a "
             "DeepSpeed engine; use strategy='ddp' for LocalSGD"

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO (stages 0-3) as a strategy: the config faccel fills, the engine, the seed loop's seams.
 
 ``deepspeed`` is imported only inside the functions that need it (here and in
-``_zero_state``): importing faccel never imports it. The config is a value:
+``faccel._checkpoint._strategies._zero_state``): importing faccel never imports it. The config is a value:
 :func:`faccel._dist._deepspeed_config.read_config` turns a dict or a JSON file into canonical JSON text that
 ``DistState.deepspeed`` holds, and :func:`fill_config` (pure) completes it
 with what faccel knows (docs/deepspeed.md):
@@ -39,7 +39,7 @@ finds the engine from the loss's graph and runs the engine's backward with
 faccel's micro-step as the accumulation boundary.
 
 Checkpoints, ``save_model`` and ``load_model`` see ZeRO's state as whole
-tensors, gathered and scattered by ``_zero_state``. DeepSpeed's own
+tensors, gathered and scattered by ``faccel._checkpoint._strategies._zero_state``. DeepSpeed's own
 ``save_checkpoint`` (pickle) is never used.
 """
 

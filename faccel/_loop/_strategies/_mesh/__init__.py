@@ -1,1 +1,1 @@
-"""The DeviceMesh's room (tensor parallelism, HSDP): the user's tensor-parallel plan (``_tp_plan``)."""
+"""The DeviceMesh's room: its loop strategy (``_strategy``), the tensor-parallel plan (``_tp_plan``)."""

@@ -1,1 +1,1 @@
-"""Pipeline stages' room: the schedule, the stages and their step (``_stages``)."""
+"""Pipeline stages' room: their loop strategy (``_strategy``), the schedule and the stages (``_stages``)."""

@@ -35,12 +35,12 @@ from torch import nn
 
 from faccel._dist._region import region
 from faccel._dist._state import DistState
-from faccel._loop._backward import backward
 from faccel._loop._micro_step import MicroStep
 from faccel._marks import OTHER_STAGE, REPLACED_BY
+from faccel._torch_compat import incompatible_keys
 from faccel.errors import ArgumentValueError, PrecisionError, PrepareError, UsageError
 
-__all__ = ["SCHEDULES", "PipelinedModel", "Schedule", "forward_backward", "pipelined", "stage_indices"]
+__all__ = ["SCHEDULES", "PipelinedModel", "Schedule", "pipeline_step", "pipelined", "stage_indices"]
 
 # kind -> (torch's schedule class in torch.distributed.pipelining, how stages sit on ranks, stages per rank)
 # "loop": rank r holds stages r, r + p, r + 2p ...; "v": rank r holds r and 2p - 1 - r (a V).
@@ -194,13 +194,13 @@ class PipelinedModel(nn.Module):
         Raises:
             UsageError: The stages are not built yet (``prepare(..., example=batch)`` builds them).
         """
-        from faccel._loop._model import unwrap_model
+        from faccel._loop._model import peel
 
         if not self.built:
             raise UsageError(_NOT_BUILT)
         out: dict[str, Any] = {}
         for stage in self.stages:
-            out.update(unwrap_model(stage).state_dict(*args, **kwargs))
+            out.update(peel(stage).state_dict(*args, **kwargs))
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -209,16 +209,16 @@ class PipelinedModel(nn.Module):
         Raises:
             UsageError: The stages are not built yet.
         """
-        from faccel._loop._model import unwrap_model
+        from faccel._loop._model import peel
 
         if not self.built:
             raise UsageError(_NOT_BUILT)
         missing: list[str] = []
         for stage in self.stages:
-            module = unwrap_model(stage)
+            module = peel(stage)
             own = {k: v for k, v in state_dict.items() if k in module.state_dict()}
             missing += module.load_state_dict(own, strict=strict, assign=assign).missing_keys
-        return torch.nn.modules.module._IncompatibleKeys(missing, [])
+        return incompatible_keys(missing, [])  # what Module.load_state_dict returns
 
     @property
     def source(self) -> nn.Module:
@@ -473,7 +473,8 @@ def _micro_inputs(inputs: tuple[Any, ...], count: int) -> tuple[Any, ...]:
 def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
     """One stage wrapped as a whole model would be: the TP plan, then FSDP2 over the block's data ranks."""
     from faccel._dist._mesh import data_mesh
-    from faccel._loop._model import Autocast, _wrap_fsdp
+    from faccel._loop._model import Autocast
+    from faccel._loop._strategies._fsdp import wrap_fsdp
     from faccel._loop._strategies._mesh._tp_plan import apply_plan
 
     layout = dist.parallel
@@ -493,7 +494,7 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
     if layout.tensor > 1:
         apply_plan(dist, module, options.tp_plan)
     if layout.data_size * layout.context > 1:
-        return _wrap_fsdp(dist, module, options, mesh=data_mesh(dist))
+        return wrap_fsdp(dist, module, options, mesh=data_mesh(dist))
     if dist.autocast_dtype is not None:
         return Autocast(module, device_type=dist.device.type, dtype=dist.autocast_dtype)
     return module
@@ -641,71 +642,31 @@ def _factor(dist: DistState, count: int, micro: MicroStep | None, items: int | N
     return 1.0 / (count * group)
 
 
-def forward_backward(
+def pipeline_step(
     dist: DistState,
-    model: nn.Module,
+    model: PipelinedModel,
     loss_fn: Callable[..., torch.Tensor],
-    inputs: Any,
+    args: tuple[Any, ...],
     targets: Any,
     *,
     micro: MicroStep | None = None,
     items: int | None = None,
-    scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
-    """A training step's forward and backward, for any layout; the loss (detached), on every rank.
+    """:func:`faccel.forward_backward` of a :class:`PipelinedModel`: the schedule's step over its stages.
 
-    For a model that is not pipelined (one process, DDP, FSDP2, tensor
-    parallelism) it is exactly::
-
-        loss = loss_fn(model(*inputs), targets)
-        faccel.backward(dist, loss, micro=micro, items=items, scaler=scaler)
-
-    For a :class:`PipelinedModel` (``prepare(..., split=...)`` under a layout
-    with ``pipeline > 1``) it is the schedule's step: the batch is split into
-    ``schedule.microbatches`` micro-batches along dim 0, each runs through the
-    stages, its loss ``loss_fn(output, target)`` is scaled as ``backward``
-    would scale the batch's (the mean over micro-batches, over the
-    accumulation group; or, with ``items=``, a sum over the group's items), and
-    its backward runs where the schedule puts it. The loss returned is the
+    The batch is split into ``schedule.microbatches`` micro-batches along dim 0,
+    each runs through the stages, its loss ``loss_fn(output, target)`` is scaled
+    as ``backward`` would scale the batch's (the mean over micro-batches, over
+    the accumulation group; or, with ``items=``, a sum over the group's items),
+    and its backward runs where the schedule puts it. The loss returned is the
     batch's, as the plain call returns it (the mean of the micro-batch means;
     with ``items=``, their sum), sent from the last stage to every rank.
-    So one loop runs unchanged at every layout.
-
-    Args:
-        dist: The run's :class:`DistState`.
-        model: A prepared model.
-        loss_fn: ``loss_fn(output, targets) -> scalar``: a mean over the batch
-            (or, with ``items=``, the sum over its items).
-        inputs: The model's input: a tensor or a tuple of positional arguments.
-        targets: What ``loss_fn`` compares the output with.
-        micro: The :class:`MicroStep` under gradient accumulation.
-        items: This batch's item count when ``loss_fn`` returns a sum (see ``backward``).
-        scaler: The fp16 gradient scaler (not under a pipeline).
-
-    Returns:
-        The loss of this batch, detached: the same value on every rank of a pipeline.
 
     Raises:
-        UsageError: Accumulation without ``micro``, or ``items`` without a counted micro-step.
-        PrecisionError: fp16 under a pipeline (its loss scale would have to agree across stages).
-
-    Example:
-        >>> import torch, faccel
-        >>> dist = faccel.detect({})
-        >>> model = faccel.prepare(dist, torch.nn.Linear(2, 1, bias=False))
-        >>> torch.nn.init.ones_(model.weight)
-        Parameter containing:
-        tensor([[1., 1.]], requires_grad=True)
-        >>> x, y = torch.ones(4, 2), torch.zeros(4, 1)
-        >>> loss = faccel.forward_backward(dist, model, torch.nn.functional.mse_loss, x, y)
-        >>> loss.item(), model.weight.grad.tolist()  # d/dw mean((2 - 0)^2) = 2 * 2 * 1
-        (4.0, [[4.0, 4.0]])
+        UsageError: Accumulation without ``micro``, ``items`` without a counted
+            micro-step, or a batch of another shape than the first.
+        PrecisionError: fp16 (its loss scale would have to agree across stages).
     """
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    if not isinstance(model, PipelinedModel):
-        loss = loss_fn(model(*args), targets)
-        backward(dist, loss, micro=micro, items=items, scaler=scaler)
-        return loss.detach()
     if dist.precision == "fp16":
         msg = (
             "fp16 under a pipeline needs one loss scale agreed by every stage, which faccel does not do; "
