@@ -128,6 +128,8 @@ started it before that call returns, except a background checkpoint's, which
   (``faccel._storage._objects``).
 - ``faccel-save-model``: writes ``save_model``'s files while the next tensors
   are gathered (``faccel._hf._spread_write``).
+- ``faccel-hang-record``: rewrites this rank's hang record when its phase changes, at most every
+  0.25 s (``faccel._dist._runtime``); stopped and joined by :func:`faccel.shutdown`.
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
@@ -192,6 +194,7 @@ THREADS = (
     "faccel-read",
     "faccel-lease",
     "faccel-save-model",
+    "faccel-hang-record",
 )
 OTHER_STAGE = "_faccel_other_stage"
 # On each experts module that expert parallelism split: its ExpertShard

@@ -34,6 +34,7 @@ __all__ = [
     "local_rows",
     "module_dicts",
     "non_persistent_buffers",
+    "pipelining_metadata_error",
     "pytree",
     "random_sampler_draws_all",
     "rebuild_ddp_buckets",
@@ -148,6 +149,13 @@ def compiled_original(model: object) -> nn.Module | None:
 def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
     """What ``Module.load_state_dict`` returns (``_IncompatibleKeys``), for a module loading its own way."""
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def pipelining_metadata_error() -> type[Exception]:
+    """The error torch's pipeline stages raise for an output they cannot pass on (a dict, a model output)."""
+    from torch.distributed.pipelining._utils import PipeliningMetadataError
+
+    return PipeliningMetadataError
 
 
 def set_group_timeout(group: Any, timeout: Any) -> None:

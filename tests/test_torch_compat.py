@@ -134,3 +134,9 @@ def test_the_scan_sees_a_private_name() -> None:
         '"""torch._x in prose."""\nstore = tdist.distributed_c10d._get_default_store()\n'
     )
     assert [m.group(0) for m in _PRIVATE.finditer(code)] == ["distributed_c10d._get_default_store"]
+
+
+def test_pipelining_metadata_error_is_what_torchs_stages_raise() -> None:
+    from torch.distributed.pipelining import _utils
+
+    assert compat.pipelining_metadata_error() is _utils.PipeliningMetadataError

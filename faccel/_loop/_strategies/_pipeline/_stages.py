@@ -714,7 +714,9 @@ def _step(
     if route.holds_loss:
         sink = _StepLoss(route, count=count, mean=mean, deferred=not model._warm)
     early = _expect_loss(route, dist.device) if route.early and not route.holds_loss else None
-    from torch.distributed.pipelining._utils import PipeliningMetadataError
+    from faccel._torch_compat import pipelining_metadata_error
+
+    PipeliningMetadataError = pipelining_metadata_error()
 
     try:
         model._driver.step(
