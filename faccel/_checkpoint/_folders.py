@@ -45,7 +45,6 @@ __all__ = [
     "check_lock",
     "complete_checkpoints",
     "counted",
-    "damaged_checkpoints",
     "find_latest",
     "hold_lock",
     "latest_checkpoint",
@@ -135,20 +134,6 @@ def counted(manifest: FolderManifest) -> bool:
         return True
     store = manifest.folder.store
     return store.renames or store.size((manifest.folder / MANIFEST).key) is not None
-
-
-def damaged_checkpoints(root: Spot | Path, *, after: int) -> list[tuple[Spot, str]]:
-    """``(folder, why)`` of every ``step-N`` folder under ``root`` with ``N > after`` whose manifest is
-    damaged (on a disk, also missing), newest first."""
-    found = []
-    listing = scan(spot_of(root))
-    for step, folder in listing.folders:
-        if step <= after:
-            break
-        manifest = read_folder_manifest(folder)
-        if manifest.step is None and counted(manifest):
-            found.append((folder, manifest.why or ""))
-    return found
 
 
 def complete_checkpoints(root: Spot | Path) -> list[tuple[int, Spot]]:

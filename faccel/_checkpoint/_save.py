@@ -39,7 +39,6 @@ from faccel._checkpoint._folders import (
     blocking_file,
     check_lock,
     complete_checkpoints,
-    find_latest,
     hold_lock,
     manifest_step,
     remove_leftovers,
@@ -754,14 +753,3 @@ def _exists_message(final: Spot, step: int) -> str:
         "purpose, pass "
         "checkpoint(..., replace=True)"
     )
-
-
-def _resolve(path: Spot) -> Spot:
-    found = find_latest(path)
-    if found is None:
-        msg = (
-            f"{path}: no checkpoint there: neither a checkpoint folder (it has no valid {MANIFEST}) "
-            f"nor a folder of complete checkpoints (step-NNNNNNNNNNNN/{MANIFEST})"
-        )
-        raise CheckpointError(msg)
-    return found.folder

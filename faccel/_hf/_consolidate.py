@@ -27,6 +27,7 @@ from faccel._checkpoint._format import MANIFEST, MODEL_METADATA
 from faccel._checkpoint._weights_reader import byte_view, open_weights
 from faccel._hf._naming import INDEX_NAME, parse_size, shard_names, split_shards
 from faccel._storage._local import local_spot, occupied_bytes
+from faccel._storage._names import TMP
 from faccel._storage._roots import refuse_url, spot_of
 from faccel._storage._safetensors import header_bytes
 from faccel._storage._store import Spot
@@ -147,7 +148,7 @@ def consolidate(
     except BaseException as error:
         # A failed run leaves nothing of its own: its rerun finds the folder as it was.
         for path in written:
-            for each in (path, path.parent / f".tmp-{path.name}"):
+            for each in (path, path.parent / (TMP + path.name)):
                 with contextlib.suppress(OSError):
                     target.store.delete(each.key)
         if created and not any(True for _ in target.entries()):
@@ -185,9 +186,9 @@ def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, .
 def _remove_temporaries(target: Spot) -> None:
     """Remove what a killed run left (``.tmp-`` files of its own names); a folder there is refused."""
     for entry in target.entries():
-        if not entry.name.startswith(".tmp-"):
+        if not entry.name.startswith(TMP):
             continue
-        own = entry.name[len(".tmp-") :]
+        own = entry.name[len(TMP) :]
         if not (own.endswith(".safetensors") or own == INDEX_NAME):
             continue
         path = target / entry.name

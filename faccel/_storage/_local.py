@@ -42,12 +42,12 @@ from faccel._storage._durable import (
     read_verified,
     write_durably,
 )
+from faccel._storage._names import ASIDE, LOCK, TMP, TRASH
 from faccel._storage._store import Entry, Lease, Spot
 from faccel.errors import CheckpointError
 
 __all__ = [
     "LOCAL",
-    "LOCK",
     "LocalStore",
     "local_spot",
     "occupied_bytes",
@@ -56,9 +56,6 @@ __all__ = [
     "scratch_buffer",
 ]
 
-# The file a writer locks in the root; it holds the writer's host and pid, for the error of a second one.
-LOCK = ".lock"
-_TMP, _TRASH, _ASIDE = ".tmp-", ".trash-", ".replaced-"
 # One read() moves at most this much on Linux.
 _READ_CHUNK = 1 << 30
 # O_DIRECT reads: offsets, lengths and buffers aligned to this (a page; any block size up to it).
@@ -103,7 +100,7 @@ class _LocalPublisher(_LocalWriter):
 
     def __init__(self, path: Path) -> None:
         self._final = path
-        self._temporary = path.with_name(_TMP + path.name)
+        self._temporary = path.with_name(TMP + path.name)
         self._temporary.unlink(missing_ok=True)
         super().__init__(self._temporary)
 
@@ -282,7 +279,7 @@ class LocalStore:
 
     def staging(self, final: str) -> str:
         head, name = os.path.split(final)
-        return os.path.join(head, _TMP + name)
+        return os.path.join(head, TMP + name)
 
     def commit(
         self,
@@ -301,7 +298,7 @@ class LocalStore:
         if os.path.exists(final):
             # Replacing: the old one aside, then the new one in. Between the two renames the
             # folder aside counts as this step (see leftovers), so a crash leaves one of the two.
-            aside = os.path.join(root, _ASIDE + name)
+            aside = os.path.join(root, ASIDE + name)
             os.rename(final, aside)
         os.rename(staging, final)
         fsync_dir(Path(root))
@@ -309,10 +306,10 @@ class LocalStore:
             check(final)
         except CheckpointError:
             with contextlib.suppress(OSError):  # ours and broken: out of sight (restore passes it over)
-                os.rename(final, os.path.join(root, _TRASH + name))
+                os.rename(final, os.path.join(root, TRASH + name))
             raise
         if aside is not None:
-            self._trash(aside, os.path.join(root, _TRASH + name))
+            self._trash(aside, os.path.join(root, TRASH + name))
         return record
 
     def _trash(self, folder: str, trash: str) -> None:
@@ -323,7 +320,7 @@ class LocalStore:
 
     def retire(self, folder: str, *, committed: bool) -> None:
         root, name = os.path.split(folder)
-        self._trash(folder, os.path.join(root, _TRASH + name))
+        self._trash(folder, os.path.join(root, TRASH + name))
 
     def move(self, folder: str, target: str) -> None:
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -334,7 +331,7 @@ class LocalStore:
     def aside(self, folder: str) -> str:
         """Where ``folder`` waits while its replacement is renamed in (it counts as ``folder`` then)."""
         root, name = os.path.split(folder)
-        return os.path.join(root, _ASIDE + name)
+        return os.path.join(root, ASIDE + name)
 
     def leftovers(self, root: str, *, counts: Callable[[str], bool]) -> None:
         """A checkpoint left aside by an interrupted replace goes back to its name when the
@@ -342,20 +339,20 @@ class LocalStore:
         (dead writers' and deleters') are deleted."""
         renamed = False
         for entry in os.scandir(root):
-            if entry.name.startswith(_ASIDE) and entry.is_dir(follow_symlinks=False):
-                final = os.path.join(root, entry.name[len(_ASIDE) :])
+            if entry.name.startswith(ASIDE) and entry.is_dir(follow_symlinks=False):
+                final = os.path.join(root, entry.name[len(ASIDE) :])
                 if not os.path.exists(final):
                     os.rename(entry.path, final)
                     renamed = True
                 elif counts(final):
-                    trash = os.path.join(root, _TRASH + entry.name[len(_ASIDE) :])
+                    trash = os.path.join(root, TRASH + entry.name[len(ASIDE) :])
                     shutil.rmtree(trash, ignore_errors=True)
                     os.rename(entry.path, trash)
                     renamed = True
         if renamed:
             fsync_dir(Path(root))
         for entry in os.scandir(root):
-            hidden = entry.name.startswith((_TMP, _TRASH))
+            hidden = entry.name.startswith((TMP, TRASH))
             if hidden and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
 

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from faccel._storage._durable import BLAKE3, FileRecord, new_hash
+from faccel._storage._names import LOCK, MANIFEST
 from faccel._storage._store import Entry, Lease, Spot
 from faccel.errors import ArgumentValueError, CheckpointError, MissingExtraError
 
@@ -369,7 +370,7 @@ class ObjectStore:
     def retire(self, folder: str, *, committed: bool) -> None:
         """The manifest first: the checkpoint is invisible from then on, whatever is left of it."""
         if committed:
-            self.delete(self.join(folder, "manifest.json"))
+            self.delete(self.join(folder, MANIFEST))
         self.delete(folder)
 
     def move(self, folder: str, target: str) -> None:
@@ -389,7 +390,7 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def lock(self, root: str) -> Iterator[Lease]:
-        key = self.join(root, ".lock")
+        key = self.join(root, LOCK)
         token = secrets.token_hex(16)
         self._acquire(key, token, root)
         stop = threading.Event()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 import sys
 from collections.abc import Mapping
@@ -295,8 +294,3 @@ def empty_rows(placed: Placed, start: int, stop: int) -> torch.Tensor:
 def byte_view(tensor: torch.Tensor) -> Any:
     """A writable flat uint8 NumPy view of a contiguous CPU tensor's bytes."""
     return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else memoryview(bytearray())
-
-
-def total_bytes(placed: Placed) -> int:
-    """Bytes of the whole tensor."""
-    return math.prod(placed.shape) * placed.dtype.itemsize
