@@ -311,11 +311,11 @@ def test_a_folder_emptied_before_the_commit_is_not_committed(tmp_path: Path, mon
     real = _save.check_written
     calls = []
 
-    def emptied(directory: Any, records: Any, *, what: str) -> None:  # a Spot of the local store
+    def emptied(directory: Any, records: Any, *, what: str, **more: Any) -> None:  # a local Spot
         if not calls:
             (Path(directory.key) / "model.safetensors").unlink()
         calls.append(directory.name)
-        real(directory, records, what=what)
+        real(directory, records, what=what, **more)
 
     monkeypatch.setattr(_save, "check_written", emptied)
     with pytest.raises(CheckpointError, match=r"model\.safetensors is gone"):

@@ -32,6 +32,7 @@ from faccel._storage._names import LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, ch
 from faccel.errors import CheckpointError
 
 __all__ = [
+    "CHECKPOINT_FILE",
     "EXTRAS",
     "FILE_HASH",
     "FORMAT",
@@ -90,6 +91,12 @@ OPTIMIZER = "optimizer.safetensors"
 EXTRAS = "extras.safetensors"
 
 
+# Every file a checkpoint's writers put in its folder (of either format): what the cleanup of a
+# folder never committed may delete, and nothing else (an object it cannot prove a checkpoint's stays).
+CHECKPOINT_FILE = re.compile(
+    r"(state\.json|model\.safetensors|optimizer\.safetensors|extras\.safetensors"
+    r"|rng-\d{5,}\.json|shard-\d{5,}\.safetensors|ranks-\d{5,}\.json)"
+)
 # A named checkpoint's folder (``checkpoint(..., name="best")``): one path component, never a step's.
 NAMED = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 

@@ -43,6 +43,7 @@ from faccel._checkpoint._folders import (
     manifest_step,
     remove_leftovers,
     rotate,
+    writable_root,
 )
 from faccel._checkpoint._format import (
     EXTRAS,
@@ -113,7 +114,13 @@ def _rng_records(dist: DistState, temporary: Spot, records: dict[str, FileRecord
             records[name] = (temporary / name).read(None, where=where, algorithm=_WHOLE_HASH)[1]
 
 
-def check_written(folder: Spot, records: Mapping[str, FileRecord], *, what: str) -> None:
+def check_written(
+    folder: Spot,
+    records: Mapping[str, FileRecord],
+    *,
+    what: str,
+    outcome: str = "nothing was committed as complete",
+) -> None:
     """Check that every file of ``records`` is still in ``folder``, of its size (one listing).
 
     Called on a written folder just before and just after its commit, so a
@@ -123,7 +130,8 @@ def check_written(folder: Spot, records: Mapping[str, FileRecord], *, what: str)
     file would double a checkpoint's I/O.
 
     Raises:
-        CheckpointError: naming ``what``, the file and what differs.
+        CheckpointError: naming ``what``, the file and what differs, and ``outcome`` (what became
+            of the checkpoint).
     """
     sizes = folder.sizes()
     for name, record in records.items():
@@ -131,14 +139,13 @@ def check_written(folder: Spot, records: Mapping[str, FileRecord], *, what: str)
         if size is None:
             msg = (
                 f"{what}: {folder / name} is gone after it was written: something else "
-                "deletes or writes in this folder (the root removed during the write?); nothing was "
-                "committed as complete"
+                f"deletes or writes in this folder (the root removed during the write?); {outcome}"
             )
             raise CheckpointError(msg)
         if size != record.size:
             msg = (
                 f"{what}: {folder / name} changed after it was written ({size} bytes, not "
-                f"{record.size}): something else writes in this folder; nothing was committed as complete"
+                f"{record.size}): something else writes in this folder; {outcome}"
             )
             raise CheckpointError(msg)
 
@@ -163,11 +170,19 @@ def _commit(
     written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
     what = f"the checkpoint of step {content.step}"
 
-    def check(folder: str) -> None:
-        check_written(Spot(root.store, folder), written, what=what)
+    def check(folder: str, committed: bool) -> None:
+        # ``committed``: the store wrote the manifest already (an object store's commit), so the
+        # error must not say the checkpoint is lost: it is there, and restore checks it before use.
+        outcome = (
+            "its manifest was written, so it is committed: restore checks every file of it before use "
+            "and passes a damaged one over"
+            if committed
+            else "nothing was committed as complete"
+        )
+        check_written(Spot(root.store, folder), written, what=what, outcome=outcome)
         lost = check_lock(root, lock)
         if lost is not None:
-            msg = f"{what}: not committed: {lost} while it was written; one writer per checkpoint root"
+            msg = f"{what}: {lost} while it was written (one writer per checkpoint root); {outcome}"
             raise CheckpointError(msg)
 
     root.store.commit(temporary.key, final.key, MANIFEST, [_json_bytes(manifest)], check=check)
@@ -341,7 +356,9 @@ def checkpoint(
     breadcrumb(dist, "checkpoint", step=train_state.step)
     wait_for_background(dist.runtime, dist)  # the previous non-blocking checkpoint is committed first
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
-    root = together(dist, lambda: spot_of(path), what="opening the checkpoint root", raises=CheckpointError)
+    root = together(
+        dist, lambda: writable_root(path), what="opening the checkpoint root", raises=CheckpointError
+    )
     step = train_state.step
     final = root / (checkpoint_name(step) if name is None else name)
     temporary = Spot(root.store, root.store.staging(final.key))

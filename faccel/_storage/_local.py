@@ -50,9 +50,6 @@ __all__ = [
     "LOCAL",
     "LocalStore",
     "local_spot",
-    "occupied_bytes",
-    "present",
-    "resolved",
     "scratch_buffer",
 ]
 
@@ -237,6 +234,23 @@ class LocalStore:
     def make_folder(self, key: str) -> None:
         Path(key).mkdir(parents=True, exist_ok=True)
 
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(key)
+
+    def resolve(self, key: str) -> str:
+        return os.path.realpath(key)
+
+    def occupied(self, key: str) -> int:
+        stored = 0
+        for entry in os.scandir(key):
+            if entry.is_file(follow_symlinks=False):
+                info = entry.stat(follow_symlinks=False)
+                stored += min(info.st_size, getattr(info, "st_blocks", info.st_size // 512 + 1) * 512)
+        return stored
+
+    def folder_visible(self, key: str) -> bool:
+        return os.path.isdir(key)
+
     def write(self, key: str, chunks: Sequence[Any], *, algorithm: str = BLAKE3) -> FileRecord:
         return write_durably(Path(key), chunks, algorithm=algorithm)
 
@@ -260,8 +274,16 @@ class LocalStore:
         where: str,
         limit: int | None = None,
         algorithm: str = BLAKE3,
+        within: Sequence[str | os.PathLike[str]] = (),
     ) -> tuple[torch.Tensor, FileRecord]:
-        return read_verified(Path(key), expected, where=where, limit=limit, algorithm=algorithm)
+        return read_verified(
+            Path(key),
+            expected,
+            where=where,
+            limit=limit,
+            algorithm=algorithm,
+            within=tuple(Path(folder) for folder in within),
+        )
 
     def open(self, key: str, *, where: str, within: Sequence[Path] = (), direct: bool = True) -> _LocalReader:
         """``within``: links are followed while the real path stays inside one of these folders
@@ -288,11 +310,11 @@ class LocalStore:
         manifest_name: str,
         manifest: Sequence[Any],
         *,
-        check: Callable[[str], None],
+        check: Callable[[str, bool], None],
     ) -> FileRecord:
         record = write_durably(Path(staging) / manifest_name, manifest)
         fsync_dir(Path(staging))
-        check(staging)  # a folder emptied under us is never committed
+        check(staging, False)  # a folder emptied under us is never committed
         root, name = os.path.split(final)
         aside = None
         if os.path.exists(final):
@@ -303,7 +325,7 @@ class LocalStore:
         os.rename(staging, final)
         fsync_dir(Path(root))
         try:
-            check(final)
+            check(final, False)  # (a failure renames it out of sight: not committed)
         except CheckpointError:
             with contextlib.suppress(OSError):  # ours and broken: out of sight (restore passes it over)
                 os.rename(final, os.path.join(root, TRASH + name))
@@ -420,27 +442,6 @@ def _holder(path: str) -> str:
 
 
 LOCAL = LocalStore()
-
-
-def occupied_bytes(folder: str | os.PathLike[str]) -> int:
-    """The bytes the regular files directly in ``folder`` occupy on disk (a file with holes counts
-    its allocated blocks, not its size)."""
-    stored = 0
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False):
-            info = entry.stat(follow_symlinks=False)
-            stored += min(info.st_size, getattr(info, "st_blocks", info.st_size // 512 + 1) * 512)
-    return stored
-
-
-def resolved(path: str | os.PathLike[str]) -> Path:
-    """``path`` with every symbolic link resolved (where its files really are)."""
-    return Path(os.path.realpath(path))
-
-
-def present(path: str | os.PathLike[str]) -> bool:
-    """Whether anything is at ``path`` (a dangling link too): what a reader that refuses links reports."""
-    return os.path.lexists(path)
 
 
 def local_spot(path: str | os.PathLike[str] | Spot) -> Spot:
