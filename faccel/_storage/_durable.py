@@ -67,6 +67,7 @@ __all__ = [
     "parse_json",
     "read_json",
     "read_verified",
+    "scratch_buffer",
     "write_durably",
 ]
 
@@ -81,6 +82,8 @@ _READ_CHUNK = 64 << 20
 # fsynced in about half the time of one write and one closing fsync).
 _SYNC_BYTES = 64 << 20
 # The largest JSON file read back: state, generators, a weights index (a few MB in practice).
+# A thread's scratch: one hash block of the sharded format (4 MiB) and room to align it to pages.
+_SCRATCH = (4 << 20) + 2 * 4096
 MAX_JSON = 256 << 20
 # A manifest lists about 100 bytes per rank: 32 MiB is room for 300,000 ranks.
 MAX_MANIFEST = 32 << 20
@@ -436,6 +439,17 @@ def read_json(path: Path, *, where: str, limit: int = MAX_JSON, within: Sequence
     :func:`parse_json`. Raises :class:`CheckpointError` naming ``where``."""
     buffer, _ = read_verified(path, None, where=where, limit=limit, within=within)
     return parse_json(buffer.numpy().data, where)
+
+
+def scratch_buffer(scratch: dict[str, Any], kind: str, size: int) -> Any:
+    """This thread's scratch buffer of ``kind``, grown to at least ``size`` bytes (page-aligned)."""
+    import mmap
+
+    import numpy as np
+
+    if kind not in scratch or len(scratch[kind]) < size:
+        scratch[kind] = np.frombuffer(mmap.mmap(-1, max(size, _SCRATCH)), dtype=np.uint8)
+    return scratch[kind]
 
 
 def in_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:

@@ -40,6 +40,7 @@ from faccel._storage._durable import (
     fsync_dir,
     open_regular,
     read_verified,
+    scratch_buffer,
     write_durably,
 )
 from faccel._storage._names import ASIDE, LOCK, TMP, TRASH
@@ -50,15 +51,12 @@ __all__ = [
     "LOCAL",
     "LocalStore",
     "local_spot",
-    "scratch_buffer",
 ]
 
 # One read() moves at most this much on Linux.
 _READ_CHUNK = 1 << 30
 # O_DIRECT reads: offsets, lengths and buffers aligned to this (a page; any block size up to it).
 _ALIGN = 4096
-# A thread's scratch: one hash block of the sharded format (4 MiB) and its alignment.
-_SCRATCH = (4 << 20) + 2 * _ALIGN
 
 
 @attrs.frozen(kw_only=True)
@@ -141,17 +139,6 @@ class _LocalReader:
         os.close(self.fd)
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
-
-
-def scratch_buffer(scratch: dict[str, Any], kind: str, size: int) -> Any:
-    """This thread's scratch buffer of ``kind``, grown to at least ``size`` bytes (page-aligned)."""
-    import mmap
-
-    import numpy as np
-
-    if kind not in scratch or len(scratch[kind]) < size:
-        scratch[kind] = np.frombuffer(mmap.mmap(-1, max(size, _SCRATCH)), dtype=np.uint8)
-    return scratch[kind]
 
 
 def _pread(fd: int, target: Any, offset: int, where: str, at_least: int | None = None) -> None:

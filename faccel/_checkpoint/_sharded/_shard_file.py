@@ -49,8 +49,7 @@ from faccel._checkpoint._sharded._chunks import (
     row_bytes,
     rows_of,
 )
-from faccel._storage._durable import SHA256, FileRecord, parse_json
-from faccel._storage._local import scratch_buffer
+from faccel._storage._durable import SHA256, FileRecord, parse_json, scratch_buffer
 from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import (
     DTYPE_CODES,
