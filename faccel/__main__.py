@@ -202,7 +202,7 @@ def _check_range(name: str, value: int | None, low: int, high: int, why: str = "
 
 def _schedule(args: argparse.Namespace) -> object:
     """The pipeline schedule the plan's ``pp:P`` candidates assume (``--schedule``, ``--microbatches``)."""
-    from faccel._loop._pipeline import Schedule
+    from faccel._loop._strategies._pipeline._stages import Schedule
 
     return Schedule(kind=args.schedule, microbatches=args.microbatches)
 

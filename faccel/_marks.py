@@ -82,7 +82,7 @@ Three hooks, registered through torch's own ``register_*_hook`` and held (their
   adds the bucket's last tree sums and posts the bucket's first round of the
   exchange, so the messages travel while the backward goes on (as DDP's own
   hooks do). Outside that backward it tests one attribute and returns
-  (``faccel._loop._exact``).
+  (``faccel._loop._exact._mode``).
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its

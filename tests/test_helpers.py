@@ -81,7 +81,7 @@ def test_comm_hook_mistakes_are_refused_by_name() -> None:
 
 
 def test_the_bf16_hook_is_refused_by_name_on_gloo() -> None:
-    from faccel._loop._comm_hooks import check_comm_hook
+    from faccel._loop._strategies._ddp._comm_hooks import check_comm_hook
 
     two = faccel.DistState.simulated(rank=0, world_size=2)
     with pytest.raises(faccel.errors.PrepareError, match="needs NCCL"):

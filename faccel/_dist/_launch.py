@@ -142,7 +142,7 @@ def deepspeed_environment(local_rank: int) -> dict[str, str]:
     """What DeepSpeed's engine reads from the process environment, which faccel's launch may lack.
 
     DeepSpeed's engine asserts that ``LOCAL_RANK`` is set (torchrun sets it; a
-    plain one-process run, SLURM and Open MPI do not). ``faccel._loop._deepspeed``
+    plain one-process run, SLURM and Open MPI do not). ``faccel._loop._strategies._deepspeed._engine``
     writes these variables where unset, just before it builds the engine: the one
     write of the process environment in faccel, listed here beside what faccel reads.
 

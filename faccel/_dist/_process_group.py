@@ -258,7 +258,8 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
-        # Under DeepSpeed a one-process run has a one-rank group of prepare's (_loop/_deepspeed.py).
+        # Under DeepSpeed a one-process run has a one-rank group of prepare's
+        # (faccel/_loop/_strategies/_deepspeed/_engine.py).
         if (dist.distributed or dist.strategy == "deepspeed") and tdist.is_initialized():
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)  # no kernel of a collective left in flight

@@ -47,7 +47,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 # FACCEL_TIMEOUT's grammar: ASCII digits, an optional decimal part; at most ~115 days.
 _SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it, DeepSpeed's
-# ZeRO partitions it (faccel._loop._deepspeed).
+# ZeRO partitions it (faccel._loop._strategies._deepspeed._engine).
 STRATEGIES = frozenset(STRATEGY.values)
 
 

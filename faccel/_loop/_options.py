@@ -70,7 +70,7 @@ class PrepareOptions:
     activation_checkpointing: Selector | None = attrs.field(default=None, validator=_check_selector)
     offload: Offload | None = attrs.field(default=None, validator=_check_offload)
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
-    # Pipeline stages (faccel._loop._pipeline): where the model is cut, and the schedule (a Schedule).
+    # Pipeline stages (faccel._loop._strategies._pipeline): where the model is cut, and the schedule.
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None
     schedule: Any = None
     # A batch (this rank's, as forward_backward gets it): the stages are built at prepare from its shapes.

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from faccel._dist._layout import Layout, parse_layout, strategy_for
-from faccel._loop._parallel import plan_key_matches
+from faccel._loop._strategies._mesh._tp_plan import plan_key_matches
 from faccel._torch_compat import fake_tensors, view_base
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError
@@ -266,7 +266,7 @@ def layout_plan(
     strategy = strategy_for(layout)
     notes = []
     if layout.pipeline > 1:
-        from faccel._loop._pipeline import Schedule, stage_indices
+        from faccel._loop._strategies._pipeline._stages import Schedule, stage_indices
 
         schedule = schedule if schedule is not None else Schedule()
         per, count = schedule.per_rank, schedule.micro(pipeline=layout.pipeline)

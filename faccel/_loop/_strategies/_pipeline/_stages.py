@@ -441,7 +441,7 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
     """One stage wrapped as a whole model would be: the TP plan, then FSDP2 over the block's data ranks."""
     from faccel._dist._mesh import data_mesh
     from faccel._loop._model import Autocast, _wrap_fsdp
-    from faccel._loop._parallel import apply_plan
+    from faccel._loop._strategies._mesh._tp_plan import apply_plan
 
     layout = dist.parallel
     if isinstance(module, torch.fx.GraphModule):
