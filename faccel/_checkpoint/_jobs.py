@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import torch
 
+from faccel._checkpoint._background import COMMITTED_ANYWAY
 from faccel._checkpoint._background import staged as host_copies
 from faccel._checkpoint._capture import capture
 from faccel._checkpoint._folders import check_lock, hold_lock, manifest_step, remove_leftovers, rotate
@@ -172,8 +173,7 @@ def commit_folder(
         # ``committed``: the store wrote the manifest already (an object store's commit), so the
         # error must not say the checkpoint is lost: it is there, and restore checks it before use.
         outcome = (
-            "its manifest was written, so it is committed: restore checks every file of it before use "
-            "and passes a damaged one over"
+            f"{COMMITTED_ANYWAY}: restore checks every file of it before use and passes a damaged one over"
             if committed
             else "nothing was committed as complete"
         )

@@ -51,7 +51,7 @@ def refuse_url(path: str | os.PathLike[str] | None, *, what: str) -> None:
     name and with what to do instead; a local path (or None) passes.
 
     Raises:
-        ArgumentValueError: ``path`` is a URL of object storage.
+        ArgumentValueError: ``path`` is a URL of object storage, or not a valid root (:func:`parse_root`).
 
     Example:
         >>> refuse_url("runs/a", what="convert's source")
@@ -60,7 +60,10 @@ def refuse_url(path: str | os.PathLike[str] | None, *, what: str) -> None:
         ...
         faccel.errors.ArgumentValueError: convert's source is a URL (s3://...); it takes a local ...
     """
-    if path is None or not is_url(path):
+    if path is None:
+        return
+    parse_root(path)  # a mistyped URL is refused as such, not taken for a local folder
+    if not is_url(path):
         return
     from faccel.errors import ArgumentValueError
 
