@@ -110,6 +110,7 @@ def _lease_worker(env: dict[str, str], root: str, marker: str, takes: int, seed:
                 held += 1
         except CheckpointError:
             refused += 1
+        time.sleep(chance.uniform(0, 0.02))  # so that either writer gets its turns
     out.put((held, refused, overlaps))
 
 
