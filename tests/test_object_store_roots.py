@@ -194,3 +194,13 @@ def test_a_check_failing_after_the_manifest_was_written_says_the_checkpoint_is_c
     assert "nothing was committed" not in str(caught.value)
     monkeypatch.undo()
     assert faccel.latest_checkpoint(root) == f"{root}/step-000000000002"
+
+
+def test_a_survivor_of_a_peer_lost_after_the_commit_is_told_it_is_committed(s3: S3) -> None:
+    from tests.distributed import harness
+    from tests.distributed import object_store_workers as ow
+
+    root = f"{s3.url}/run"
+    rank0, _ = harness.run(ow.peer_lost_after_the_commit, world_size=2, lost=(1,), env=s3.env, root=root)
+    assert rank0["latest"] == f"{root}/step-000000000002"
+    assert "the checkpoint of step 2 is committed" in rank0["error"], rank0["error"]

@@ -251,11 +251,25 @@ def _run(dist: DistState, job: Job) -> None:
     if job.sharded:
         ranks = exchange_records(dist, records[shard_name(dist.rank)], records[rng_name(dist.rank)])
 
+    committed = []
+
     def commit() -> None:
         if dist.is_main_process:
             job.commit(records, ranks)
+            committed.append(True)
 
-    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+    try:
+        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+    except CheckpointError as error:
+        if not committed:
+            raise
+        # The commit is done (rank 0 wrote the manifest) and a peer was lost only at the meeting
+        # after it: say so, or a survivor reads that its committed checkpoint was lost.
+        msg = (
+            f"the checkpoint of step {step} is committed (this rank wrote its manifest), and restore "
+            f"takes it; the other ranks were lost at the meeting after the commit: {error}"
+        )
+        raise CheckpointError(msg) from error
 
 
 def _run_in_background(dist: DistState, job: Job) -> None:
