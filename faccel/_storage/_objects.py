@@ -14,10 +14,14 @@ One writer per root: a lease object ``ROOT/.lock`` (JSON: host, pid, a random
 token, when it was last renewed), created with a conditional write and renewed
 by a thread while it is held. A second writer is refused at once, naming the
 holder; a lease whose holder is a dead process of this host, or that was not
-renewed for :data:`LEASE_SECONDS`, is broken and taken over.
+renewed for :data:`LEASE_SECONDS`, is broken and taken over by the one writer
+whose conditional write of its break object (``ROOT/.lock-broken-DIGEST``) wins;
+a lease that vanished is created anew, never deleted: a live writer's lease is
+never taken over.
 
 Every call is retried on a transient error (throttling, a 5xx answer, a
-reset connection: what fsspec raises as a plain ``OSError`` or a timeout), a
+reset connection: what fsspec raises as a plain ``OSError`` or a timeout; never
+a 4xx answer but 408 and 429), a
 bounded number of times with exponential backoff, and then raised as a
 :class:`~faccel.errors.CheckpointError` naming the object (never the
 credentials: keys are shown as ``protocol://bucket/key``, and options are
