@@ -63,17 +63,16 @@ def _check_folders(command: str, source: str, what: str, target: str, size: str)
     """A source folder that exists, a target that is not one of its files, a shard size that parses
     (either may be a URL of object storage; a mistyped one is refused by name)."""
     from faccel._hf._save_model import parse_size
-    from faccel._storage._roots import is_url, parse_root
+    from faccel._storage._roots import spot_of
 
     if not source:
         _refuse(f"{command}: {what} is empty")
     if not target:
         _refuse(f"{command}: the output folder is empty")
-    parse_root(source)
-    parse_root(target)
-    if not is_url(source) and not Path(source).exists():
+    found, out = spot_of(source), spot_of(target)
+    if not found.store.exists(found.key):
         _refuse(f"{command}: {what} {source} does not exist")
-    if not is_url(target) and Path(target).exists() and not Path(target).is_dir():
+    if out.store.exists(out.key) and not out.store.is_folder(out.key):
         _refuse(f"{command}: the output {target} exists and is not a folder; give a folder")
     parse_size(size)
 
