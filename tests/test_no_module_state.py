@@ -310,3 +310,24 @@ def test_a_word_outside_a_closed_set_is_a_bad_value(call: str, error: str) -> No
         eval(call)
     assert type(raised.value).__name__ == error
     assert " must be " in str(raised.value)
+
+
+def test_every_thread_faccel_starts_is_listed_in_marks() -> None:
+    """Each ``Thread(name=...)`` and pool ``thread_name_prefix=`` in faccel is in ``_marks.THREADS``."""
+    import faccel._marks as marks
+
+    named: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _dotted(node.func).split(".")[-1] in (
+                "Thread",
+                "ThreadPoolExecutor",
+            ):
+                for keyword in node.keywords:
+                    if keyword.arg in ("name", "thread_name_prefix") and isinstance(
+                        keyword.value, ast.Constant
+                    ):
+                        named.setdefault(keyword.value.value, set()).add(path.name)
+    assert named and set(named) <= set(marks.THREADS), named
+    assert all(f"``{name}``" in (marks.__doc__ or "") for name in marks.THREADS)
+    assert marks.CHECK_IN_GROUP in marks.GROUPS

@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 import attrs
 
+from faccel._choices import Launcher
 from faccel.errors import LaunchError
 
 __all__ = [
@@ -46,7 +47,7 @@ class LaunchInfo:
         'slurm'
     """
 
-    launcher: str
+    launcher: Launcher
     rank: int
     local_rank: int
     world_size: int
@@ -64,7 +65,7 @@ class LaunchInfo:
 
 @attrs.frozen
 class _Launcher:
-    name: str
+    name: Launcher
     rank: str
     world_size: str
     local_rank: str | None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from faccel._choices import STRATEGY, Precision, Strategy
+from faccel._choices import STRATEGY, Backend, Precision, Strategy
 from faccel._dist._deepspeed_config import read_config
 from faccel._dist._launch import OPTION_VARIABLES
 from faccel._dist._layout import Layout
@@ -59,7 +59,7 @@ def detect(
     *,
     device: str | torch.device | None = None,
     precision: Precision | None = None,
-    backend: str | None = None,
+    backend: Backend | None = None,
     accumulation_steps: int | None = None,
     strategy: Strategy | None = None,
     seed: int = 0,

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from faccel._choices import INIT, OFFLOAD, WORKER_SEEDS, Init, Offload, WorkerSeeds
+from faccel._choices import INIT, OFFLOAD, WORKER_SEEDS, CommHookName, Init, Offload, WorkerSeeds
 from faccel._loop._activation_checkpoint import Selector, check_selector
 from faccel.errors import ArgumentValueError
 
@@ -75,7 +75,7 @@ class PrepareOptions:
     schedule: Any = None
     # A batch (this rank's, as forward_backward gets it): the stages are built at prepare from its shapes.
     example: Any = None
-    comm_hook: str | None = None
+    comm_hook: CommHookName | None = None
     comm_hook_options: Mapping[str, Any] | None = None
 
     @property

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from faccel._choices import Init, Offload, WorkerSeeds
+from faccel._choices import CommHookName, Init, Offload, WorkerSeeds
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
@@ -44,7 +44,7 @@ def _module(dist: DistState, obj: Any, options: _Options) -> Any:
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
     if options.comm_hook is not None:
-        register_comm_hook(prepared, options.comm_hook, options.comm_hook_options)
+        register_comm_hook(dist, prepared, options.comm_hook, options.comm_hook_options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
     # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
     # object is left behind, untrained; it says what replaced it, so an optimizer that
@@ -237,7 +237,7 @@ def prepare(
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
     schedule: Schedule | None = None,
     example: Any = None,
-    comm_hook: str | None = None,
+    comm_hook: CommHookName | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
