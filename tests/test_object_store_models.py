@@ -228,30 +228,26 @@ def test_profile_and_plot_refuse_a_url_and_say_to_copy_it_down(
 def test_consolidate_and_convert_write_to_any_store_and_read_from_it(
     s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``python -m faccel consolidate CKPT s3://bucket/out`` (and from S3 to a disk), and ``convert``
-    from a disk to S3 and from S3 to a disk: the same tensors at the far end."""
-    from safetensors.torch import load_file
-
+    """``python -m faccel consolidate CKPT s3://bucket/out`` from a checkpoint on S3, and ``convert``
+    from a disk to S3: the same tensors at the far end (tests/test_storage_seam.py runs both
+    functions on every store)."""
     import faccel
     from faccel.__main__ import main
 
-    state = _state(3)
-    faccel.checkpoint(faccel.detect({}), state, f"{s3.url}/run")
+    dist, state = faccel.detect({}), _state(3)
+    faccel.checkpoint(dist, state, f"{s3.url}/run")
     assert main(["consolidate", f"{s3.url}/run", f"{s3.url}/out"]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip() == f"wrote model.safetensors to {s3.url}/out"
-    assert main(["consolidate", f"{s3.url}/run", str(tmp_path / "out")]) == 0, capsys.readouterr().err
-    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["weight"], state.model.weight)
-    fresh = torch.nn.Linear(4, 3)
-    assert faccel.load_model(faccel.detect({}), fresh, f"{s3.url}/out") == ((), ())
-    assert torch.equal(fresh.weight, state.model.weight)
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     torch.save(state.model.state_dict(), legacy / "pytorch_model.bin")
     (legacy / "config.json").write_text("{}")
     assert main(["convert", str(legacy), f"{s3.url}/converted"]) == 0, capsys.readouterr().err
-    assert main(["convert", f"{s3.url}/converted", str(tmp_path / "back")]) == 0, capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors"]
-    assert torch.equal(load_file(tmp_path / "back" / "model.safetensors")["bias"], state.model.bias)
+    assert "config.json, model.safetensors" in capsys.readouterr().out
+    for out in ("out", "converted"):
+        fresh = torch.nn.Linear(4, 3)
+        assert faccel.load_model(dist, fresh, f"{s3.url}/{out}") == ((), ())
+        assert torch.equal(fresh.weight, state.model.weight) and torch.equal(fresh.bias, state.model.bias)
 
 
 def test_a_failed_log_upload_is_a_storage_error_and_the_next_flush_keeps_every_record(
