@@ -63,32 +63,41 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _check_folders(command: str, source: str, what: str, target: str, size: str) -> None:
-    """A source folder that exists, a target that is not one of its files, a shard size that parses."""
+    """A source folder that exists, a target that is not one of its files, a shard size that parses
+    (either may be a URL of object storage; a mistyped one is refused by name)."""
     from faccel._hf._save_model import parse_size
-    from faccel._storage._roots import is_url, refuse_url
+    from faccel._storage._roots import spot_of
 
     if not source:
         _refuse(f"{command}: {what} is empty")
-    if command != "consolidate":  # consolidate reads a checkpoint on object storage
-        refuse_url(source, what=f"{command}: {what}")
-    refuse_url(target, what=f"{command}: the output folder")
-    if not is_url(source) and not Path(source).exists():
-        _refuse(f"{command}: {what} {source} does not exist")
     if not target:
         _refuse(f"{command}: the output folder is empty")
-    if Path(target).exists() and not Path(target).is_dir():
+    found, out = spot_of(source), spot_of(target)
+    if not found.store.exists(found.key):
+        _refuse(f"{command}: {what} {source} does not exist")
+    if out.store.exists(out.key) and not out.store.is_folder(out.key):
         _refuse(f"{command}: the output {target} exists and is not a folder; give a folder")
     parse_size(size)
 
 
+def _wrote(out: Path | str) -> str:
+    """What a command wrote into ``out`` (a folder or a URL), as its last line says it."""
+    from faccel._storage._roots import spot_of
+
+    files = sorted(entry.name for entry in spot_of(out).entries() if not entry.folder)
+    return f"wrote {', '.join(files)} to {out}"
+
+
 def _convert(args: argparse.Namespace) -> int:
     from faccel._hf._save_model import convert_weights
+    from faccel._storage._roots import spot_of
 
     _check_folders("convert", args.source, "the source", args.target, args.max_shard_size)
-    if not Path(args.source).is_dir():
+    source = spot_of(args.source)
+    if not source.store.is_folder(source.key):
         _refuse(f"convert: the source {args.source} is not a folder; give the folder with pytorch_model.bin")
     out = convert_weights(args.source, args.target, max_shard_size=args.max_shard_size)
-    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    print(_wrote(out))
     return 0
 
 
@@ -99,7 +108,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     out = consolidate(
         args.checkpoint, args.out, max_shard_size=args.max_shard_size, allow_sparse=args.allow_sparse
     )
-    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    print(_wrote(out))
     return 0
 
 

@@ -46,7 +46,7 @@ def test_a_background_failure_is_raised_by_the_next_call_and_commits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import faccel
-    from faccel._checkpoint import _save
+    from faccel._checkpoint import _jobs
 
     dist = faccel.detect({})
     state = _state(0)
@@ -54,7 +54,7 @@ def test_a_background_failure_is_raised_by_the_next_call_and_commits_nothing(
     def full_disk(*args: object, **kwargs: object) -> object:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_save, "write_shard", full_disk)
+    monkeypatch.setattr(_jobs, "write_shard", full_disk)
     faccel.checkpoint(dist, attrs.evolve(state, step=1), tmp_path, sharded=True, blocking=False)
     with pytest.raises(faccel.errors.CheckpointError, match=r"background checkpoint of step 1 .* failed"):
         faccel.checkpoint(dist, attrs.evolve(state, step=2), tmp_path, sharded=True)  # raises before writing

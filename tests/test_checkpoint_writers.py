@@ -306,18 +306,18 @@ def test_a_damaged_latest_manifest_is_passed_over_with_a_warning(
 
 
 def test_a_folder_emptied_before_the_commit_is_not_committed(tmp_path: Path, monkeypatch) -> None:
-    from faccel._checkpoint import _save
+    from faccel._checkpoint import _jobs
 
-    real = _save.check_written
+    real = _jobs.check_written
     calls = []
 
-    def emptied(directory: Any, records: Any, *, what: str) -> None:  # a Spot of the local store
+    def emptied(directory: Any, records: Any, *, what: str, **more: Any) -> None:  # a local Spot
         if not calls:
             (Path(directory.key) / "model.safetensors").unlink()
         calls.append(directory.name)
-        real(directory, records, what=what)
+        real(directory, records, what=what, **more)
 
-    monkeypatch.setattr(_save, "check_written", emptied)
+    monkeypatch.setattr(_jobs, "check_written", emptied)
     with pytest.raises(CheckpointError, match=r"model\.safetensors is gone"):
         faccel.checkpoint(faccel.detect({}), _state(5), tmp_path)
     assert calls == [".tmp-step-000000000005"] and not (tmp_path / "step-000000000005").exists()

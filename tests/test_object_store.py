@@ -148,7 +148,11 @@ def test_a_second_writer_is_refused_and_a_committed_step_is_never_overwritten(s3
     before = manifest.read(None, where="m")[0]
     with pytest.raises(faccel.errors.CheckpointError, match="another writer committed"):
         spot.store.commit(
-            manifest.parent.key, manifest.parent.key, "manifest.json", [b"{}"], check=lambda k: None
+            manifest.parent.key,
+            manifest.parent.key,
+            "manifest.json",
+            [b"{}"],
+            check=lambda k, committed: None,
         )
     assert torch.equal(manifest.read(None, where="m")[0], before)
 

@@ -208,21 +208,15 @@ def test_other_trackers_refuse_a_url_logdir_by_name(kind: str) -> None:
         faccel.init_tracker(faccel.detect({}), "s3://bucket/logs", kind=kind)  # type: ignore[arg-type]
 
 
-def test_convert_profile_and_plot_refuse_a_url_and_say_to_copy_it_down(
+def test_profile_and_plot_refuse_a_url_and_say_to_copy_it_down(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     import faccel
     from faccel.__main__ import main
 
-    for argv in (
-        ["convert", "s3://bucket/model", str(tmp_path / "out")],
-        ["convert", str(tmp_path), "s3://bucket/out"],
-        ["consolidate", str(tmp_path), "s3://bucket/out"],
-        ["plot", "s3://bucket/run"],
-    ):
-        assert main(argv) == 1
-        err = capsys.readouterr().err
-        assert err.startswith("ArgumentValueError:") and "is a URL (s3://...)" in err and "copy" in err, err
+    assert main(["plot", "s3://bucket/run"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ArgumentValueError:") and "is a URL (s3://...)" in err and "copy" in err, err
     with (
         pytest.raises(faccel.errors.ArgumentValueError, match=r"profile's trace_dir is a URL.*copy"),
         faccel.profile(faccel.detect({}), "s3://bucket/traces"),
@@ -231,18 +225,29 @@ def test_convert_profile_and_plot_refuse_a_url_and_say_to_copy_it_down(
     assert not any(tmp_path.iterdir()) and not Path("s3:").exists()
 
 
-def test_the_consolidate_command_reads_a_checkpoint_on_s3(
+def test_consolidate_and_convert_write_to_any_store_and_read_from_it(
     s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from safetensors.torch import load_file
-
+    """``python -m faccel consolidate CKPT s3://bucket/out`` from a checkpoint on S3, and ``convert``
+    from a disk to S3: the same tensors at the far end (tests/test_storage_seam.py runs both
+    functions on every store)."""
     import faccel
     from faccel.__main__ import main
 
-    state = _state(3)
-    faccel.checkpoint(faccel.detect({}), state, f"{s3.url}/run")
-    assert main(["consolidate", f"{s3.url}/run", str(tmp_path / "out")]) == 0, capsys.readouterr().err
-    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["weight"], state.model.weight)
+    dist, state = faccel.detect({}), _state(3)
+    faccel.checkpoint(dist, state, f"{s3.url}/run")
+    assert main(["consolidate", f"{s3.url}/run", f"{s3.url}/out"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip() == f"wrote model.safetensors to {s3.url}/out"
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save(state.model.state_dict(), legacy / "pytorch_model.bin")
+    (legacy / "config.json").write_text("{}")
+    assert main(["convert", str(legacy), f"{s3.url}/converted"]) == 0, capsys.readouterr().err
+    assert "config.json, model.safetensors" in capsys.readouterr().out
+    for out in ("out", "converted"):
+        fresh = torch.nn.Linear(4, 3)
+        assert faccel.load_model(dist, fresh, f"{s3.url}/{out}") == ((), ())
+        assert torch.equal(fresh.weight, state.model.weight) and torch.equal(fresh.bias, state.model.bias)
 
 
 def test_a_failed_log_upload_is_a_storage_error_and_the_next_flush_keeps_every_record(

@@ -23,7 +23,7 @@ from faccel._checkpoint._format import (
     expected_files,
     file_records,
 )
-from faccel._checkpoint._save import manifest_content, write_pages
+from faccel._checkpoint._jobs import manifest_content, write_pages
 from faccel._checkpoint._sharded._chunks import Placed, assign, chunks, hash_rows, overlaps, rows_of
 from faccel._checkpoint._sharded._flow import Pages
 from faccel._checkpoint._sharded._shard_file import ShardFile, byte_view, empty_rows, write_shard

@@ -35,7 +35,16 @@ from faccel._torch_compat import default_store
 from faccel._typecheck import setup_checked
 from faccel.errors import CheckpointError
 
-__all__ = ["Meeting", "free_memory", "release", "staged", "start", "wait"]
+__all__ = ["COMMITTED_ANYWAY", "Meeting", "free_memory", "release", "staged", "start", "wait"]
+
+# What the error of a check failing after the manifest's write says (an object store's commit):
+# the checkpoint is committed, so a background failure must not be reported as "nothing committed".
+COMMITTED_ANYWAY = "its manifest was written, so it is committed"
+
+
+def _outcome(error: BaseException) -> str:
+    """How a background checkpoint's failure ends its message: nothing committed, or committed."""
+    return "after its commit" if COMMITTED_ANYWAY in str(error) else "and nothing of it was committed"
 
 
 def staged(runtime: Runtime, group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -205,7 +214,7 @@ def wait(runtime: Runtime, dist: DistState | None = None, *, call: str = "checkp
         if store is None or left is not None:  # not reported yet by a call of another handle
             msg = (
                 f"the background checkpoint of step {pending.step} (checkpoint(..., blocking=False)) "
-                f"failed, and nothing of it was committed: {pending.error}"
+                f"failed, {_outcome(pending.error)}: {pending.error}"
             )
             raise CheckpointError(msg) from pending.error
     elif left is not None:
@@ -226,7 +235,7 @@ def start(runtime: Runtime, step: int, task: Callable[[], None], dist: DistState
             if store is not None and dist is not None:
                 msg = (
                     f"the background checkpoint of step {step} (checkpoint(..., blocking=False)) "
-                    f"failed, and nothing of it was committed: {error}"
+                    f"failed, {_outcome(error)}: {error}"
                 )
                 with contextlib.suppress(RuntimeError):  # the store is gone: the owner still raises it
                     store.set(_failed_key(dist), msg)

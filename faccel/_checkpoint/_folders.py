@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from faccel._checkpoint._format import MANIFEST, REPLACED, STEP_FOLDER
+from faccel._checkpoint._format import CHECKPOINT_FILE, LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER
 from faccel._checkpoint._manifest import Manifest, step_of
 from faccel._storage._durable import MAX_MANIFEST, parse_json
 from faccel._storage._roots import shown, spot_of
@@ -45,7 +45,6 @@ __all__ = [
     "check_lock",
     "complete_checkpoints",
     "counted",
-    "damaged_checkpoints",
     "find_latest",
     "hold_lock",
     "latest_checkpoint",
@@ -54,6 +53,7 @@ __all__ = [
     "remove_leftovers",
     "rotate",
     "scan",
+    "writable_root",
 ]
 
 
@@ -137,20 +137,6 @@ def counted(manifest: FolderManifest) -> bool:
     return store.renames or store.size((manifest.folder / MANIFEST).key) is not None
 
 
-def damaged_checkpoints(root: Spot | Path, *, after: int) -> list[tuple[Spot, str]]:
-    """``(folder, why)`` of every ``step-N`` folder under ``root`` with ``N > after`` whose manifest is
-    damaged (on a disk, also missing), newest first."""
-    found = []
-    listing = scan(spot_of(root))
-    for step, folder in listing.folders:
-        if step <= after:
-            break
-        manifest = read_folder_manifest(folder)
-        if manifest.step is None and counted(manifest):
-            found.append((folder, manifest.why or ""))
-    return found
-
-
 def complete_checkpoints(root: Spot | Path) -> list[tuple[int, Spot]]:
     """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
     listing = scan(spot_of(root))
@@ -206,10 +192,38 @@ def remove_leftovers(root: Spot) -> None:
     root.store.leftovers(root.key, counts=lambda key: manifest_step(Spot(root.store, key)) is not None)
     if not root.store.renames:
         # An object store: a step prefix without a manifest is a write that never committed (one
-        # size request per prefix, not a read of each manifest).
+        # size request per prefix, not a read of each manifest). Only the objects a checkpoint's
+        # writers name go, directly in it: never a "subfolder" (another run's root nested there,
+        # s3://b/exp/step-000000000005/...), never an object of a name no writer of ours gives.
         for _, folder in scan(root).folders:
             if root.store.size((folder / MANIFEST).key) is None:
-                root.store.delete(folder.key)
+                for entry in folder.entries():
+                    if not entry.folder and CHECKPOINT_FILE.fullmatch(entry.name):
+                        root.store.delete((folder / entry.name).key)
+
+
+def writable_root(path: str | os.PathLike[str] | Spot) -> Spot:
+    """``path`` as a root to write checkpoints into; on an object store, not one inside a checkpoint's
+    name (``s3://b/exp/step-000000000005``): a run into ``s3://b/exp`` would take that prefix for
+    its own write never committed.
+
+    Raises:
+        CheckpointError: A root on an object store with a checkpoint folder's name in its key.
+    """
+    root = spot_of(path)
+    if root.store.renames:
+        return root  # a disk: its cleanup takes hidden .tmp-/.trash- folders only, never a step-N
+    names = [name for name in root.key.split("/") if STEP_FOLDER.fullmatch(name) or LEFTOVER.fullmatch(name)]
+    names += [name for name in root.key.split("/") if REPLACED.fullmatch(name)]
+    if names:
+        msg = (
+            f"{root}: a checkpoint root inside a checkpoint folder's name ({names[0]}): on an object "
+            f"store, a run into the root above it would take {names[0]} for a write of its own that never "
+            "committed, and its cleanup would reach this root's checkpoints. Give the run a root of "
+            "other names (s3://bucket/exp/run-5, not s3://bucket/exp/step-000000000005)"
+        )
+        raise CheckpointError(msg)
+    return root
 
 
 def blocking_file(path: Spot | Path) -> str | None:

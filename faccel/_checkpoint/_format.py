@@ -16,8 +16,9 @@ Layout (the format is specified in docs/checkpoints.md)::
     ROOT/.replaced-step-.../     a checkpoint being replaced (``replace=True``): read only
                                  while its ``step-...`` folder is absent
 
-Nothing else in faccel spells these names; the modules that write and read
-a checkpoint import them from here.
+The names a store also knows (the manifest, the step folders, the hidden
+prefixes) are ``faccel._storage._names``'s, re-exported here; nothing else in
+faccel spells these names.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from faccel._storage._durable import BLAKE3, SHA256, FileRecord
+from faccel._storage._names import LEFTOVER, MANIFEST, REPLACED, STEP_FOLDER, checkpoint_name, replaced_name
 from faccel.errors import CheckpointError
 
 __all__ = [
+    "CHECKPOINT_FILE",
     "EXTRAS",
     "FILE_HASH",
     "FORMAT",
@@ -54,13 +57,10 @@ __all__ = [
     "expected_files",
     "file_records",
     "manifest_version",
-    "named_temporary_name",
     "page_name",
     "replaced_name",
     "rng_name",
     "shard_name",
-    "temporary_name",
-    "trash_name",
 ]
 
 # The manifest's "format" and "version": what restore accepts.
@@ -83,7 +83,6 @@ PAGE_RANKS = 1024
 # rank reads at start (the manifest, its own page) stays under a fixed bound at any world size.
 MAX_SHARDED_WORLD = PAGE_RANKS * PAGE_RANKS
 
-MANIFEST = "manifest.json"
 STATE = "state.json"
 # Hugging Face's single-file name and metadata, so that load_model reads a checkpoint's weights.
 MODEL = "model.safetensors"
@@ -91,65 +90,15 @@ MODEL_METADATA: Mapping[str, str] = {"format": "pt"}
 OPTIMIZER = "optimizer.safetensors"
 EXTRAS = "extras.safetensors"
 
-# A complete checkpoint's folder (when it holds a faccel manifest), and the step it names.
-STEP_FOLDER = re.compile(r"step-(\d{12,})")
+
+# Every file a checkpoint's writers put in its folder (of either format): what the cleanup of a
+# folder never committed may delete, and nothing else (an object it cannot prove a checkpoint's stays).
+CHECKPOINT_FILE = re.compile(
+    r"(state\.json|model\.safetensors|optimizer\.safetensors|extras\.safetensors"
+    r"|rng-\d{5,}\.json|shard-\d{5,}\.safetensors|ranks-\d{5,}\.json)"
+)
 # A named checkpoint's folder (``checkpoint(..., name="best")``): one path component, never a step's.
 NAMED = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-# Folders of interrupted writes and deletions, of numbered and named checkpoints alike.
-LEFTOVER = re.compile(r"\.(tmp|trash)-(step-\d{12,}|[A-Za-z0-9][A-Za-z0-9_.-]{0,127})")
-# A checkpoint moved aside while its replacement is renamed in; the folder it names, and its step
-# (group 2; None for a named checkpoint, which restore(root) never takes as the latest).
-REPLACED = re.compile(r"\.replaced-(step-(\d{12,})|[A-Za-z0-9][A-Za-z0-9_.-]{0,127})")
-
-
-def checkpoint_name(step: int) -> str:
-    """The folder name of the checkpoint at ``step``: zero-padded, so names sort by step.
-
-    Example:
-        >>> checkpoint_name(1200)
-        'step-000000001200'
-    """
-    return f"step-{step:012d}"
-
-
-def temporary_name(step: int) -> str:
-    """The folder the checkpoint at ``step`` is written into before its commit.
-
-    Example:
-        >>> temporary_name(1200)
-        '.tmp-step-000000001200'
-    """
-    return f".tmp-{checkpoint_name(step)}"
-
-
-def named_temporary_name(name: str) -> str:
-    """The folder the checkpoint named ``name`` is written into before its commit.
-
-    Example:
-        >>> named_temporary_name("best")
-        '.tmp-best'
-    """
-    return f".tmp-{name}"
-
-
-def trash_name(folder: str) -> str:
-    """The name a checkpoint folder is renamed to before it is deleted.
-
-    Example:
-        >>> trash_name("step-000000001200")
-        '.trash-step-000000001200'
-    """
-    return f".trash-{folder}"
-
-
-def replaced_name(folder: str) -> str:
-    """The name a checkpoint folder has while ``checkpoint(..., replace=True)`` replaces it.
-
-    Example:
-        >>> replaced_name("step-000000001200")
-        '.replaced-step-000000001200'
-    """
-    return f".replaced-{folder}"
 
 
 def rng_name(rank: int) -> str:

@@ -1,4 +1,4 @@
-"""``checkpoint``: a TrainState to a folder of safetensors and JSON, atomically, across ranks.
+"""``checkpoint``: a TrainState to a folder of safetensors and JSON, atomically, across ranks: the flow.
 
 The layout is in ``_format`` (and docs/checkpoints.md). The commit is one
 ``rename`` of a fully written and fsynced temporary folder, so a crash at any
@@ -12,7 +12,8 @@ commit). In the sharded format (version 2, the default for FSDP2) every rank
 writes its own chunks (``_sharded._flow``), and rank 0 commits once every
 rank's records have reached it. ``blocking=False`` runs the write and the
 commit on a thread (``_background``). All ranks must see one shared file
-system. The reverse flow is ``_restore``.
+system. What each rank writes, and the commit, are the jobs of ``_jobs``; this
+module is the flow around them. The reverse flow is ``_restore``.
 """
 
 from __future__ import annotations
@@ -23,198 +24,46 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
-import torch
-
 from faccel._checkpoint._background import Meeting
-from faccel._checkpoint._background import staged as host_copies
 from faccel._checkpoint._background import start as start_in_background
 from faccel._checkpoint._background import wait as wait_for_background
-from faccel._checkpoint._capture import capture, capture_rng, extras_digests
+from faccel._checkpoint._capture import capture_rng, extras_digests
 from faccel._checkpoint._folders import (
     blocking_file,
-    check_lock,
     complete_checkpoints,
-    find_latest,
-    hold_lock,
     manifest_step,
-    remove_leftovers,
-    rotate,
+    writable_root,
 )
 from faccel._checkpoint._format import (
-    EXTRAS,
     FILE_HASH,
-    MANIFEST,
     MAX_SHARDED_WORLD,
-    MODEL,
-    MODEL_METADATA,
-    OPTIMIZER,
-    PAGE_RANKS,
-    STATE,
-    VERSION,
     VERSION_SHARDED,
     checkpoint_name,
-    expected_files,
-    page_name,
     replaced_name,
     rng_name,
     shard_name,
 )
 from faccel._checkpoint._history import check_checkpoint_name
-from faccel._checkpoint._manifest import Manifest, RankPage
-from faccel._checkpoint._sharded._flow import exchange_records, plan_pieces
-from faccel._checkpoint._sharded._shard_file import write_shard
-from faccel._checkpoint._state_file import StateFile
+from faccel._checkpoint._jobs import Job, JobArgs, exists_message, sharded_job, whole_job
+from faccel._checkpoint._sharded._flow import exchange_records
 from faccel._checkpoint._strategies import StrategyState, strategy_of
 from faccel._dist._consensus import DEFAULT_ARRIVAL, agree_max, arrive, together
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
-from faccel._storage._durable import FileRecord, in_parallel
-from faccel._storage._roots import shown, spot_of
-from faccel._storage._safetensors import plan
-from faccel._storage._store import Lease, Spot
+from faccel._storage._durable import FileRecord
+from faccel._storage._roots import shown
+from faccel._storage._store import Spot
 from faccel._train_state import TrainState
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentValueError, CheckpointError
 
 __all__ = ["checkpoint"]
 
-# The hash of each format's file records (docs/checkpoints.md).
-_WHOLE_HASH, _SHARDED_HASH = FILE_HASH[VERSION], FILE_HASH[VERSION_SHARDED]
-
-
-def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode() + b"\n"
-
-
-def _write_rank0(
-    temporary: Spot, content: StateFile, files: Mapping[str, Mapping[str, torch.Tensor]]
-) -> dict[str, FileRecord]:
-    def write(name: str) -> Callable[[], FileRecord]:
-        metadata = MODEL_METADATA if name == MODEL else None
-        return lambda: (temporary / name).write(plan(files[name], metadata=metadata), algorithm=_WHOLE_HASH)
-
-    # Side by side: one file's fsync overlaps the next one's writing and hashing.
-    names = [MODEL, OPTIMIZER, EXTRAS]
-    records = dict(zip(names, in_parallel([write(name) for name in names]), strict=True))
-    records[STATE] = (temporary / STATE).write([_json_bytes(content.encode())], algorithm=_WHOLE_HASH)
-    return records
-
-
-def _rng_records(dist: DistState, temporary: Spot, records: dict[str, FileRecord]) -> None:
-    """Whole tensors: the other ranks' generator files, written on the shared storage, hashed here."""
-    for rank in range(dist.world_size):
-        name = rng_name(rank)
-        if name not in records:
-            where = str(temporary / name)
-            records[name] = (temporary / name).read(None, where=where, algorithm=_WHOLE_HASH)[1]
-
-
-def check_written(folder: Spot, records: Mapping[str, FileRecord], *, what: str) -> None:
-    """Check that every file of ``records`` is still in ``folder``, of its size (one listing).
-
-    Called on a written folder just before and just after its commit, so a
-    folder emptied or changed under the writer (the root deleted, another
-    process in the root) is reported, not committed. Sizes only: the hashes
-    were computed from the bytes as they were written, and re-reading every
-    file would double a checkpoint's I/O.
-
-    Raises:
-        CheckpointError: naming ``what``, the file and what differs.
-    """
-    sizes = folder.sizes()
-    for name, record in records.items():
-        size = sizes.get(name)
-        if size is None:
-            msg = (
-                f"{what}: {folder / name} is gone after it was written: something else "
-                "deletes or writes in this folder (the root removed during the write?); nothing was "
-                "committed as complete"
-            )
-            raise CheckpointError(msg)
-        if size != record.size:
-            msg = (
-                f"{what}: {folder / name} changed after it was written ({size} bytes, not "
-                f"{record.size}): something else writes in this folder; nothing was committed as complete"
-            )
-            raise CheckpointError(msg)
-
-
-def _commit(
-    dist: DistState,
-    root: Spot,
-    temporary: Spot,
-    final: Spot,
-    listed: dict[str, FileRecord],
-    content: StateFile,
-    keep: int | None,
-    lock: Lease,
-    *,
-    version: int = VERSION,
-    present: Mapping[str, FileRecord] | None = None,
-) -> None:
-    """Check every file (``present`` too), then write the manifest of ``listed`` files last: the commit
-    (``Store.commit``: on a disk, then one rename; on an object store, the manifest's write itself)."""
-    counters = {"step": content.step, "epoch": content.epoch, "position": content.position}
-    manifest = manifest_content(counters, dist.world_size, listed, version, dist.data_world_size)
-    written = {name: listed[name] for name in expected_files(dist.world_size, version)} | dict(present or {})
-    what = f"the checkpoint of step {content.step}"
-
-    def check(folder: str) -> None:
-        check_written(Spot(root.store, folder), written, what=what)
-        lost = check_lock(root, lock)
-        if lost is not None:
-            msg = f"{what}: not committed: {lost} while it was written; one writer per checkpoint root"
-            raise CheckpointError(msg)
-
-    root.store.commit(temporary.key, final.key, MANIFEST, [_json_bytes(manifest)], check=check)
-    if keep is not None:
-        rotate(root, keep, content.step)
-
-
-def manifest_content(
-    content: Mapping[str, Any],
-    world: int,
-    listed: Mapping[str, FileRecord],
-    version: int,
-    data_world: int | None = None,
-) -> dict[str, Any]:
-    """``manifest.json``'s content (:class:`Manifest`'s encoding): ``listed`` holds the records of
-    ``expected_files(world, version)``.
-
-    Example:
-        >>> from faccel._storage._durable import FileRecord
-        >>> record = FileRecord(size=1, digest="00", algorithm="sha256")
-        >>> listed = {name: record for name in ("state.json", "extras.safetensors", "ranks-00000.json")}
-        >>> manifest_content({"step": 3, "epoch": 0, "position": 0}, 2, listed, 2)["files"]["state.json"]
-        {'size': 1, 'sha256': '00'}
-    """
-    return Manifest(
-        version=version,
-        step=content["step"],
-        epoch=content["epoch"],
-        position=content["position"],
-        world_size=world,
-        data_world_size=data_world,
-        files={name: listed[name] for name in expected_files(world, version)},
-    ).encode()
-
-
-def write_pages(temporary: Spot | Path, ranks: list[tuple[FileRecord, FileRecord]]) -> dict[str, FileRecord]:
-    """Version 2: the rank pages, each listing the shard and generator records of ``PAGE_RANKS`` ranks."""
-    folder = spot_of(temporary)
-    pages = {}
-    for page in range(-(-len(ranks) // PAGE_RANKS)):
-        first = page * PAGE_RANKS
-        content = RankPage(first=first, ranks=ranks[first : first + PAGE_RANKS]).encode()
-        pages[page_name(page)] = (folder / page_name(page)).write(
-            [_json_bytes(content)], algorithm=_SHARDED_HASH
-        )
-    return pages
+# The hash of the sharded format's file records (docs/checkpoints.md).
+_SHARDED_HASH = FILE_HASH[VERSION_SHARDED]
 
 
 @setup_checked
@@ -342,7 +191,9 @@ def checkpoint(
     breadcrumb(dist, "checkpoint", step=train_state.step)
     wait_for_background(dist.runtime, dist)  # the previous non-blocking checkpoint is committed first
     arrive(dist, "checkpoint", timeout=arrival_timeout, raises=CheckpointError)
-    root = together(dist, lambda: spot_of(path), what="opening the checkpoint root", raises=CheckpointError)
+    root = together(
+        dist, lambda: writable_root(path), what="opening the checkpoint root", raises=CheckpointError
+    )
     step = train_state.step
     final = root / (checkpoint_name(step) if name is None else name)
     temporary = Spot(root.store, root.store.staging(final.key))
@@ -363,19 +214,19 @@ def checkpoint(
     # (or failure) is over; the OS releases it if the process dies.
     held = contextlib.ExitStack()
     try:
-        plan_job = _sharded_job if shards else _whole_job
-        job = plan_job(
-            dist,
-            strategy,
-            train_state,
-            final,
-            temporary,
-            rng,
-            held,
+        args = JobArgs(
+            dist=dist,
+            strategy=strategy,
+            train_state=train_state,
+            final=final,
+            temporary=temporary,
+            rng=rng,
+            held=held,
             replace=replace,
             keep=keep,
             copy=not blocking,
         )
+        job = sharded_job(args) if shards else whole_job(args)
     except BaseException:
         held.close()
         raise
@@ -392,23 +243,7 @@ def _root_name(root: Spot) -> str:
     return root.store.canonical(root.key)
 
 
-@attrs.frozen(kw_only=True)
-class _Job:
-    """A checkpoint planned (state captured, folder made): its writing and its commit are left.
-
-    ``write`` writes this rank's files and returns their records; ``commit``
-    (rank 0, which holds ``held``'s lock) takes those and, in the sharded
-    format, every rank's ``(shard, rng)`` records.
-    """
-
-    step: int
-    sharded: bool
-    write: Callable[[], dict[str, FileRecord]]
-    commit: Callable[[dict[str, FileRecord], list[tuple[FileRecord, FileRecord]]], None]
-    held: contextlib.ExitStack
-
-
-def _run(dist: DistState, job: _Job) -> None:
+def _run(dist: DistState, job: Job) -> None:
     """A job to the end in this thread: the ranks meet through the process group (``together``)."""
     step = job.step
     records = together(dist, job.write, what=f"writing the checkpoint of step {step}", raises=CheckpointError)
@@ -416,14 +251,28 @@ def _run(dist: DistState, job: _Job) -> None:
     if job.sharded:
         ranks = exchange_records(dist, records[shard_name(dist.rank)], records[rng_name(dist.rank)])
 
+    committed = []
+
     def commit() -> None:
         if dist.is_main_process:
             job.commit(records, ranks)
+            committed.append(True)
 
-    together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+    try:
+        together(dist, commit, what=f"committing the checkpoint of step {step}", raises=CheckpointError)
+    except CheckpointError as error:
+        if not committed:
+            raise
+        # The commit is done (rank 0 wrote the manifest) and a peer was lost only at the meeting
+        # after it: say so, or a survivor reads that its committed checkpoint was lost.
+        msg = (
+            f"the checkpoint of step {step} is committed (this rank wrote its manifest), and restore "
+            f"takes it; the other ranks were lost at the meeting after the commit: {error}"
+        )
+        raise CheckpointError(msg) from error
 
 
-def _run_in_background(dist: DistState, job: _Job) -> None:
+def _run_in_background(dist: DistState, job: Job) -> None:
     """A job to the end on the background thread: the ranks meet through the store, not the backend."""
     with job.held:
         if not dist.distributed:
@@ -466,60 +315,6 @@ def _record_of(raw: bytes, algorithm: str) -> FileRecord:
     return FileRecord(size=int.from_bytes(raw[:8], "little"), digest=raw[8:40].hex(), algorithm=algorithm)
 
 
-def _whole_job(
-    dist: DistState,
-    strategy: StrategyState,
-    train_state: TrainState,
-    final: Spot,
-    temporary: Spot,
-    rng: dict[str, Any],
-    held: contextlib.ExitStack,
-    *,
-    replace: bool,
-    keep: int | None,
-    copy: bool,
-) -> _Job:
-    """The whole-tensor format (version 3): rank 0 writes the tensors; every rank its generators."""
-    step = train_state.step
-    root = final.parent
-    # A strategy that holds the state in pieces (FSDP2, ZeRO) gathers whole tensors onto rank 0,
-    # which writes them exactly as an unsharded model's (any world size restores them). Every rank
-    # takes part, inside the ranks' agreement: a peer lost in the gather is this step's named
-    # error on the survivors (issue 35, item 1), not the backend's.
-    whole = together(
-        dist,
-        lambda: strategy.whole_state(dist, train_state.model, train_state.optimizer),
-        what=f"gathering the state of the checkpoint of step {step}",
-        raises=CheckpointError,
-    )
-
-    def prepare() -> tuple[StateFile, dict[str, dict[str, torch.Tensor]], Lease] | None:
-        if not dist.is_main_process:
-            return None
-        content, files = capture(dist, train_state, whole)  # refuses unstorable values before any file
-        if copy:
-            files = {name: host_copies(dist.runtime, name, tensors) for name, tensors in files.items()}
-        return content, files, _open_temporary(held, root, final, temporary, step, replace=replace)
-
-    prepared = together(
-        dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError
-    )
-
-    def write() -> dict[str, FileRecord]:
-        rng_file = temporary / rng_name(dist.rank)
-        records = {rng_name(dist.rank): rng_file.write([_json_bytes(rng)], algorithm=_WHOLE_HASH)}
-        if prepared is not None:
-            records |= _write_rank0(temporary, prepared[0], prepared[1])
-        return records
-
-    def commit(records: dict[str, FileRecord], ranks: list[tuple[FileRecord, FileRecord]]) -> None:
-        assert prepared is not None  # rank 0
-        _rng_records(dist, temporary, records)
-        _commit(dist, root, temporary, final, records, prepared[0], keep, prepared[2])
-
-    return _Job(step=step, sharded=False, write=write, commit=commit, held=held)
-
-
 def _use_shards(strategy: StrategyState, model: Any, dist: DistState, *, sharded: bool | None) -> bool:
     """Whether to write the sharded format: asked for, or by the strategy's default (FSDP2 split by rows)."""
     problem = strategy.sharded_problem(dist, model) if sharded else None
@@ -534,103 +329,6 @@ def _use_shards(strategy: StrategyState, model: Any, dist: DistState, *, sharded
         )
         raise ArgumentValueError(msg)
     return shards
-
-
-def _open_temporary(
-    held: contextlib.ExitStack, root: Spot, final: Spot, temporary: Spot, step: int, *, replace: bool
-) -> Lease:
-    """On the writing rank: the root's lock taken, leftovers removed, the temporary folder made."""
-    root.store.make_folder(root.key)
-    lock = held.enter_context(hold_lock(root))
-    remove_leftovers(root)  # under the lock: every uncommitted folder is a dead writer's
-    if manifest_step(final) is not None:  # written since _agree, by another run
-        if not replace:
-            raise CheckpointError(_exists_message(final, step))
-        if not root.store.renames:
-            msg = (
-                f"{final}: checkpoint(..., replace=True) of a committed step on object storage: the "
-                "store has no rename, so the old checkpoint would be gone before the new one is "
-                "whole. Delete the old one first, or checkpoint the next step"
-            )
-            raise CheckpointError(msg)
-    root.store.make_folder(temporary.key)
-    return lock
-
-
-def _sharded_job(
-    dist: DistState,
-    strategy: StrategyState,
-    train_state: TrainState,
-    final: Spot,
-    temporary: Spot,
-    rng: dict[str, Any],
-    held: contextlib.ExitStack,
-    *,
-    replace: bool,
-    keep: int | None,
-    copy: bool,
-) -> _Job:
-    """The sharded format (version 2): every rank writes its own chunks; rank 0 the rest and the commit."""
-    step = train_state.step
-    root = final.parent
-
-    def planned() -> tuple[StateFile, dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
-        own = strategy.shard_state(train_state.model, train_state.optimizer)
-        content, files = capture(dist, train_state, own, shards=True)  # refuses unstorable values first
-        index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size)
-        content = attrs.evolve(
-            content,
-            tensors={group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()},
-        )
-        if copy:
-            pieces = host_copies(dist.runtime, "shards", pieces)
-            files = {EXTRAS: host_copies(dist.runtime, EXTRAS, files[EXTRAS])}
-        return content, files, pieces, placed
-
-    content, files, pieces, placed = together(
-        dist, planned, what=f"planning the checkpoint of step {step}", raises=CheckpointError
-    )
-
-    def prepare() -> Lease | None:
-        if not dist.is_main_process:
-            return None
-        return _open_temporary(held, root, final, temporary, step, replace=replace)
-
-    lock = together(dist, prepare, what=f"preparing the checkpoint of step {step}", raises=CheckpointError)
-
-    def write() -> dict[str, FileRecord]:
-        rng_file, shard_file = temporary / rng_name(dist.rank), temporary / shard_name(dist.rank)
-        tasks: list[Callable[[], FileRecord]] = [
-            lambda: rng_file.write([_json_bytes(rng)], algorithm=_SHARDED_HASH),
-            lambda: write_shard(shard_file, pieces, placed, rank=dist.rank, world=dist.world_size, step=step),
-        ]
-        if lock is not None:
-            encoded = _json_bytes(content.encode())
-            tasks.append(lambda: (temporary / STATE).write([encoded], algorithm=_SHARDED_HASH))
-            tasks.append(lambda: (temporary / EXTRAS).write(plan(files[EXTRAS]), algorithm=_SHARDED_HASH))
-        done = in_parallel(tasks)
-        names = [rng_name(dist.rank), shard_name(dist.rank), STATE, EXTRAS][: len(done)]
-        return dict(zip(names, done, strict=True))
-
-    def commit(records: dict[str, FileRecord], ranks: list[tuple[FileRecord, FileRecord]]) -> None:
-        assert lock is not None  # rank 0
-        present = {shard_name(r): s for r, (s, _) in enumerate(ranks)}
-        present |= {rng_name(r): g for r, (_, g) in enumerate(ranks)}
-        listed = {STATE: records[STATE], EXTRAS: records[EXTRAS]} | write_pages(temporary, ranks)
-        _commit(
-            dist,
-            root,
-            temporary,
-            final,
-            listed,
-            content,
-            keep,
-            lock,
-            version=VERSION_SHARDED,
-            present=present,
-        )
-
-    return _Job(step=step, sharded=True, write=write, commit=commit, held=held)
 
 
 def _digest(value: Any) -> int:
@@ -689,7 +387,7 @@ def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool, fin
     if low[8]:  # before "this step exists": the later ones are what the user must choose about
         raise CheckpointError(_ahead_message(root, step, ahead))
     if low[6]:
-        raise CheckpointError(_exists_message(final, step))
+        raise CheckpointError(exists_message(final, step))
     if -low[1] != low[4] or -low[2] != low[5]:
         differ = sorted(digests)
         if -low[1] == low[4]:  # the same names: find which of them differ
@@ -737,31 +435,3 @@ def _ahead_message(root: Spot, step: int, ahead: list[str]) -> str:
         "latest), write to a new root, or pass checkpoint(..., replace=True) to overwrite each "
         "later step as this run reaches it"
     )
-
-
-def _exists_message(final: Spot, step: int) -> str:
-    if final.name != checkpoint_name(step):
-        return (
-            f"{final}: a checkpoint named {final.name!r} already exists, and a checkpoint never "
-            "overwrites another unasked; pass checkpoint(..., name=..., replace=True) to write it "
-            "again (a crash while replacing leaves the old one or the new one, whole), or another name"
-        )
-    return (
-        f"{final}: a checkpoint of step {step} already exists, and a checkpoint never "
-        "overwrites another unasked. The step names the checkpoint, and faccel does not count "
-        "it for you: advance the step after each optimizer step, with state = attrs.evolve("
-        "state, step=state.step + 1, position=state.position + 1). To write this step again on "
-        "purpose, pass "
-        "checkpoint(..., replace=True)"
-    )
-
-
-def _resolve(path: Spot) -> Spot:
-    found = find_latest(path)
-    if found is None:
-        msg = (
-            f"{path}: no checkpoint there: neither a checkpoint folder (it has no valid {MANIFEST}) "
-            f"nor a folder of complete checkpoints (step-NNNNNNNNNNNN/{MANIFEST})"
-        )
-        raise CheckpointError(msg)
-    return found.folder

@@ -26,8 +26,8 @@ from faccel._checkpoint._folders import latest_checkpoint
 from faccel._checkpoint._format import MANIFEST, MODEL_METADATA
 from faccel._checkpoint._weights_reader import byte_view, open_weights
 from faccel._hf._naming import INDEX_NAME, parse_size, shard_names, split_shards
-from faccel._storage._local import local_spot, occupied_bytes
-from faccel._storage._roots import refuse_url, spot_of
+from faccel._storage._names import TMP
+from faccel._storage._roots import shown, spot_of
 from faccel._storage._safetensors import header_bytes
 from faccel._storage._store import Spot
 from faccel.errors import CheckpointError, StorageError
@@ -59,7 +59,7 @@ def consolidate(
     *,
     max_shard_size: int | str = "5GB",
     allow_sparse: bool = False,
-) -> Path:
+) -> Path | str:
     """Write a checkpoint's model weights to ``out`` in the Hugging Face layout, one tensor at a time.
 
     ``python -m faccel consolidate CKPT OUT``. ``checkpoint`` is a checkpoint
@@ -69,21 +69,22 @@ def consolidate(
 
     Args:
         checkpoint: A checkpoint folder or a root folder of checkpoints.
-        out: A new (or empty of weights) folder to write into.
+        out: A new (or empty of weights) folder to write into: a path, or a URL of object
+            storage (``s3://bucket/model``, docs/object-storage.md).
         max_shard_size: Largest output file, in bytes or as text (``"5GB"``).
         allow_sparse: Write the weights even when they claim more than twice the
             bytes the checkpoint's files occupy on disk (plus 64 MiB): files with
             holes, as a forged checkpoint has, or a file system that compresses.
 
     Returns:
-        ``out``.
+        ``out``: a :class:`~pathlib.Path`, or the URL.
 
     Raises:
         CheckpointError: No checkpoint there, or a file that fails its checks;
             weights that claim more than the files occupy (see ``allow_sparse``),
             before anything is written.
         StorageError: ``out`` is a file, or already holds weights.
-        ArgumentValueError: ``out`` is a URL (it writes a local folder: copy it up after).
+        ArgumentValueError: ``checkpoint`` or ``out`` is not a valid root (a mistyped URL).
 
     Example:
         >>> import tempfile, torch, faccel
@@ -95,22 +96,22 @@ def consolidate(
         ['model.safetensors']
     """
     limit = parse_size(max_shard_size)
-    refuse_url(out, what="consolidate's out")  # (the checkpoint may be on object storage)
+    target = spot_of(out)
     folder = latest_checkpoint(checkpoint)
     if folder is None:
         msg = f"{checkpoint}: no checkpoint there (no step-NNNNNNNNNNNN folder with a {MANIFEST})"
         raise CheckpointError(msg)
-    target = local_spot(out)
     blocked = target.store.blocking_file(target.key)
     if blocked is not None:
         msg = f"{blocked} is a file, not a folder: consolidate writes model.safetensors into a folder"
         raise StorageError(msg)
     # The checkpoint is opened and checked first; a run that fails later removes the folder it made.
     specs, read, close = open_weights(spot_of(folder))
-    # Holes are a disk's: an object's size, as the store reports it, is bytes it holds.
-    if not allow_sparse and isinstance(folder, Path):
+    # Holes are a disk's (an object's size, as the store reports it, is bytes it holds: the check
+    # passes there by itself).
+    if not allow_sparse:
         try:
-            _check_backed(folder, specs)  # a local folder (a Path)
+            _check_backed(spot_of(folder), specs)
         except BaseException:
             close()
             raise
@@ -147,7 +148,7 @@ def consolidate(
     except BaseException as error:
         # A failed run leaves nothing of its own: its rerun finds the folder as it was.
         for path in written:
-            for each in (path, path.parent / f".tmp-{path.name}"):
+            for each in (path, path.parent / (TMP + path.name)):
                 with contextlib.suppress(OSError):
                     target.store.delete(each.key)
         if created and not any(True for _ in target.entries()):
@@ -158,10 +159,10 @@ def consolidate(
         raise
     finally:
         close()
-    return Path(target.key)
+    return shown(target)
 
 
-def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+def _check_backed(folder: Spot, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
     """Refuse weights that claim far more bytes than the checkpoint's files occupy on disk.
 
     Each byte written is read from one byte of a file, but a file with holes
@@ -171,7 +172,7 @@ def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, .
     allocate lazily.
     """
     claimed = sum(dtype.itemsize * int(torch.Size(shape).numel()) for dtype, shape in specs.values())
-    stored = occupied_bytes(folder)
+    stored = folder.store.occupied(folder.key)
     if claimed > 2 * stored + (64 << 20):
         msg = (
             f"{folder}: its weights claim {claimed} bytes, but its files occupy {stored} bytes on disk "
@@ -185,9 +186,9 @@ def _check_backed(folder: Path, specs: dict[str, tuple[torch.dtype, tuple[int, .
 def _remove_temporaries(target: Spot) -> None:
     """Remove what a killed run left (``.tmp-`` files of its own names); a folder there is refused."""
     for entry in target.entries():
-        if not entry.name.startswith(".tmp-"):
+        if not entry.name.startswith(TMP):
             continue
-        own = entry.name[len(".tmp-") :]
+        own = entry.name[len(TMP) :]
         if not (own.endswith(".safetensors") or own == INDEX_NAME):
             continue
         path = target / entry.name

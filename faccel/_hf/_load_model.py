@@ -25,12 +25,11 @@ from faccel._dist._dtensor import copy_box
 from faccel._dist._state import DistState
 from faccel._hf._naming import INDEX_NAME, WEIGHTS_NAME
 from faccel._hf._shard_read import load_rows
-from faccel._storage._durable import MAX_JSON, parse_json, read_json
-from faccel._storage._local import LOCAL, present, resolved
+from faccel._storage._durable import MAX_JSON, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import TensorInfo, read_header, read_tensors
 from faccel._storage._store import Spot
-from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, load_bin, load_bin_bytes
+from faccel._storage._torch_bin import BIN_INDEX_NAME, BIN_NAME, read_bin
 from faccel._storage._weights import compare_tensors
 from faccel._torch_compat import is_dtensor
 from faccel._typecheck import setup_checked
@@ -42,11 +41,8 @@ _Reader = Callable[[Spot, Sequence[Path]], Mapping[str, Any]]
 
 
 def _json(file: Spot, within: Sequence[Path]) -> Any:
-    """An index: on the disk read as the weights are (a regular file, links as ``within`` allows), on
-    object storage by one ranged GET capped at ``MAX_JSON``."""
-    if file.store.local:
-        return read_json(Path(file.key), where=str(file), within=within)
-    buffer, _ = file.read(None, where=str(file), limit=MAX_JSON)
+    """An index, read as the weights are (links as ``within`` allows), capped at ``MAX_JSON``."""
+    buffer, _ = file.store.read(file.key, None, where=str(file), limit=MAX_JSON, within=within)
     return parse_json(buffer.numpy().data, str(file))
 
 
@@ -97,10 +93,7 @@ def _header(path: Spot, within: Sequence[Path]) -> dict[str, TensorInfo]:
 
 def _bin(path: Spot, within: Sequence[Path]) -> dict[str, torch.Tensor]:
     """A ``.bin`` file's tensors: memory-mapped on the disk, read whole from object storage."""
-    if path.store.local:
-        return load_bin(Path(path.key), within)
-    buffer, _ = path.read(None, where=str(path))
-    return load_bin_bytes(buffer.numpy().tobytes(), where=str(path))
+    return read_bin(path, within)
 
 
 # The layouts load_model reads, in order of preference: (single file, index, reader of a file).
@@ -114,20 +107,18 @@ _LAYOUTS: tuple[tuple[str, str, _Reader], ...] = (
 def _roots(directory: Spot) -> tuple[Path, ...]:
     """The folders load_model follows symbolic links into: ``directory`` itself (its real path)
     and, for a Hugging Face cache snapshot (``.../snapshots/<revision>``, whose files are links
-    to ``../../blobs/<hash>``), that cache's ``blobs`` folder. None on object storage (no links)."""
-    if not directory.store.local:
-        return ()
-    real = resolved(directory.key)
-    blobs = real.parent.parent / "blobs"
-    return (real, blobs) if real.parent.name == "snapshots" and LOCAL.is_folder(str(blobs)) else (real,)
+    to ``../../blobs/<hash>``), that cache's ``blobs`` folder. (A store without links: its key.)"""
+    store = directory.store
+    real = store.resolve(directory.key)
+    revisions = store.parent(real)
+    blobs = store.join(store.parent(revisions), "blobs")
+    snapshot = Spot(store, revisions).name == "snapshots" and store.is_folder(blobs)
+    return (Path(real), Path(blobs)) if snapshot else (Path(real),)
 
 
 def _names(directory: Spot) -> Callable[[str], bool]:
-    """Whether a name is in ``directory``: on the disk each asked for (lexists: a FIFO, a folder or
-    a link in a file's place is refused by the reader, not skipped); on object storage by the one
-    listing of the prefix (one request, not one per name)."""
-    if directory.store.local:
-        return lambda name: present(directory.store.join(directory.key, name))
+    """Whether a name is in ``directory``, by one listing (a FIFO, a folder or a link in a file's
+    place is a name too: the reader refuses it, it is not skipped)."""
     names = {entry.name for entry in directory.entries()}
     return names.__contains__
 

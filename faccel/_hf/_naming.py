@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 
 from faccel._checkpoint._format import MODEL, MODEL_METADATA
+from faccel._storage._names import TMP
 from faccel.errors import ArgumentValueError
 
 __all__ = [
@@ -34,7 +35,7 @@ METADATA = MODEL_METADATA
 SHARD_FILE = re.compile(r"model(-[0-9a-f]{8})?-\d{5}-of-\d{5}\.safetensors")
 # Temporary files of save_model's writes (atomic_write's ".tmp-" siblings), left by a crash or a failure.
 TEMPORARY_FILE = re.compile(
-    r"\.tmp-(model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)"
+    re.escape(TMP) + r"(model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)"
 )
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -55,9 +55,8 @@ from faccel._hf._naming import (
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._strategies import given_model, unwrap_model
 from faccel._marks import WRITTEN_BY
-from faccel._storage._durable import MAX_JSON, parse_json, read_verified
-from faccel._storage._local import local_spot, present
-from faccel._storage._roots import refuse_url, shown, spot_of
+from faccel._storage._durable import MAX_JSON, parse_json
+from faccel._storage._roots import shown, spot_of
 from faccel._storage._safetensors import TensorInfo, header_bytes, plan
 from faccel._storage._store import Spot
 from faccel._storage._weights import alias_groups, model_tensors
@@ -400,7 +399,7 @@ def _save_spread(
 
     def write() -> None:
         # (On object storage a folder is a prefix: nothing to see until objects are in it.)
-        if target.store.local and not target.store.is_folder(target.key):
+        if not target.store.folder_visible(target.key):
             msg = (
                 f"save_model: rank {dist.rank} does not see the folder {target} that rank 0 created: "
                 "a sharded model's save is written by every rank, into one folder all ranks share "
@@ -475,20 +474,24 @@ def _configs(module: nn.Module) -> dict[str, str]:
 
 def convert_weights(
     source: str | os.PathLike[str], target: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
-) -> Path:
+) -> Path | str:
     """Rewrite the weights in ``source`` (``pytorch_model.bin`` or its shards) to safetensors in ``target``.
 
     ``python -m faccel convert SOURCE TARGET``. The tensors are read as
     :func:`load_model` reads them (``.bin`` through the restricted loader),
     tied weights are stored once, and ``config.json`` and
-    ``generation_config.json`` are copied when ``source`` has them.
+    ``generation_config.json`` are copied when ``source`` has them. Either
+    may be a URL of object storage (``s3://bucket/model``, docs/object-storage.md).
+
+    Returns:
+        ``target``: a :class:`~pathlib.Path`, or the URL.
 
     Raises:
         CheckpointError: As :func:`load_model`: no weights, a file that holds
             anything but tensors, an inconsistent index.
         StorageError: ``target`` is a file; the writing failed (a full disk,
             a permission), with nothing of it kept.
-        ArgumentValueError: ``source`` or ``target`` is a URL (copy it down first).
+        ArgumentValueError: ``source`` or ``target`` is not a valid root (a mistyped URL).
 
     Example:
         >>> import pathlib, tempfile, torch
@@ -497,9 +500,7 @@ def convert_weights(
         >>> sorted(p.name for p in convert_weights(folder, folder / "out").iterdir())
         ['model.safetensors']
     """
-    refuse_url(source, what="convert's source")
-    refuse_url(target, what="convert's target")
-    folder, out = Path(source), Path(target)
+    folder, out = spot_of(source), spot_of(target)
     found, within = find_layout(folder)
     by_file: dict[str, dict[str, TensorInfo]] = {}
     for name, (file, entry) in found.items():
@@ -513,19 +514,22 @@ def convert_weights(
     aliases = alias_groups(tensors)
     stored = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in aliases}
     # Read as the weights are: regular files, no link out of the folder; written with the commit.
-    configs = {
-        name: read_verified(folder / name, None, where=str(folder / name), limit=MAX_JSON, within=within)[0]
+    names = {entry.name for entry in folder.entries()}
+    configs: dict[str, bytes] = {
+        name: folder.store.read(
+            (folder / name).key, None, where=str(folder / name), limit=MAX_JSON, within=within
+        )[0]
         .numpy()
         .tobytes()
         for name in ("config.json", "generation_config.json")
-        if present(folder / name)
+        if name in names
     }
     try:
-        _write_model(local_spot(out), stored, parse_size(max_shard_size), configs)
+        _write_model(out, stored, parse_size(max_shard_size), configs)
     except OSError as error:  # a full disk, a permission: _write_model removed what it wrote
         msg = (
             f"converting into {out} failed: {error.strerror or error} ({error.filename or out}); free "
             "space or correct the path or permissions, then run it again (nothing of this run was kept)"
         )
         raise StorageError(msg) from error
-    return out
+    return shown(out)

@@ -47,6 +47,7 @@ import attrs
 import blake3
 import torch
 
+from faccel._storage._names import TMP
 from faccel.errors import CheckpointError
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
     "SyncedWriter",
     "allocatable_bytes",
     "atomic_write",
-    "check_written",
     "fsync_dir",
     "in_parallel",
     "new_hash",
@@ -67,6 +67,7 @@ __all__ = [
     "parse_json",
     "read_json",
     "read_verified",
+    "scratch_buffer",
     "write_durably",
 ]
 
@@ -81,6 +82,8 @@ _READ_CHUNK = 64 << 20
 # fsynced in about half the time of one write and one closing fsync).
 _SYNC_BYTES = 64 << 20
 # The largest JSON file read back: state, generators, a weights index (a few MB in practice).
+# A thread's scratch: one hash block of the sharded format (4 MiB) and room to align it to pages.
+_SCRATCH = (4 << 20) + 2 * 4096
 MAX_JSON = 256 << 20
 # A manifest lists about 100 bytes per rank: 32 MiB is room for 300,000 ranks.
 MAX_MANIFEST = 32 << 20
@@ -272,7 +275,7 @@ def atomic_write(path: Path, chunks: Sequence[Any]) -> FileRecord:
 
     A crash leaves either the old file or the new one at ``path``, never a mix.
     """
-    temporary = path.with_name(f".tmp-{path.name}")
+    temporary = path.with_name(TMP + path.name)
     temporary.unlink(missing_ok=True)
     record = write_durably(temporary, chunks)
     os.replace(temporary, path)
@@ -438,6 +441,17 @@ def read_json(path: Path, *, where: str, limit: int = MAX_JSON, within: Sequence
     return parse_json(buffer.numpy().data, where)
 
 
+def scratch_buffer(scratch: dict[str, Any], kind: str, size: int) -> Any:
+    """This thread's scratch buffer of ``kind``, grown to at least ``size`` bytes (page-aligned)."""
+    import mmap
+
+    import numpy as np
+
+    if kind not in scratch or len(scratch[kind]) < size:
+        scratch[kind] = np.frombuffer(mmap.mmap(-1, max(size, _SCRATCH)), dtype=np.uint8)
+    return scratch[kind]
+
+
 def in_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     """Run file tasks on threads (I/O and hashing release the GIL); results in order.
 
@@ -451,37 +465,6 @@ def in_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     with ThreadPoolExecutor(max_workers=len(tasks), thread_name_prefix="faccel-io") as pool:
         futures = [pool.submit(task) for task in tasks]
         return [future.result() for future in futures]
-
-
-def check_written(directory: Path, records: Mapping[str, FileRecord], *, what: str) -> None:
-    """Check that every file of ``records`` is still in ``directory``: a regular file of its size.
-
-    Called on a written folder just before and just after its commit, so a
-    folder emptied or changed under the writer (the root deleted, another
-    process in the root) is reported, not committed. Sizes only: the hashes
-    were computed from the bytes as they were written, and re-reading every
-    file would double a checkpoint's I/O.
-
-    Raises:
-        CheckpointError: naming ``what``, the file and what differs.
-    """
-    for name, record in records.items():
-        path = directory / name
-        try:
-            info = os.stat(path, follow_symlinks=False)
-        except OSError as error:
-            msg = (
-                f"{what}: {path} is gone ({error.strerror}) after it was written: something else "
-                "deletes or writes in this folder (the root removed during the write?); nothing was "
-                "committed as complete"
-            )
-            raise CheckpointError(msg) from None
-        if not stat.S_ISREG(info.st_mode) or info.st_size != record.size:
-            msg = (
-                f"{what}: {path} changed after it was written ({info.st_size} bytes, not "
-                f"{record.size}): something else writes in this folder; nothing was committed as complete"
-            )
-            raise CheckpointError(msg)
 
 
 def allocatable_bytes() -> int | None:

@@ -40,31 +40,23 @@ from faccel._storage._durable import (
     fsync_dir,
     open_regular,
     read_verified,
+    scratch_buffer,
     write_durably,
 )
+from faccel._storage._names import ASIDE, LOCK, TMP, TRASH
 from faccel._storage._store import Entry, Lease, Spot
 from faccel.errors import CheckpointError
 
 __all__ = [
     "LOCAL",
-    "LOCK",
     "LocalStore",
     "local_spot",
-    "occupied_bytes",
-    "present",
-    "resolved",
-    "scratch_buffer",
 ]
 
-# The file a writer locks in the root; it holds the writer's host and pid, for the error of a second one.
-LOCK = ".lock"
-_TMP, _TRASH, _ASIDE = ".tmp-", ".trash-", ".replaced-"
 # One read() moves at most this much on Linux.
 _READ_CHUNK = 1 << 30
 # O_DIRECT reads: offsets, lengths and buffers aligned to this (a page; any block size up to it).
 _ALIGN = 4096
-# A thread's scratch: one hash block of the sharded format (4 MiB) and its alignment.
-_SCRATCH = (4 << 20) + 2 * _ALIGN
 
 
 @attrs.frozen(kw_only=True)
@@ -103,7 +95,7 @@ class _LocalPublisher(_LocalWriter):
 
     def __init__(self, path: Path) -> None:
         self._final = path
-        self._temporary = path.with_name(_TMP + path.name)
+        self._temporary = path.with_name(TMP + path.name)
         self._temporary.unlink(missing_ok=True)
         super().__init__(self._temporary)
 
@@ -147,17 +139,6 @@ class _LocalReader:
         os.close(self.fd)
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
-
-
-def scratch_buffer(scratch: dict[str, Any], kind: str, size: int) -> Any:
-    """This thread's scratch buffer of ``kind``, grown to at least ``size`` bytes (page-aligned)."""
-    import mmap
-
-    import numpy as np
-
-    if kind not in scratch or len(scratch[kind]) < size:
-        scratch[kind] = np.frombuffer(mmap.mmap(-1, max(size, _SCRATCH)), dtype=np.uint8)
-    return scratch[kind]
 
 
 def _pread(fd: int, target: Any, offset: int, where: str, at_least: int | None = None) -> None:
@@ -240,6 +221,23 @@ class LocalStore:
     def make_folder(self, key: str) -> None:
         Path(key).mkdir(parents=True, exist_ok=True)
 
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(key)
+
+    def resolve(self, key: str) -> str:
+        return os.path.realpath(key)
+
+    def occupied(self, key: str) -> int:
+        stored = 0
+        for entry in os.scandir(key):
+            if entry.is_file(follow_symlinks=False):
+                info = entry.stat(follow_symlinks=False)
+                stored += min(info.st_size, getattr(info, "st_blocks", info.st_size // 512 + 1) * 512)
+        return stored
+
+    def folder_visible(self, key: str) -> bool:
+        return os.path.isdir(key)
+
     def write(self, key: str, chunks: Sequence[Any], *, algorithm: str = BLAKE3) -> FileRecord:
         return write_durably(Path(key), chunks, algorithm=algorithm)
 
@@ -263,8 +261,16 @@ class LocalStore:
         where: str,
         limit: int | None = None,
         algorithm: str = BLAKE3,
+        within: Sequence[str | os.PathLike[str]] = (),
     ) -> tuple[torch.Tensor, FileRecord]:
-        return read_verified(Path(key), expected, where=where, limit=limit, algorithm=algorithm)
+        return read_verified(
+            Path(key),
+            expected,
+            where=where,
+            limit=limit,
+            algorithm=algorithm,
+            within=tuple(Path(folder) for folder in within),
+        )
 
     def open(self, key: str, *, where: str, within: Sequence[Path] = (), direct: bool = True) -> _LocalReader:
         """``within``: links are followed while the real path stays inside one of these folders
@@ -282,7 +288,7 @@ class LocalStore:
 
     def staging(self, final: str) -> str:
         head, name = os.path.split(final)
-        return os.path.join(head, _TMP + name)
+        return os.path.join(head, TMP + name)
 
     def commit(
         self,
@@ -291,28 +297,28 @@ class LocalStore:
         manifest_name: str,
         manifest: Sequence[Any],
         *,
-        check: Callable[[str], None],
+        check: Callable[[str, bool], None],
     ) -> FileRecord:
         record = write_durably(Path(staging) / manifest_name, manifest)
         fsync_dir(Path(staging))
-        check(staging)  # a folder emptied under us is never committed
+        check(staging, False)  # a folder emptied under us is never committed
         root, name = os.path.split(final)
         aside = None
         if os.path.exists(final):
             # Replacing: the old one aside, then the new one in. Between the two renames the
             # folder aside counts as this step (see leftovers), so a crash leaves one of the two.
-            aside = os.path.join(root, _ASIDE + name)
+            aside = os.path.join(root, ASIDE + name)
             os.rename(final, aside)
         os.rename(staging, final)
         fsync_dir(Path(root))
         try:
-            check(final)
+            check(final, False)  # (a failure renames it out of sight: not committed)
         except CheckpointError:
             with contextlib.suppress(OSError):  # ours and broken: out of sight (restore passes it over)
-                os.rename(final, os.path.join(root, _TRASH + name))
+                os.rename(final, os.path.join(root, TRASH + name))
             raise
         if aside is not None:
-            self._trash(aside, os.path.join(root, _TRASH + name))
+            self._trash(aside, os.path.join(root, TRASH + name))
         return record
 
     def _trash(self, folder: str, trash: str) -> None:
@@ -323,7 +329,7 @@ class LocalStore:
 
     def retire(self, folder: str, *, committed: bool) -> None:
         root, name = os.path.split(folder)
-        self._trash(folder, os.path.join(root, _TRASH + name))
+        self._trash(folder, os.path.join(root, TRASH + name))
 
     def move(self, folder: str, target: str) -> None:
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -334,7 +340,7 @@ class LocalStore:
     def aside(self, folder: str) -> str:
         """Where ``folder`` waits while its replacement is renamed in (it counts as ``folder`` then)."""
         root, name = os.path.split(folder)
-        return os.path.join(root, _ASIDE + name)
+        return os.path.join(root, ASIDE + name)
 
     def leftovers(self, root: str, *, counts: Callable[[str], bool]) -> None:
         """A checkpoint left aside by an interrupted replace goes back to its name when the
@@ -342,20 +348,20 @@ class LocalStore:
         (dead writers' and deleters') are deleted."""
         renamed = False
         for entry in os.scandir(root):
-            if entry.name.startswith(_ASIDE) and entry.is_dir(follow_symlinks=False):
-                final = os.path.join(root, entry.name[len(_ASIDE) :])
+            if entry.name.startswith(ASIDE) and entry.is_dir(follow_symlinks=False):
+                final = os.path.join(root, entry.name[len(ASIDE) :])
                 if not os.path.exists(final):
                     os.rename(entry.path, final)
                     renamed = True
                 elif counts(final):
-                    trash = os.path.join(root, _TRASH + entry.name[len(_ASIDE) :])
+                    trash = os.path.join(root, TRASH + entry.name[len(ASIDE) :])
                     shutil.rmtree(trash, ignore_errors=True)
                     os.rename(entry.path, trash)
                     renamed = True
         if renamed:
             fsync_dir(Path(root))
         for entry in os.scandir(root):
-            hidden = entry.name.startswith((_TMP, _TRASH))
+            hidden = entry.name.startswith((TMP, TRASH))
             if hidden and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
@@ -423,27 +429,6 @@ def _holder(path: str) -> str:
 
 
 LOCAL = LocalStore()
-
-
-def occupied_bytes(folder: str | os.PathLike[str]) -> int:
-    """The bytes the regular files directly in ``folder`` occupy on disk (a file with holes counts
-    its allocated blocks, not its size)."""
-    stored = 0
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False):
-            info = entry.stat(follow_symlinks=False)
-            stored += min(info.st_size, getattr(info, "st_blocks", info.st_size // 512 + 1) * 512)
-    return stored
-
-
-def resolved(path: str | os.PathLike[str]) -> Path:
-    """``path`` with every symbolic link resolved (where its files really are)."""
-    return Path(os.path.realpath(path))
-
-
-def present(path: str | os.PathLike[str]) -> bool:
-    """Whether anything is at ``path`` (a dangling link too): what a reader that refuses links reports."""
-    return os.path.lexists(path)
 
 
 def local_spot(path: str | os.PathLike[str] | Spot) -> Spot:

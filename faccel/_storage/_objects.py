@@ -14,10 +14,14 @@ One writer per root: a lease object ``ROOT/.lock`` (JSON: host, pid, a random
 token, when it was last renewed), created with a conditional write and renewed
 by a thread while it is held. A second writer is refused at once, naming the
 holder; a lease whose holder is a dead process of this host, or that was not
-renewed for :data:`LEASE_SECONDS`, is broken and taken over.
+renewed for :data:`LEASE_SECONDS`, is broken and taken over by the one writer
+whose conditional write of its break object (``ROOT/.lock-broken-DIGEST``) wins;
+a lease that vanished is created anew, never deleted: a live writer's lease is
+never taken over.
 
 Every call is retried on a transient error (throttling, a 5xx answer, a
-reset connection: what fsspec raises as a plain ``OSError`` or a timeout), a
+reset connection: what fsspec raises as a plain ``OSError`` or a timeout; never
+a 4xx answer but 408 and 429), a
 bounded number of times with exponential backoff, and then raised as a
 :class:`~faccel.errors.CheckpointError` naming the object (never the
 credentials: keys are shown as ``protocol://bucket/key``, and options are
@@ -41,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 
 from faccel._storage._durable import BLAKE3, FileRecord, new_hash
+from faccel._storage._names import LEASE_BREAK, LOCK, MANIFEST
 from faccel._storage._store import Entry, Lease, Spot
 from faccel.errors import ArgumentValueError, CheckpointError, MissingExtraError
 
@@ -102,10 +107,29 @@ def object_spot(url: str) -> Spot:
     return Spot(ObjectStore(fs, protocol), key.rstrip("/"))
 
 
+def _status(error: BaseException) -> int | None:
+    """The HTTP status of the answer behind ``error`` (s3fs keeps botocore's error as the cause)."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a short chain: the translated error, its cause, theirs
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _transient(error: BaseException) -> bool:
-    """Whether ``error`` may pass on its own (throttling, 5xx, a reset or timed-out connection)."""
+    """Whether ``error`` may pass on its own (throttling, 5xx, a reset or timed-out connection); a 4xx
+    answer other than 408 and 429 (a bad request, a denied one) never passes by waiting."""
     if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
         return False
+    status = _status(error)
+    if status is not None and 400 <= status < 500:
+        return status in (408, 429)
     if isinstance(error, (ConnectionError, TimeoutError)):
         return True
     if isinstance(error, OSError):
@@ -152,10 +176,13 @@ class ObjectStore:
                 raise
             except Exception as error:
                 if not _transient(error) or isinstance(error, PermissionError):
+                    status = _status(error)
+                    answer = f"HTTP {status}, " if status is not None else ""
                     msg = (
-                        f"{self.display(key)}: {what} was refused ({type(error).__name__}: "
-                        f"{_safe(str(error))[:200]}); check the URL, the bucket and the credentials "
-                        "(standard environment variables or fsspec's configuration)"
+                        f"{self.display(key)}: {what} was refused ({answer}{type(error).__name__}: "
+                        f"{_safe(str(error))[:200]}); not retried, as waiting does not change such an "
+                        "answer: check the URL, the bucket and the credentials (standard environment "
+                        "variables or fsspec's configuration)"
                     )
                     raise CheckpointError(msg) from None
                 if attempt == ATTEMPTS:
@@ -211,6 +238,18 @@ class ObjectStore:
     def make_folder(self, key: str) -> None:
         """Nothing to make: an object store's folders are the prefixes of its keys."""
 
+    def exists(self, key: str) -> bool:
+        return self._info(key) is not None or self.is_folder(key)
+
+    def resolve(self, key: str) -> str:
+        return key  # no links
+
+    def occupied(self, key: str) -> int:
+        return sum(entry.size or 0 for entry in self.list(key) if not entry.folder)
+
+    def folder_visible(self, key: str) -> bool:
+        return True  # a prefix: nothing to see before objects are in it, and nothing to make
+
     def write(self, key: str, chunks: Sequence[Any], *, algorithm: str = BLAKE3) -> FileRecord:
         views = [memoryview(chunk).cast("B") for chunk in chunks]
         hasher = new_hash(algorithm)
@@ -254,6 +293,7 @@ class ObjectStore:
         where: str,
         limit: int | None = None,
         algorithm: str = BLAKE3,
+        within: Sequence[str | os.PathLike[str]] = (),  # no links to follow
     ) -> tuple[torch.Tensor, FileRecord]:
         if expected is None and limit is not None:
             return self._read_small(key, where=where, limit=limit, algorithm=algorithm)
@@ -343,9 +383,9 @@ class ObjectStore:
         manifest_name: str,
         manifest: Sequence[Any],
         *,
-        check: Callable[[str], None],
+        check: Callable[[str, bool], None],
     ) -> FileRecord:
-        check(final)
+        check(final, False)
         key = self.join(final, manifest_name)
         views = [memoryview(chunk).cast("B") for chunk in manifest]
         hasher = new_hash(BLAKE3)
@@ -363,13 +403,13 @@ class ObjectStore:
         except (NotImplementedError, TypeError):  # a store without conditional writes: the lease guards
             self.exclusive = False
             self._upload(key, views)
-        check(final)
+        check(final, True)  # the manifest is there: committed, whatever this finds
         return FileRecord(size=sum(len(v) for v in views), digest=hasher.hexdigest(), algorithm=BLAKE3)
 
     def retire(self, folder: str, *, committed: bool) -> None:
         """The manifest first: the checkpoint is invisible from then on, whatever is left of it."""
         if committed:
-            self.delete(self.join(folder, "manifest.json"))
+            self.delete(self.join(folder, MANIFEST))
         self.delete(folder)
 
     def move(self, folder: str, target: str) -> None:
@@ -389,7 +429,7 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def lock(self, root: str) -> Iterator[Lease]:
-        key = self.join(root, ".lock")
+        key = self.join(root, LOCK)
         token = secrets.token_hex(16)
         self._acquire(key, token, root)
         stop = threading.Event()
@@ -410,23 +450,25 @@ class ObjectStore:
         lease = {"host": socket.gethostname(), "pid": os.getpid(), "token": token, "renewed": time.time()}
         return json.dumps(lease).encode()
 
-    def _holder(self, key: str) -> dict[str, Any]:
+    def _lease_raw(self, key: str) -> bytes:
         def cat() -> bytes:
             try:
                 self.fs.invalidate_cache(self.parent(key))
-                return bytes(self.fs.cat_file(key))
+                return bytes(self.fs.cat_file(key, start=0, end=4096))
             except FileNotFoundError:
                 return b""
 
-        raw = self._call("reading the lease", key, cat)
-        try:
-            value = json.loads(raw[:4096]) if raw else {}
-        except ValueError:
-            value = {}
-        return value if isinstance(value, dict) else {}
+        return self._call("reading the lease", key, cat)
+
+    def _holder(self, key: str) -> dict[str, Any]:
+        return _parse_lease(self._lease_raw(key))
 
     def _acquire(self, key: str, token: str, root: str) -> None:
-        for _ in range(3):
+        """Create the lease; a live holder's is never touched: a lease that vanished is created anew
+        (its holder released it), and a dead holder's is broken only by the one writer that wins the
+        conditional creation of its break object (two that saw one dead lease never both break it,
+        so neither deletes the lease the other has just taken)."""
+        for _ in range(6):
             try:
                 self._upload(key, [memoryview(self._lease_bytes(token))], create=self.exclusive)
                 return
@@ -437,7 +479,10 @@ class ObjectStore:
                 if not self._holder(key):
                     self._upload(key, [memoryview(self._lease_bytes(token))])
                     return
-            holder = self._holder(key)
+            raw = self._lease_raw(key)
+            if not raw:
+                continue  # released since: try to create it again
+            holder = _parse_lease(raw)
             if holder and not _stale(holder):
                 msg = (
                     f"{self.display(root)}: another process is writing a checkpoint into this root "
@@ -446,6 +491,16 @@ class ObjectStore:
                     f"(a lease not renewed for {LEASE_SECONDS:.0f} s is taken over)"
                 )
                 raise CheckpointError(msg)
+            if self.exclusive:
+                seen = new_hash(BLAKE3)
+                seen.update(raw)
+                mark = self.join(root, LEASE_BREAK + seen.hexdigest()[:32])
+                try:
+                    self._upload(mark, [memoryview(token.encode())], create=True)
+                except FileExistsError:
+                    continue  # another writer breaks this dead lease: see what it holds next
+                if self._lease_raw(key) != raw:
+                    continue  # not the lease judged dead any more
             self.delete(key)  # a dead writer's lease
         msg = f"{self.display(key)}: the lease could not be taken (other writers keep taking it)"
         raise CheckpointError(msg)
@@ -463,6 +518,15 @@ class ObjectStore:
         if holder.get("token") != lease.token:
             return f"{self.display(lease.key)} was taken over by another writer (host {holder.get('host')})"
         return None
+
+
+def _parse_lease(raw: bytes) -> dict[str, Any]:
+    """A lease object's JSON (empty when absent or unreadable: an unreadable one is stale)."""
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        value = {}
+    return value if isinstance(value, dict) else {}
 
 
 def _stale(holder: dict[str, Any]) -> bool:

@@ -22,6 +22,7 @@ the local path, or the URL without credentials.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -126,6 +127,22 @@ class Store(Protocol):
     def make_folder(self, key: str) -> None:
         """Create folder ``key`` and its parents (nothing to do where folders are prefixes)."""
 
+    def exists(self, key: str) -> bool:
+        """Whether anything is at ``key``: a file, a folder (a prefix holding objects), or on a disk
+        a name of any kind (a dangling link too: what a reader that refuses links reports)."""
+
+    def resolve(self, key: str) -> str:
+        """Where ``key``'s files really are: on a disk every symbolic link resolved; the key itself
+        where there are no links."""
+
+    def occupied(self, key: str) -> int:
+        """The bytes the files directly in folder ``key`` hold: on a disk the allocated blocks (a
+        file with holes counts what it stores, not its size); on an object store their sizes."""
+
+    def folder_visible(self, key: str) -> bool:
+        """Whether a folder made at ``key`` by another process is seen here (a shared file system);
+        always where folders are the prefixes of keys (nothing to see before objects are in it)."""
+
     def write(self, key: str, chunks: Sequence[Any], *, algorithm: str = BLAKE3) -> FileRecord:
         """Write a new file durably, hashed as written; its record."""
 
@@ -151,9 +168,11 @@ class Store(Protocol):
         where: str,
         limit: int | None = None,
         algorithm: str = BLAKE3,
+        within: Sequence[str | os.PathLike[str]] = (),
     ) -> tuple[torch.Tensor, FileRecord]:
         """A whole file, its size checked (against ``expected`` and ``limit``) before a byte is
-        allocated, its hash against ``expected``."""
+        allocated, its hash against ``expected``; ``within``: the folders a symbolic link may lead
+        into (none by default; a store without links has nothing to follow)."""
 
     def open(self, key: str, *, where: str) -> Reader:
         """The file at ``key`` open for ranged reads."""
@@ -171,12 +190,14 @@ class Store(Protocol):
         manifest_name: str,
         manifest: Sequence[Any],
         *,
-        check: Callable[[str], None],
+        check: Callable[[str, bool], None],
     ) -> FileRecord:
         """Write ``manifest`` last and make ``staging`` visible as ``final``: the commit.
 
-        ``check(folder)`` is called on the written folder before the commit and
-        on the committed one after it (sizes of the files against their records).
+        ``check(folder, committed)`` is called on the written folder before the
+        commit and on the committed one after it (sizes of the files against
+        their records, the lock); ``committed`` says whether a failure leaves the
+        checkpoint committed all the same (the manifest written, nothing renamed back).
         A committed ``final`` that exists already is replaced, and a crash leaves
         the old or the new one (where the store cannot promise that, it refuses).
         """

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from faccel._storage._durable import open_regular
+from faccel._storage._store import Spot
 from faccel.errors import CheckpointError
 
-__all__ = ["BIN_INDEX_NAME", "BIN_NAME", "load_bin", "load_bin_bytes"]
+__all__ = ["BIN_INDEX_NAME", "BIN_NAME", "load_bin", "load_bin_bytes", "read_bin"]
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -152,3 +153,21 @@ def overlap_problem(tensors: dict[str, torch.Tensor]) -> str:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def read_bin(file: Spot, within: Sequence[Path] = ()) -> dict[str, torch.Tensor]:
+    """The tensors of the ``.bin`` file at ``file`` on any store: memory-mapped from a disk
+    (:func:`load_bin`), read whole from object storage (:func:`load_bin_bytes`).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from faccel._storage._roots import spot_of
+        >>> folder = spot_of(tempfile.mkdtemp())
+        >>> torch.save({"w": torch.ones(2)}, (folder / "pytorch_model.bin").key)
+        >>> read_bin(folder / "pytorch_model.bin")["w"].tolist()
+        [1.0, 1.0]
+    """
+    if file.store.local:
+        return load_bin(Path(file.key), within)
+    buffer, _ = file.read(None, where=str(file))
+    return load_bin_bytes(buffer.numpy().tobytes(), where=str(file))

@@ -776,17 +776,17 @@ def slow_checkpoint(root: str, group_timeout: float, delay: float) -> dict:
     import attrs
 
     import faccel
-    from faccel._checkpoint import _save
+    from faccel._checkpoint import _jobs
 
     dist = faccel.detect(timeout=datetime.timedelta(seconds=group_timeout))
     state, _ = fresh(dist, example_spec(), seed=0)
-    write = _save._write_rank0
+    write = _jobs._write_rank0
 
     def slow(*args: Any) -> Any:
         time.sleep(delay)  # a slow network file system
         return write(*args)
 
-    _save._write_rank0 = slow
+    _jobs._write_rank0 = slow
     try:
         faccel.checkpoint(dist, attrs.evolve(state, step=3), root)
         error = ""

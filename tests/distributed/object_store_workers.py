@@ -444,3 +444,34 @@ def deepspeed_stop_and_resume(env: Mapping[str, str], root: str, stage: int) -> 
 
     use(env)
     return deepspeed_workers.stop_and_resume(stage=stage, root=root)
+
+
+def peer_lost_after_the_commit(env: Mapping[str, str], root: str) -> dict[str, Any]:
+    """Rank 1 ends its process at the meeting after rank 0's commit of step 2 (a SIGKILL there, as
+    the kill loop's one survivor in 16 met it): what rank 0 is told, and what the root holds."""
+    import attrs
+
+    import faccel
+    from faccel._checkpoint import _save
+
+    use(env)
+    dist = faccel.detect()
+    model = torch.nn.Linear(2, 2)
+    state = faccel.TrainState.create(model=model, optimizer=None)
+    faccel.checkpoint(dist, attrs.evolve(state, step=1), root)
+    if dist.rank == 1:
+        real = _save.together
+
+        def gone(dist: Any, work: Any, *, what: str, raises: Any) -> Any:
+            if what.startswith("committing"):
+                os._exit(0)  # the peer dies where rank 0 has committed and waits for it
+            return real(dist, work, what=what, raises=raises)
+
+        _save.together = gone  # type: ignore[assignment]  # this child process only
+    try:
+        faccel.checkpoint(dist, attrs.evolve(state, step=2), root)
+        error = ""
+    except faccel.errors.CheckpointError as caught:
+        error = str(caught)
+    latest = faccel.latest_checkpoint(root)
+    return {"error": error, "latest": str(latest)}

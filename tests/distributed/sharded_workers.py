@@ -185,7 +185,7 @@ def background_save(root: str, fail_on: int | None = None) -> dict[str, Any]:
     import attrs
 
     import faccel
-    from faccel._checkpoint import _save
+    from faccel._checkpoint import _jobs
 
     dist = faccel.detect(strategy="fsdp")
     model, optimizer = _trained(dist, 3)
@@ -196,7 +196,7 @@ def background_save(root: str, fail_on: int | None = None) -> dict[str, Any]:
         def full_disk(*args: object, **kwargs: object) -> Any:
             raise OSError(28, "No space left on device")
 
-        _save.write_shard = full_disk  # type: ignore[assignment]  # this child process only
+        _jobs.write_shard = full_disk  # type: ignore[assignment]  # this child process only
     faccel.checkpoint(dist, attrs.evolve(state, step=3, epoch=1), root, blocking=False)
     x, y = seed_task(n=48)
     for _ in range(3):  # training goes on, with FSDP2's collectives, while the checkpoint is written

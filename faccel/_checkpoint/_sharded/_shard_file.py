@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 import sys
 from collections.abc import Mapping
@@ -50,8 +49,7 @@ from faccel._checkpoint._sharded._chunks import (
     row_bytes,
     rows_of,
 )
-from faccel._storage._durable import SHA256, FileRecord, parse_json
-from faccel._storage._local import scratch_buffer
+from faccel._storage._durable import SHA256, FileRecord, parse_json, scratch_buffer
 from faccel._storage._roots import spot_of
 from faccel._storage._safetensors import (
     DTYPE_CODES,
@@ -295,8 +293,3 @@ def empty_rows(placed: Placed, start: int, stop: int) -> torch.Tensor:
 def byte_view(tensor: torch.Tensor) -> Any:
     """A writable flat uint8 NumPy view of a contiguous CPU tensor's bytes."""
     return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else memoryview(bytearray())
-
-
-def total_bytes(placed: Placed) -> int:
-    """Bytes of the whole tensor."""
-    return math.prod(placed.shape) * placed.dtype.itemsize
