@@ -70,6 +70,13 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._data._context": ("context_positions", "context_shard", "context_unshard"),
         "faccel._loop._context": ("context_attention",),
         "faccel._loop._pipeline": ("PipelinedModel", "Schedule", "forward_backward"),
+        "faccel._ft._replicas": (
+            "FaultTolerance",
+            "ReplicaQuorum",
+            "fault_tolerant",
+            "replica_commit",
+            "replica_quorum",
+        ),
     },
     "faccel.func": {
         "faccel._func._functional": ("FunctionalState", "loss_and_grad", "model_params"),

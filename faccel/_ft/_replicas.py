@@ -48,6 +48,16 @@ class ReplicaQuorum:
         counts: Samples each replica rank reads, for the mean over the step's samples.
         healed: Whether this replica received the state from a peer in this quorum.
         failed: Whether the quorum itself failed here (the step will be discarded).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=None)
+        >>> rows = replica_rows(epoch=0, consumed=0, dataset_size=8, batch_size=2, replica_rank=1,
+        ...                     participants=2)
+        >>> ReplicaQuorum(state=state, quorum_id=1, replica_rank=1, participants=2, rows=rows,
+        ...               indices=(6, 1), counts=(2, 2), healed=False, failed=False).rows.start
+        2
     """
 
     state: TrainState
@@ -67,6 +77,11 @@ class FaultTolerance:
     Made by :func:`fault_tolerant`, closed by :func:`faccel.shutdown` (or :meth:`close`).
     It holds the state of the step in progress so that torchft can send it to a
     healing peer from its quorum thread.
+
+    Example:
+        >>> ft = FaultTolerance(manager=None, pg=None, store=None, dataset_size=96, batch_size=4, seed=0)
+        >>> ft.live is None, ft.closed
+        (True, False)
     """
 
     def __init__(
