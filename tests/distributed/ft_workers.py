@@ -120,6 +120,7 @@ def replica_main(*, replica: int, lighthouse: str, out: str, dataset_size: int, 
                     "indices": list(quorum.indices),
                     "weights": before,
                     "pid": os.getpid(),
+                    "time": time.time(),
                 }
                 lines.write(json.dumps(record) + "\n")
                 lines.flush()
@@ -204,12 +205,13 @@ def kill_run(
     import random
     import time
 
+    # torchft's servers log every quorum at INFO (megabytes a minute): warnings only. Set
+    # before torchft's first import, which reads it.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
     rng = random.Random(seed)
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=1000
-    )
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1000)
     address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "faccel", "torchft", "tests.distributed.ft_workers"])
@@ -251,10 +253,11 @@ def kill_run(
             step = max((line["step"] for line in lines if "step" in line), default=0)
             if procs[victim].exitcode is not None or time.monotonic() > deadline:
                 break
+            killed_at = time.time()
             procs[victim].kill()
             procs[victim].join()
             done[victim].append(procs[victim].exitcode)
-            killed.append({"replica": victim, "after_step": step})
+            killed.append({"replica": victim, "after_step": step, "time": killed_at})
             before = len(lines)
             procs[victim] = start(victim)
             # The next kill waits for this replica to heal and commit: one failure at a time.
