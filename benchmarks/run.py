@@ -74,6 +74,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "parallel_step": "parallel: time per step, 4 gloo processes per layout / the same step by hand",
     "exact_step": "exact: time per step in exact mode (8 atoms), 2 and 4 gloo processes / ordinary DDP's",
     "eval_forward": "eval_forward: time per FSDP2 forward under no_grad, 2 gloo processes / by hand",
+    "ft_step": "ft: time per fault-tolerant step (quorum, gather, commit), 3 gloo processes / DDP's",
 }
 
 

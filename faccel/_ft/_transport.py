@@ -51,6 +51,4 @@ class PeerTransport(CheckpointTransport[Any]):
         (size,) = struct.unpack("<Q", raw[:8])
         body = torch.empty(size, dtype=torch.uint8)
         self._pg.recv([body], src_rank, tag=_BODY_TAG).wait(timeout)
-        return decode_state(
-            body.numpy().data, raw[8:], where=f"the state from replica rank {src_rank}"
-        )
+        return decode_state(body.numpy().data, raw[8:], where=f"the state from replica rank {src_rank}")
