@@ -5,6 +5,10 @@ long kill loop (100 kills and more)."""
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,9 @@ from faccel._ft._combine import combine, flat_grads, set_flat_grads
 from faccel._ft._peer_state import decode_state, digest_of, encode_state
 from faccel._ft._rows import epoch_order, replica_rows, sample_counts
 from faccel.errors import CheckpointError
+from tests.budget import example_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @given(
@@ -135,3 +142,21 @@ def test_kill_a_replica_at_a_random_step_the_others_go_on_and_it_heals(tmp_path)
     assert len(run["kills"]) == 1, f"seed {seed}: {run}"
     report = check_run(str(tmp_path), run)
     assert report["heals"] == 1 and 3 in report["quorum_sizes"], (seed, report)
+
+
+@example_run
+def test_the_fault_tolerant_example_ends_with_equal_weights_on_every_replica():
+    pytest.importorskip("torchft")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "fault_tolerant.py"), "--steps", "600"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    digests = set(re.findall(r"done at step 600, weights (\w+)", done.stdout))
+    assert len(digests) == 1 and done.stdout.count("done at step 600") == 3, done.stdout[-3000:]
+    # Healed after the kill (a heal at step 0 is the start's own sync from replica 0).
+    assert re.search(r"replica 2: healed from a live peer at step [1-9]", done.stdout), done.stdout[-3000:]
