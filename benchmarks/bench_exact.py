@@ -177,7 +177,7 @@ def _worker(rank: int, port: int, plan: tuple[int, int, int, str], out: str) -> 
 
 def _bytes(kind: str, world: int) -> tuple[float, float]:
     """MB each rank sends per step: exact mode's exchange (from its plan), and a ring all-reduce's."""
-    from faccel._loop._tree_reduce import plan
+    from faccel._loop._exact._tree_reduce import plan
 
     numel = sum(p.numel() for p in _model(kind).parameters())
     exact = sum(r.give[1] - r.give[0] for r in plan(0, world, numel)) * 4 + len(plan(0, world, 1)) * 8

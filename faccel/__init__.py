@@ -70,21 +70,21 @@ if (
     from faccel._loop._clip import clip_grad_norm as clip_grad_norm
     from faccel._loop._clip import clip_grad_value as clip_grad_value
     from faccel._loop._context import context_attention as context_attention
-    from faccel._loop._deepspeed import ConfigOptimizer as ConfigOptimizer
-    from faccel._loop._deepspeed import ConfigScheduler as ConfigScheduler
-    from faccel._loop._local_sgd import LocalSGD as LocalSGD
-    from faccel._loop._local_sgd import local_sgd as local_sgd
     from faccel._loop._micro_step import MicroStep as MicroStep
     from faccel._loop._micro_step import micro_step as micro_step
     from faccel._loop._model import unwrap_model as unwrap_model
-    from faccel._loop._pipeline import PipelinedModel as PipelinedModel
-    from faccel._loop._pipeline import Schedule as Schedule
-    from faccel._loop._pipeline import forward_backward as forward_backward
     from faccel._loop._precision import autocast as autocast
     from faccel._loop._precision import grad_scaler as grad_scaler
     from faccel._loop._precision import optimizer_step as optimizer_step
     from faccel._loop._prepare import prepare as prepare
     from faccel._loop._schedule import accelerate_scheduler_steps as accelerate_scheduler_steps
+    from faccel._loop._strategies._ddp._local_sgd import LocalSGD as LocalSGD
+    from faccel._loop._strategies._ddp._local_sgd import local_sgd as local_sgd
+    from faccel._loop._strategies._deepspeed._engine import ConfigOptimizer as ConfigOptimizer
+    from faccel._loop._strategies._deepspeed._engine import ConfigScheduler as ConfigScheduler
+    from faccel._loop._strategies._pipeline._stages import PipelinedModel as PipelinedModel
+    from faccel._loop._strategies._pipeline._stages import Schedule as Schedule
+    from faccel._loop._strategies._pipeline._stages import forward_backward as forward_backward
     from faccel._loop._uneven import uneven_inputs as uneven_inputs
     from faccel._report._logging import RankLogger as RankLogger
     from faccel._report._logging import get_logger as get_logger

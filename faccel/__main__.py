@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ MAX_WORLD_SIZE = 1 << 20
 # The largest --batch-size and, for a config without a position limit, --seq-len.
 MAX_BATCH = 1 << 20
 MAX_SEQ_LEN = 1 << 20
+# The keys of a transformers config that hold a size or a count (n_layer, hidden_size, num_heads ...).
+_SIZE_KEY = re.compile(r"^(n|num)_|_(size|layers|heads|dim|positions)$|^n(layer|embd|head|ctx)$")
 # The largest --hf-config file read: a transformers config.json is a few KB.
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -139,6 +142,10 @@ def _hf_model(config_path: str) -> tuple[Callable[[], Any], int | None]:
     except ImportError:
         _refuse("--hf-config needs transformers (pip install transformers); or pass --model module:function")
     model_type = data.pop("model_type")
+    for key, value in data.items():
+        # A size below 0 (n_layer=-3) builds an empty model whose plan is a table of zeros.
+        if _SIZE_KEY.search(key) and type(value) is int and value < 0:
+            _refuse(f"--hf-config {path}: {key} is {value}, and a size or count is 0 or more; fix the config")
     try:
         config = AutoConfig.for_model(model_type, **data)
     except Exception as error:  # transformers raises several kinds for a config it cannot read
@@ -192,7 +199,7 @@ def _check_range(name: str, value: int | None, low: int, high: int, why: str = "
 
 def _schedule(args: argparse.Namespace) -> object:
     """The pipeline schedule the plan's ``pp:P`` candidates assume (``--schedule``, ``--microbatches``)."""
-    from faccel._loop._pipeline import Schedule
+    from faccel._loop._strategies._pipeline._stages import Schedule
 
     return Schedule(kind=args.schedule, microbatches=args.microbatches)
 

@@ -23,17 +23,26 @@ import attrs
 from faccel.errors import ArgumentValueError, LaunchError, PrecisionError
 
 __all__ = [
+    "BACKEND",
     "CLOSED_SETS",
+    "COMM_HOOK",
+    "ENGINE",
     "INIT",
     "OFFLOAD",
     "PRECISION",
+    "REDUCE_OP",
     "STRATEGY",
     "TRACKER_KIND",
     "WORKER_SEEDS",
+    "Backend",
     "ClosedSet",
+    "CommHookName",
+    "Engine",
     "Init",
+    "Launcher",
     "Offload",
     "Precision",
+    "ReduceOpName",
     "Strategy",
     "TrackerKind",
     "WorkerSeeds",
@@ -51,6 +60,17 @@ Offload = Literal["cpu"]
 Init = Literal["reset", "empty"]
 #: ``init_tracker(kind=...)``: one back-end, or every one installed.
 TrackerKind = Literal["jsonl", "csv", "tensorboard", "wandb", "mlflow", "all"]
+#: ``loss_and_grad(engine=...)``: torch.autograd, or torch.func's transforms.
+Engine = Literal["autograd", "func"]
+#: ``prepare(comm_hook=...)``: torch's DDP communication hooks.
+CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
+#: ``reduce(op=...)``: how the ranks' tensors are combined elementwise.
+ReduceOpName = Literal["sum", "mean", "max", "min"]
+#: ``DistState.backend``: the torch.distributed backends faccel pairs with a device type.
+Backend = Literal["gloo", "nccl", "mpi", "xccl", "ucc"]
+#: ``DistState.launcher``: who started the process (a launcher of ``faccel._dist._launch``'s table,
+#: none, or a simulated state).
+Launcher = Literal["none", "torchrun", "slurm", "mpi", "simulated"]
 
 
 @attrs.frozen
@@ -93,6 +113,14 @@ OFFLOAD = ClosedSet(
     "parameters, gradients and the optimizer step on the CPU)",
 )
 INIT = ClosedSet("init", get_args(Init), spelled="'reset', 'empty' or a callable init(module)")
+ENGINE = ClosedSet("engine", get_args(Engine), spelled=f"one of {get_args(Engine)}")
+COMM_HOOK = ClosedSet(
+    "comm_hook", (None, *get_args(CommHookName)), spelled=f"one of {get_args(CommHookName)} or None"
+)
+REDUCE_OP = ClosedSet("op", get_args(ReduceOpName))
+BACKEND = ClosedSet(
+    "backend", (None, *get_args(Backend)), LaunchError, spelled=f"one of {get_args(Backend)} or None"
+)
 TRACKER_KIND = ClosedSet(
     "kind", get_args(TrackerKind), spelled=f"one of {[*sorted(get_args(TrackerKind)[:-1]), 'all']}"
 )
@@ -106,5 +134,9 @@ CLOSED_SETS: Mapping[str, ClosedSet] = MappingProxyType(
         "Offload": OFFLOAD,
         "Init": INIT,
         "TrackerKind": TRACKER_KIND,
+        "Engine": ENGINE,
+        "CommHookName": COMM_HOOK,
+        "ReduceOpName": REDUCE_OP,
+        "Backend": BACKEND,
     }
 )

@@ -1,4 +1,4 @@
-"""Every mark faccel sets on an object of yours, and why it must be there: nine attributes, three hooks.
+"""Every mark faccel sets, hook it registers, group and thread it makes, and what undoes each.
 
 faccel keeps no module-level state and no registry of your objects; the few
 facts that must travel with one of your objects, to whichever later call
@@ -82,7 +82,46 @@ Three hooks, registered through torch's own ``register_*_hook`` and held (their
   adds the bucket's last tree sums and posts the bucket's first round of the
   exchange, so the messages travel while the backward goes on (as DDP's own
   hooks do). Outside that backward it tests one attribute and returns
-  (``faccel._loop._exact``).
+  (``faccel._loop._exact._mode``).
+
+One hook on a wrapper faccel builds (not an object of yours), and its mark:
+
+- ``comm_hook=`` of ``prepare`` (DDP's communication hooks: fp16, bf16,
+  PowerSGD), registered with ``register_comm_hook`` on the
+  ``DistributedDataParallel`` wrapper ``prepare`` made
+  (``faccel._loop._comm_hooks``). torch has no way to take one off a DDP
+  wrapper; it goes with the wrapper. A PowerSGD hook keeps buffers of the
+  gradients' size (its error feedback, its warm-start matrices) in its
+  state, marked on the wrapper as ``_faccel_comm_hook`` (:data:`COMM_HOOK`),
+  set with ``object.__setattr__``; :func:`faccel.shutdown` empties them.
+
+Process groups faccel makes, besides the default one (:data:`GROUPS`):
+
+- :data:`CHECK_IN_GROUP`, a gloo group for the evaluation check-in, kept in
+  ``dist.runtime.groups`` and dropped by :func:`faccel.shutdown`.
+- The groups of the device meshes made for a layout (``faccel._dist._mesh``),
+  and the data-parallel subgroups of a layout with tensor parallelism
+  (``data_group``, made with ``new_subgroups_by_enumeration`` the first time
+  a metric is combined over the data-parallel ranks): kept in
+  ``dist.runtime.meshes``, dropped by :func:`faccel.shutdown` (the default
+  group's destruction then ends them with it).
+
+Threads faccel starts (:data:`THREADS`, by name), each joined by the call that
+started it before that call returns, except a background checkpoint's, which
+``checkpoint(..., blocking=False)`` returns with and the next checkpoint,
+``restore`` or :func:`faccel.shutdown` joins:
+
+- ``faccel-checkpoint``: a non-blocking checkpoint's writer (``faccel._dist._runtime``).
+- ``faccel-hash``: hashes a file while it is written (``faccel._storage._durable``,
+  ``faccel._checkpoint._sharded._shard_file``).
+- ``faccel-sync``: flushes a file being written to the disk in the background
+  (``faccel._storage._durable``).
+- ``faccel-io``, ``faccel-read``: a checkpoint's parallel writes and reads
+  (``faccel._storage._durable``, ``faccel._checkpoint._sharded._flow``).
+- ``faccel-lease``: renews an object store's writer lease while it is held
+  (``faccel._storage._objects``).
+- ``faccel-save-model``: writes ``save_model``'s files while the next tensors
+  are gathered (``faccel._hf._spread_write``).
 
 Nothing else of yours is changed, but what you ask for: ``prepare`` moves
 your module to the device in place, and ``fully_shard`` (FSDP2) changes its
@@ -96,15 +135,18 @@ from __future__ import annotations
 
 __all__ = [
     "CHECK_IN_GROUP",
+    "COMM_HOOK",
     "DEEPSPEED_ENGINE",
     "EVAL_CHECK_IN",
     "EXACT_BUCKET_READY",
+    "GROUPS",
     "HOOKS",
     "OTHER_STAGE",
     "PROCESS_GROUP",
     "REBIND_AT_FIRST_STEP",
     "REPLACED_BY",
     "TENSOR_PARALLEL",
+    "THREADS",
     "WHOLE_GROUPS",
     "WRAPPED_AS",
     "WRITTEN_BY",
@@ -130,4 +172,18 @@ EXACT_BUCKET_READY = "faccel: exact bucket ready"
 HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP, EXACT_BUCKET_READY)
 #: The name of the one process group faccel makes for itself, kept in ``dist.runtime.groups``.
 CHECK_IN_GROUP = "evaluation check-in"
+#: Every name of ``dist.runtime.groups`` (the meshes' groups are kept in ``dist.runtime.meshes``).
+GROUPS = (CHECK_IN_GROUP,)
+# On the DDP wrapper prepare made with a PowerSGD comm_hook: its PowerSGDState (faccel._loop._comm_hooks).
+COMM_HOOK = "_faccel_comm_hook"
+#: The name of every thread faccel starts (or the prefix of a pool's), each joined as the docstring says.
+THREADS = (
+    "faccel-checkpoint",
+    "faccel-hash",
+    "faccel-sync",
+    "faccel-io",
+    "faccel-read",
+    "faccel-lease",
+    "faccel-save-model",
+)
 OTHER_STAGE = "_faccel_other_stage"

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree  # torch.func's own tree registry; no publi
 from torch import nn
 
 __all__ = [
+    "batched_powersgd_works",
     "compiled_original",
     "default_store",
     "fake_tensors",
@@ -173,3 +174,16 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     ``dp_shard_cp``). A collective the first time: every rank must call it.
     """
     return mesh._flatten(name)
+
+
+def batched_powersgd_works() -> bool:
+    """Whether torch's ``batched_powerSGD_hook`` can run: it orthogonalizes 2-D matrices, and some
+    versions' ``_orthogonalize`` takes only a 3-D batch (a bare ``AssertionError`` at the first
+    compressed step). Asked of the private function itself, so a torch that mends it is let through."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+    except AssertionError:
+        return False
+    return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any, TypeVar
 
 from faccel._choices import CLOSED_SETS, ClosedSet
@@ -64,14 +64,50 @@ def setup_checked(fn: F) -> F:
             )
             raise ArgumentError(msg)
         try:
-            return checked(*args, **kwargs)
+            result = checked(*args, **kwargs)
         except TypeCheckError as error:
             msg = f"{fn.__qualname__}(): {error}"
             raise ArgumentError(msg) from None
+        # A generator (a context manager's body) checks its arguments when first advanced, inside
+        # ``__enter__``: its type errors are named there too.
+        return _named_type_errors(fn, result) if is_generator else result
 
     takes_dist = fn.__code__.co_varnames[:1] == ("dist",)
+    is_generator = inspect.isgeneratorfunction(fn)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _named_type_errors(
+    fn: Callable[..., Any], generator: Generator[Any, Any, Any]
+) -> Generator[Any, Any, Any]:
+    """``generator``'s items; typeguard's ``TypeCheckError`` of its arguments (raised before its first
+    item) as an :class:`ArgumentError`. What the caller's block raises later is thrown in unchanged."""
+    from typeguard import TypeCheckError
+
+    try:
+        item = next(generator)
+    except TypeCheckError as error:
+        msg = f"{fn.__qualname__}(): {error}"
+        raise ArgumentError(msg) from None
+    except StopIteration as stop:
+        return stop.value
+    while True:  # ``yield from``, less the first item
+        try:
+            sent = yield item
+        except GeneratorExit:
+            generator.close()
+            raise
+        except BaseException as error:
+            try:
+                item = generator.throw(error)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                item = generator.send(sent)
+            except StopIteration as stop:
+                return stop.value
 
 
 def _closed_parameters(fn: Callable[..., Any]) -> Mapping[str, ClosedSet]:

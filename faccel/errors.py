@@ -21,6 +21,7 @@ __all__ = [
     "MissingExtraError",
     "PrecisionError",
     "PrepareError",
+    "RankFailedError",
     "SetupMismatchError",
     "StorageError",
     "UsageError",
@@ -71,6 +72,18 @@ class DistributedError(FaccelError, RuntimeError):
     (another rank or world size), or a collective needs a group that is not
     running. Fix: call :func:`faccel.detect` once per process, before any
     collective, and :func:`faccel.shutdown` at the end.
+    """
+
+
+class RankFailedError(DistributedError):
+    """Another rank left (it crashed, was killed, or stopped answering) inside a collective step.
+
+    Cause: a peer process ended during a step whose collectives faccel does
+    not run itself (DeepSpeed's backward and optimizer step); the backend
+    reported the lost connection. The message names this rank, the step, the
+    other ranks and their last faccel calls.
+    Fix: that rank's own log holds the first error; restart the job from the
+    latest checkpoint.
     """
 
 

@@ -455,7 +455,7 @@ def setup_description_pairs(draw: st.DrawFn) -> tuple[list[list[Any]], list[list
 def plan_param_specs(draw: st.DrawFn) -> list[Any]:
     """Parameters as the memory plan sees them: shapes of up to 3 dims (rows may be fewer than ranks),
     element sizes of 1 to 8 bytes, a tensor-parallel dim or none, frozen ones, a few FSDP2 units."""
-    from faccel._report._memory_plan import ParamSpec
+    from faccel._report._memory_arith import ParamSpec
 
     out = []
     for index in range(draw(st.integers(min_value=1, max_value=8))):

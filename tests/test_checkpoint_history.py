@@ -161,3 +161,29 @@ def test_rollback_and_into_are_checked_before_anything(tmp_path: Path) -> None:
         faccel.restore(dist, _state(), tmp_path, into=tmp_path / "x", rollback="move")
     with pytest.raises(faccel.errors.CheckpointError, match="not the root"):
         faccel.restore(dist, _state(), tmp_path, rollback="move")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["step-1", "step-0000000000001", "manifest.json", "state.json", "abandoned-after-step-000000000002"],
+)
+def test_a_name_faccel_gives_things_in_a_root_is_refused_before_anything_is_written(
+    tmp_path: Path, name: str
+) -> None:
+    said = r"is a name faccel gives things|not one plain"
+    with pytest.raises(faccel.errors.ArgumentValueError, match=said):
+        faccel.checkpoint(faccel.detect({}), _state(), tmp_path / "root", name=name)
+    assert not (tmp_path / "root").exists()
+
+
+def test_into_a_regular_file_is_refused_before_anything_is_loaded(tmp_path: Path) -> None:
+    dist = faccel.detect({})
+    faccel.checkpoint(dist, attrs.evolve(_state(), step=1), tmp_path / "a")
+    (tmp_path / "file").write_text("x")
+    target = _state(1)
+    before = _weights(target)
+    with pytest.raises(
+        faccel.errors.CheckpointError, match=r"file is a file, so no checkpoint can be written"
+    ):
+        faccel.restore(dist, target, tmp_path / "a" / "step-000000000001", into=tmp_path / "file")
+    assert torch.equal(_weights(target), before) and (tmp_path / "file").read_text() == "x"

@@ -164,7 +164,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
         "plan config bad values",
         ["plan", "--hf-config", "{d}/cfg_bad_values", "--world-size", "2"],
         1,
-        r"could not build the model",
+        r"n_embd is -8, and a size or count is 0 or more",
     ),
     (
         "plan --batch-size -5",

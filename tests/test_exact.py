@@ -1,4 +1,4 @@
-"""Exact mode in one process (faccel/_loop/_exact.py): simulated ranks, the checks, mode off unchanged.
+"""Exact mode in one process (faccel/_loop/_exact/_mode.py): simulated ranks, the checks, mode off unchanged.
 
 A simulated rank (``DistState.simulated``) computes its node of the tree: its atoms' sum, left in
 ``.grad``. Combined along the exchange's plans (``simulate_exchange``), the nodes of every allowed
@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import faccel
-from faccel._loop._exact import _agree, atom_seed
-from faccel._loop._tree_reduce import simulate_exchange
+from faccel._loop._exact._mode import _agree, atom_seed
+from faccel._loop._exact._tree_reduce import simulate_exchange
 from faccel.errors import ArgumentError, ArgumentValueError, UsageError
 
 SAMPLES = 64

@@ -1,4 +1,4 @@
-"""Exact mode's tree (faccel/_loop/_tree_reduce.py): the ranks' combination is bitwise the one-process sum.
+"""Exact mode's tree (faccel/_loop/_exact/_tree_reduce.py): the ranks' sum is bitwise the one-process sum.
 
 Laws, for any atom count A (a power of two) and any data-parallel size W dividing it, with real
 float tensors whose magnitudes span many orders (so that a different order of additions shows):
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 
-from faccel._loop._tree_reduce import (
+from faccel._loop._exact._tree_reduce import (
     TreeStack,
     bit_reversed,
     plan,

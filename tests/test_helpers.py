@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from typeguard import TypeCheckError
 
 import faccel
 
@@ -63,7 +64,8 @@ def test_find_executable_batch_size_refuses_bad_settings(kwargs: dict, match: st
         faccel.find_executable_batch_size(faccel.detect({}), **kwargs)
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "batched_powersgd"])
+# batched_powersgd: refused where torch's hook cannot run (test_batched_powersgd_is_refused_by_name...)
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
 def test_a_comm_hook_in_one_process_is_accepted_and_changes_nothing(hook: str) -> None:
     torch.manual_seed(0)
     model = faccel.prepare(faccel.detect({}), torch.nn.Linear(2, 2), comm_hook=hook)
@@ -81,10 +83,92 @@ def test_comm_hook_mistakes_are_refused_by_name() -> None:
 
 
 def test_the_bf16_hook_is_refused_by_name_on_gloo() -> None:
-    from faccel._loop._comm_hooks import check_comm_hook
+    from faccel._loop._strategies._ddp._comm_hooks import check_comm_hook
 
     two = faccel.DistState.simulated(rank=0, world_size=2)
     with pytest.raises(faccel.errors.PrepareError, match="needs NCCL"):
         check_comm_hook(two, "bf16", None)
     with pytest.raises(faccel.errors.PrepareError, match="needs NCCL"):
         check_comm_hook(two, "powersgd", {"wrapper": "bf16"})
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"matrix_approximation_rank": 0}, "matrix_approximation_rank'] must be an int >= 1, got 0"),
+        ({"matrix_approximation_rank": -1}, "matrix_approximation_rank'] must be an int >= 1, got -1"),
+        ({"orthogonalization_epsilon": float("nan")}, "orthogonalization_epsilon'] must be a finite number"),
+        ({"random_seed": -1}, r"random_seed'] must be an int from 0 to 2\*\*32 - 1, got -1"),
+        ({"start_powerSGD_iter": 1}, "start_powerSGD_iter'] is 1, and with use_error_feedback"),
+        ({"use_error_feedback": "yes"}, "use_error_feedback'] must be True or False"),
+        ({"min_compression_rate": 0}, "min_compression_rate'] must be a finite number > 0"),
+    ],
+)
+def test_powersgd_options_that_would_freeze_poison_or_crash_are_refused_by_name(
+    options: dict, match: str
+) -> None:
+    with pytest.raises(faccel.errors.ArgumentValueError, match=match):
+        faccel.prepare(
+            faccel.detect({}), torch.nn.Linear(2, 2), comm_hook="powersgd", comm_hook_options=options
+        )
+
+
+def test_powersgd_starting_at_step_one_without_state_is_accepted() -> None:
+    options = {"start_powerSGD_iter": 1, "use_error_feedback": False, "warm_start": False}
+    faccel.prepare(faccel.detect({}), torch.nn.Linear(2, 2), comm_hook="powersgd", comm_hook_options=options)
+
+
+def test_batched_powersgd_is_refused_by_name_where_torchs_hook_cannot_run() -> None:
+    from faccel._torch_compat import batched_powersgd_works
+
+    if batched_powersgd_works():
+        pytest.skip("this torch's batched PowerSGD hook runs")
+    with pytest.raises(faccel.errors.PrepareError, match="use comm_hook='powersgd'"):
+        faccel.prepare(faccel.detect({}), torch.nn.Linear(2, 2), comm_hook="batched_powersgd")
+
+
+def test_local_sgd_and_profile_arguments_of_another_type_or_range_are_named() -> None:
+    dist = faccel.detect({})
+    model = torch.nn.Linear(2, 1)
+    errors = faccel.errors
+    with pytest.raises(errors.ArgumentError, match="every"), faccel.local_sgd(dist, model, every=2.5):
+        pass
+    with faccel.local_sgd(dist, model, every=2) as local:
+        # (the suite's own type checker may name it first: tests/test_mistakes.py runs it without)
+        with pytest.raises((errors.ArgumentError, TypeCheckError), match=r"local.step\(n\) takes n|step"):
+            local.step("3")  # type: ignore[arg-type]
+        with pytest.raises(errors.ArgumentValueError, match=r"an int >= 1\), got 0"):
+            local.step(0)
+    with pytest.raises(errors.ArgumentError, match="schedule"), faccel.profile(dist, schedule={"wait": "1"}):  # type: ignore[dict-item]
+        pass
+    for schedule, match in [
+        ({"wait": -1}, "wait is a number of steps, an int >= 0"),
+        ({"active": 0}, "records nothing"),
+    ]:
+        with pytest.raises(errors.ArgumentValueError, match=match), faccel.profile(dist, schedule=schedule):
+            pass
+
+
+def test_profile_refuses_a_trace_dir_that_cannot_be_a_folder(tmp_path) -> None:
+    dist = faccel.detect({})
+    file = tmp_path / "file"
+    file.write_text("x")
+    for trace_dir, match in [
+        (file, "is a file"),
+        (file / "under", "under a file"),
+        (str(tmp_path) + "/a\x00b", "NUL"),
+    ]:
+        with pytest.raises(faccel.errors.ArgumentValueError, match=match), faccel.profile(dist, trace_dir):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing made
+
+
+def test_find_executable_batch_size_refuses_a_batch_size_passed_by_keyword() -> None:
+    @faccel.find_executable_batch_size(faccel.detect({}), starting_batch_size=4)
+    def train(batch_size: int) -> int:
+        return batch_size
+
+    with pytest.raises(
+        faccel.errors.ArgumentError, match=r"train\(batch_size=8\): find_executable_batch_size passes"
+    ):
+        train(batch_size=8)

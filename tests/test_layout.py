@@ -194,7 +194,7 @@ def test_a_tensor_parallel_layout_needs_a_plan_that_names_real_submodules() -> N
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import faccel
-    from faccel._loop._parallel import apply_plan, plan_problem
+    from faccel._loop._strategies._mesh._tp_plan import apply_plan, plan_problem
 
     dist = faccel.DistState.simulated(rank=0, world_size=4, layout=faccel.Layout(tensor=4))
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -268,6 +269,23 @@ def test_the_command_line_says_what_is_wrong(gpt2_config: str, capsys: pytest.Ca
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--world-size", "2"])  # neither --hf-config nor --model
     assert exit_.value.code == 2
+
+
+def test_the_command_line_refuses_a_config_of_negative_or_zero_sizes(
+    gpt2_config: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(Path(gpt2_config).read_text()), "n_layer": -3, "n_embd": 0}))
+    assert main(["plan", "--hf-config", str(config), "--world-size", "2", "--no-activations"]) == 1
+    captured = capsys.readouterr()
+    assert "n_layer is -3, and a size or count is 0 or more" in captured.err and captured.out == "", captured
+    # What such a config builds: no parameters, or one of an empty shape.
+    for build, said in [
+        (torch.nn.Sequential, "has no parameters"),
+        (lambda: torch.nn.ParameterList([torch.nn.Parameter(torch.empty(4, 0))]), r"of shape \[4, 0\]"),
+    ]:
+        with pytest.raises(faccel.errors.ArgumentValueError, match=said):
+            faccel.estimate_memory(build, 2)
 
 
 def test_the_command_line_builds_a_model_from_a_function_path(capsys: pytest.CaptureFixture[str]) -> None:

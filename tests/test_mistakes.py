@@ -25,6 +25,9 @@ _CASES = {
     "non-scalar loss": "faccel.backward(dist, model(x) - 1)",
     "checkpoint(state, path)": "faccel.checkpoint(state, 'ckpt')",
     "prepare(model) without dist": "faccel.prepare(model)",
+    "local_sgd(every=2.5)": "with faccel.local_sgd(dist, model, every=2.5): pass",
+    "local.step('3')": "with faccel.local_sgd(dist, model, every=2) as local: local.step('3')",
+    "profile(schedule={'wait': '1'})": "with faccel.profile(dist, schedule={'wait': '1'}): pass",
 }
 
 _SCRIPT = """
@@ -71,6 +74,9 @@ def seen() -> dict[str, list]:
             "faccel.checkpoint(dist, ...) with dist = faccel.detect()",
         ),
         ("prepare(model) without dist", "ArgumentError", "faccel.prepare(dist, ...)"),
+        ("local_sgd(every=2.5)", "ArgumentError", '"every" (float) is not an instance of int'),
+        ("local.step('3')", "ArgumentError", "local.step(n) takes n, the optimizer steps so far"),
+        ("profile(schedule={'wait': '1'})", "ArgumentError", "value of key 'wait' is not an instance of int"),
     ],
 )
 def test_the_first_mistakes_get_a_named_error_that_names_the_fix(

@@ -155,7 +155,10 @@ def test_every_mark_on_user_objects_is_named_in_one_module() -> None:
 ALLOWED: dict[tuple[str, str], str] = {
     ("faccel/_loop/_check_in.py", "register_forward_pre_hook"): "faccel._marks.EVAL_CHECK_IN",
     ("faccel/_loop/_prepare.py", "register_step_pre_hook"): "faccel._marks.REBIND_AT_FIRST_STEP",
-    ("faccel/_loop/_exact.py", "register_post_accumulate_grad_hook"): "faccel._marks.EXACT_BUCKET_READY",
+    (
+        "faccel/_loop/_exact/_mode.py",
+        "register_post_accumulate_grad_hook",
+    ): "faccel._marks.EXACT_BUCKET_READY",
     # launch()'s children set the launcher's variables (of _dist/_launch's table) for themselves
     ("faccel/_dist/_notebook.py", "os.environ.update"): "a launched child's own environment",
     # a group detect() started is stopped at exit; shutdown() unregisters it
@@ -165,12 +168,18 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("faccel/_dist/_signals.py", "signal.signal"): "stop_signal's handlers, restored",
     # a one-process DeepSpeed run: the engine reads LOCAL_RANK from the environment, so it is
     # written where unset (never overwritten), from the launcher table (_dist/_launch.py)
-    ("faccel/_loop/_deepspeed.py", "os.environ.setdefault"): "DeepSpeed's LOCAL_RANK, where unset",
+    (
+        "faccel/_loop/_strategies/_deepspeed/_engine.py",
+        "os.environ.setdefault",
+    ): "DeepSpeed's LOCAL_RANK, where unset",
 }
 
 # Hooks on a wrapper faccel itself builds (not a user's object): they go with the wrapper.
 OWN_WRAPPER_HOOKS: dict[tuple[str, str], str] = {
-    ("faccel/_loop/_comm_hooks.py", "register_comm_hook"): "prepare(comm_hook=) on faccel's DDP wrapper",
+    (
+        "faccel/_loop/_strategies/_ddp/_comm_hooks.py",
+        "register_comm_hook",
+    ): "prepare(comm_hook=) on faccel's DDP wrapper",
 }
 
 _ENVIRON_METHODS = frozenset(
@@ -237,8 +246,8 @@ def test_hooks_on_user_objects_only_where_marks_lists_them() -> None:
 
 def test_no_environment_writes_outside_the_allow_list() -> None:
     # faccel reads its environment through faccel._dist._launch's table and writes none of it.
-    # (faccel/_loop/_deepspeed.py's os.environ.setdefault("DS_ACCELERATOR", ...) is found here
-    # until it goes: it changes what every later DeepSpeed import in the process sees.)
+    # (DeepSpeed's _engine.py's os.environ.setdefault("DS_ACCELERATOR", ...) is found here until it goes:
+    # it changes what every later DeepSpeed import in the process sees.)
     assert _findings("environ") + _findings("putenv") + _findings("unsetenv") == []
 
 
@@ -301,3 +310,24 @@ def test_a_word_outside_a_closed_set_is_a_bad_value(call: str, error: str) -> No
         eval(call)
     assert type(raised.value).__name__ == error
     assert " must be " in str(raised.value)
+
+
+def test_every_thread_faccel_starts_is_listed_in_marks() -> None:
+    """Each ``Thread(name=...)`` and pool ``thread_name_prefix=`` in faccel is in ``_marks.THREADS``."""
+    import faccel._marks as marks
+
+    named: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _dotted(node.func).split(".")[-1] in (
+                "Thread",
+                "ThreadPoolExecutor",
+            ):
+                for keyword in node.keywords:
+                    if keyword.arg in ("name", "thread_name_prefix") and isinstance(
+                        keyword.value, ast.Constant
+                    ):
+                        named.setdefault(keyword.value.value, set()).add(path.name)
+    assert named and set(named) <= set(marks.THREADS), named
+    assert all(f"``{name}``" in (marks.__doc__ or "") for name in marks.THREADS)
+    assert marks.CHECK_IN_GROUP in marks.GROUPS

@@ -16,7 +16,7 @@ KINDS = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 @given(st.sampled_from(KINDS), st.integers(min_value=1, max_value=8))
 def test_every_stage_sits_on_exactly_one_pipeline_rank(kind: str, pipeline: int) -> None:
     import faccel
-    from faccel._loop._pipeline import stage_indices
+    from faccel._loop._strategies._pipeline._stages import stage_indices
 
     schedule = faccel.Schedule(kind=kind)
     placed = [s for r in range(pipeline) for s in stage_indices(schedule, r, pipeline)]
@@ -81,7 +81,7 @@ def test_prepare_refuses_a_pipeline_it_cannot_build(
 def test_a_pipelined_model_is_not_called_directly() -> None:
     import faccel
     from faccel._loop._options import PrepareOptions
-    from faccel._loop._pipeline import PipelinedModel
+    from faccel._loop._strategies._pipeline._stages import PipelinedModel
 
     dist = faccel.DistState.simulated(world_size=2, layout=faccel.Layout(pipeline=2))
     model = PipelinedModel(dist, _net(), ("1",), faccel.Schedule(), PrepareOptions())

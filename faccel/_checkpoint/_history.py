@@ -15,10 +15,20 @@ meet those steps hours in.
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 from faccel._checkpoint._folders import counted, hold_lock, read_folder_manifest, remove_leftovers, scan
-from faccel._checkpoint._format import NAMED, STEP_FOLDER, checkpoint_name
+from faccel._checkpoint._format import (
+    EXTRAS,
+    MANIFEST,
+    MODEL,
+    NAMED,
+    OPTIMIZER,
+    STATE,
+    STEP_FOLDER,
+    checkpoint_name,
+)
 from faccel._storage._store import Spot
 from faccel.errors import ArgumentValueError, CheckpointError
 
@@ -29,6 +39,10 @@ Rollback = Literal["move", "delete"]
 _ROLLBACKS = ("move", "delete")
 # The folder of a root that the checkpoints abandoned by a rollback to step N are moved into.
 _ABANDONED = "abandoned-after-{}"
+# Names a named checkpoint cannot take: a step's with any number of digits (restore and rotation
+# would parse it as a step), a rollback's folder, and the files a checkpoint holds.
+_RESERVED = re.compile(r"(?i)step-\d+|abandoned-after-.*")
+_FILES = frozenset({MANIFEST, STATE, MODEL, OPTIMIZER, EXTRAS})
 
 
 def check_checkpoint_name(name: str, *, keep: int | None) -> None:
@@ -46,6 +60,13 @@ def check_checkpoint_name(name: str, *, keep: int | None) -> None:
             f"checkpoint name {name!r} is not one plain folder name: expected letters, digits, '_', '.' "
             "and '-' (at most 128, starting with a letter or digit), not a numbered checkpoint's "
             "step-NNNNNNNNNNNN; for example name='best' or name='epoch_0'"
+        )
+        raise ArgumentValueError(msg)
+    if _RESERVED.fullmatch(name) or name in _FILES:
+        msg = (
+            f"checkpoint name {name!r} is a name faccel gives things in a root or a checkpoint (step-N, "
+            f"abandoned-after-..., {', '.join(sorted(_FILES))}): a folder of that name would be read as "
+            "one of them; choose another, for example name='best' or name='epoch_0'"
         )
         raise ArgumentValueError(msg)
     if keep is not None:
@@ -106,6 +127,13 @@ def refuse_later(path: Spot, step: int, *, folder: bool, into: Spot | None, roll
     if rollback is not None:
         return
     if into is not None:
+        blocked = into.store.blocking_file(into.key)
+        if blocked is not None:
+            msg = (
+                f"restore(..., into={str(into)!r}): {blocked} is a file, so no checkpoint can be written "
+                "there; into= names the root this run checkpoints into (a folder, new or empty)"
+            )
+            raise CheckpointError(msg)
         later = _later(into, step)
         if later:
             msg = (

@@ -16,6 +16,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 import attrs
 import torch
@@ -326,12 +327,21 @@ def restore(
         step, result = (0, None) if isinstance(got, _Uncommitted) else got
         broken = isinstance(result, _Broken)
         # One collective: whether any rank found it broken (or not committed), and the steps found.
+        # The rollback too: the writing rank's choice alone would be done, another rank's dropped.
+        choice = _CHOICES.index(rollback)  # a known one: check_restore_choice ran first
         flags = agree_max(
             dist,
-            [int(broken or uncommitted), -step, step],
+            [int(broken or uncommitted), -step, step, -choice, choice],
             what="restore's check of the files",
             raises=CheckpointError,
         )
+        if -flags[3] != flags[4]:
+            msg = (
+                f"restore(..., rollback={rollback!r}) on rank {dist.rank}: the ranks passed different "
+                f"rollback= values (from {_CHOICES[-flags[3]]!r} to {_CHOICES[flags[4]]!r}); pass the same "
+                "on every rank. Nothing was moved, deleted or loaded"
+            )
+            raise CheckpointError(msg)
         if not flags[0] and result is not None and not isinstance(result, _Broken):
             if -flags[1] != flags[2]:
                 msg = (
@@ -368,6 +378,10 @@ def _folder(candidate: FolderManifest | Spot) -> Spot:
 
 def _name(candidate: FolderManifest | Spot) -> str:
     return _folder(candidate).name
+
+
+# restore's rollback= values, numbered for the ranks' agreement.
+_CHOICES: tuple[Rollback | None, ...] = (None, *get_args(Rollback))
 
 
 @attrs.frozen(kw_only=True)

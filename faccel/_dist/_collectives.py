@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from faccel._choices import ReduceOpName
 from faccel._dist._mesh import data_group
 from faccel._dist._process_group import comm_device, peers_answer, require_peers
 from faccel._dist._state import DistState
@@ -308,7 +309,7 @@ def gather(dist: DistState, tree: Any) -> Any:
     return gather_sizes(dist, tree)[0]
 
 
-def reduce(dist: DistState, tree: Any, op: str = "mean") -> Any:
+def reduce(dist: DistState, tree: Any, op: ReduceOpName = "mean") -> Any:
     """Combine every rank's tensors elementwise: ``'sum'``, ``'mean'``, ``'max'`` or ``'min'``.
 
     The inputs are not modified; new tensors come back, the same on every

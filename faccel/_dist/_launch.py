@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 import attrs
 
+from faccel._choices import Launcher
 from faccel.errors import LaunchError
 
 __all__ = [
@@ -46,7 +47,7 @@ class LaunchInfo:
         'slurm'
     """
 
-    launcher: str
+    launcher: Launcher
     rank: int
     local_rank: int
     world_size: int
@@ -64,7 +65,7 @@ class LaunchInfo:
 
 @attrs.frozen
 class _Launcher:
-    name: str
+    name: Launcher
     rank: str
     world_size: str
     local_rank: str | None
@@ -142,7 +143,7 @@ def deepspeed_environment(local_rank: int) -> dict[str, str]:
     """What DeepSpeed's engine reads from the process environment, which faccel's launch may lack.
 
     DeepSpeed's engine asserts that ``LOCAL_RANK`` is set (torchrun sets it; a
-    plain one-process run, SLURM and Open MPI do not). ``faccel._loop._deepspeed``
+    plain one-process run, SLURM and Open MPI do not). ``faccel._loop._strategies._deepspeed._engine``
     writes these variables where unset, just before it builds the engine: the one
     write of the process environment in faccel, listed here beside what faccel reads.
 

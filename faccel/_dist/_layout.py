@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from faccel._choices import Strategy
 from faccel.errors import ArgumentValueError
 
 __all__ = [
@@ -290,7 +291,7 @@ def parse_layout(text: str) -> Layout:
     return Layout(**sizes)
 
 
-def default_layout(strategy: str, world_size: int) -> Layout:
+def default_layout(strategy: Strategy, world_size: int) -> Layout:
     """The layout a strategy means without one: DDP replicates over every rank, FSDP shards over them.
 
     Example:
@@ -300,7 +301,7 @@ def default_layout(strategy: str, world_size: int) -> Layout:
     return Layout(shard=world_size) if strategy == "fsdp" else Layout(replicate=world_size)
 
 
-def layout_problem(layout: Layout, world_size: int, strategy: str) -> str:
+def layout_problem(layout: Layout, world_size: int, strategy: Strategy) -> str:
     """What makes ``layout`` unusable for a job of ``world_size`` under ``strategy``; empty if nothing.
 
     Example:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from faccel._choices import STRATEGY, Precision, Strategy
+from faccel._choices import STRATEGY, Backend, Precision, Strategy
 from faccel._dist._deepspeed_config import read_config
 from faccel._dist._launch import OPTION_VARIABLES
 from faccel._dist._layout import Layout
@@ -59,7 +59,7 @@ def detect(
     *,
     device: str | torch.device | None = None,
     precision: Precision | None = None,
-    backend: str | None = None,
+    backend: Backend | None = None,
     accumulation_steps: int | None = None,
     strategy: Strategy | None = None,
     seed: int = 0,
@@ -258,7 +258,8 @@ def shutdown(dist: DistState, *, trackers: Sequence[Any] = ()) -> None:
     finally:  # its failure is raised once the trackers are closed and the group is stopped
         for tracker in trackers:
             tracker.__exit__(None, None, None)
-        # Under DeepSpeed a one-process run has a one-rank group of prepare's (_loop/_deepspeed.py).
+        # Under DeepSpeed a one-process run has a one-rank group of prepare's
+        # (faccel/_loop/_strategies/_deepspeed/_engine.py).
         if (dist.distributed or dist.strategy == "deepspeed") and tdist.is_initialized():
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)  # no kernel of a collective left in flight

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from faccel._choices import PRECISION, STRATEGY, Precision, Strategy
+from faccel._choices import PRECISION, STRATEGY, Backend, Launcher, Precision, Strategy
 from faccel._dist._launch import OPTION_VARIABLES, parse_launch, read_int
 from faccel._dist._layout import Layout, default_layout, layout_problem, parse_layout, strategy_for
 from faccel._dist._runtime import Runtime
@@ -32,7 +32,7 @@ PRECISIONS: Mapping[str, torch.dtype | None] = {
     "fp16": torch.float16,
 }
 # device type -> default process-group backend.
-_BACKENDS: Mapping[str, str] = {"cuda": "nccl", "cpu": "gloo", "mps": "gloo", "xpu": "xccl"}
+_BACKENDS: Mapping[str, Backend] = {"cuda": "nccl", "cpu": "gloo", "mps": "gloo", "xpu": "xccl"}
 # backend -> device types it can move tensors of.
 _BACKEND_DEVICES: Mapping[str, frozenset[str]] = {
     "gloo": frozenset({"cpu", "cuda", "mps"}),
@@ -47,7 +47,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 # FACCEL_TIMEOUT's grammar: ASCII digits, an optional decimal part; at most ~115 days.
 _SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 # How a model is spread over the processes: DDP replicates it, FSDP2 shards it, DeepSpeed's
-# ZeRO partitions it (faccel._loop._deepspeed).
+# ZeRO partitions it (faccel._loop._strategies._deepspeed._engine).
 STRATEGIES = frozenset(STRATEGY.values)
 
 
@@ -126,14 +126,14 @@ class DistState(Settings):
     local_world_size: int = attrs.field(default=1, validator=_positive)
     node_rank: int = 0
     device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
-    backend: str = "gloo"
+    backend: Backend = "gloo"
     precision: Precision = attrs.field(default="no", validator=_check_precision)
     accumulation_steps: int = attrs.field(default=1, validator=_positive)
     strategy: Strategy = attrs.field(default="ddp", validator=_check_strategy)
     seed: int = 0
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     train_timeout: datetime.timedelta | None = None
-    launcher: str = "none"
+    launcher: Launcher = "none"
     master_addr: str | None = None
     master_port: int | None = None
     external_store: bool = False
@@ -335,7 +335,7 @@ def state_from_env(
     mps_available: bool = False,
     device: str | torch.device | None = None,
     precision: Precision | None = None,
-    backend: str | None = None,
+    backend: Backend | None = None,
     accumulation_steps: int | None = None,
     strategy: Strategy | None = None,
     seed: int = 0,

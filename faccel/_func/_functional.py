@@ -12,13 +12,14 @@ gradient with :func:`faccel.func.sync_grads` before using it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from faccel._choices import Engine
 from faccel._dist._state import DistState
 from faccel._func._module_call import ModuleCaller
 from faccel._func._optim._base import Optimizer, state_from_dict, state_to_dict
@@ -30,7 +31,7 @@ from faccel.errors import ArgumentValueError, DistributedError, FunctionalError
 
 __all__ = ["FunctionalState", "loss_and_grad", "model_params"]
 
-_ENGINES = ("autograd", "func")
+_ENGINES = get_args(Engine)
 
 
 def _has_ddp(model: nn.Module) -> bool:
@@ -105,7 +106,7 @@ def loss_and_grad(
     model: nn.Module,
     loss_fn: Callable[..., Any],
     *,
-    engine: str = "autograd",
+    engine: Engine = "autograd",
     has_aux: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """A pure function ``(params, buffers, inputs, *loss_args) -> (loss, grads)``.

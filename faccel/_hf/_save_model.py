@@ -54,7 +54,7 @@ from faccel._hf._naming import (
 )
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._model import unwrap_model
-from faccel._loop._pipeline import PipelinedModel
+from faccel._loop._strategies._pipeline._stages import PipelinedModel
 from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json, read_verified
 from faccel._storage._local import local_spot, present

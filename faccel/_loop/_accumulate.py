@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from faccel._data._loader import PreparedLoader
 from faccel._dist._state import DistState
-from faccel._loop._exact import ExactRun
+from faccel._loop._exact._mode import ExactRun
 from faccel._loop._micro_step import MicroStep, sync_boundary
 from faccel._loop._model import is_sharded
 from faccel._typecheck import setup_checked

@@ -93,9 +93,9 @@ def backward(
         )
         raise AccumulationError(msg)
     if dist.strategy == "deepspeed":  # the engine's backward: its reductions, its fp16 loss scale
-        from faccel._loop._deepspeed import engine_backward
+        from faccel._loop._strategies._deepspeed._engine import engine_backward
 
-        engine_backward(loss, sync=micro is None or micro.sync, **kwargs)
+        engine_backward(loss, sync=micro is None or micro.sync, dist=dist, **kwargs)
         return
     if scaler is not None and scaler.is_enabled():
         loss = scaler.scale(loss)

@@ -20,7 +20,7 @@ import torch
 from faccel._dist._collectives import any_rank
 from faccel._dist._state import DistState
 from faccel._typecheck import setup_checked
-from faccel.errors import ArgumentValueError, BatchSizeError
+from faccel.errors import ArgumentError, ArgumentValueError, BatchSizeError
 
 __all__ = ["find_executable_batch_size", "is_out_of_memory"]
 
@@ -92,6 +92,7 @@ def find_executable_batch_size(
     Raises:
         ArgumentValueError: ``starting_batch_size`` < 1, or ``shrink`` not in (0, 1).
         BatchSizeError: (from the wrapped function) every size down to 1 ran out of memory.
+        ArgumentError: (from the wrapped function) ``batch_size`` passed to it by keyword.
 
     Example:
         >>> import torch, faccel
@@ -117,6 +118,13 @@ def find_executable_batch_size(
 
     @functools.wraps(wrapped)
     def tries(*args: Any, **kwargs: Any) -> T:
+        if "batch_size" in kwargs:
+            msg = (
+                f"{wrapped.__name__}(batch_size={kwargs['batch_size']!r}): find_executable_batch_size "
+                f"passes the batch size itself (from {starting_batch_size} down); call "
+                f"{wrapped.__name__}(...) without it, and pass starting_batch_size= to the decorator"
+            )
+            raise ArgumentError(msg)
         batch_size = starting_batch_size
         tried = []
         while batch_size >= 1:

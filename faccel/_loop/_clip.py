@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._model import unwrap_model
-from faccel._loop._pipeline import PipelinedModel, clip_stages
+from faccel._loop._strategies._deepspeed._engine import is_deepspeed_engine
+from faccel._loop._strategies._pipeline._stages import PipelinedModel, clip_stages
 from faccel._marks import DEEPSPEED_ENGINE
 from faccel.errors import PrecisionError, UsageError
 

@@ -227,6 +227,9 @@ def _options(options: PrepareOptions) -> Iterator[tuple[str, Any]]:
     yield "offload", options.offload
     yield "reshard_after_forward", options.reshard_after_forward
     yield "comm_hook", options.comm_hook
+    # Another PowerSGD rank or start per rank: DDP's reducer would exchange matrices of other sizes.
+    hook = options.comm_hook_options
+    yield "comm_hook_options", None if hook is None else {str(k): _plain(v) for k, v in hook.items()}
 
 
 def _callable_name(fn: Any) -> str:

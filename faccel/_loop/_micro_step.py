@@ -41,7 +41,7 @@ class Atom(NamedTuple):
     piece: int
     last: bool
     seed: int
-    group: Any  # an AtomGroup (faccel._loop._exact imports this module, not the reverse)
+    group: Any  # an AtomGroup (faccel._loop._exact._mode imports this module, not the reverse)
 
 
 class MicroStep(NamedTuple):

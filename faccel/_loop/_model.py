@@ -24,10 +24,10 @@ from faccel._dist._process_group import pin_process_group
 from faccel._dist._state import DistState
 from faccel._loop._activation_checkpoint import checkpoint_activations
 from faccel._loop._check_in import add_check_in
-from faccel._loop._deepspeed import is_deepspeed_engine
 from faccel._loop._materialize import materialize, prepare_meta
 from faccel._loop._options import PrepareOptions
-from faccel._loop._parallel import apply_plan, plan_key_matches
+from faccel._loop._strategies._deepspeed._engine import is_deepspeed_engine
+from faccel._loop._strategies._mesh._tp_plan import apply_plan, plan_key_matches
 from faccel._loop._ties import check_ties_in_plan, check_ties_in_units, ties_in_one_unit
 from faccel._marks import TENSOR_PARALLEL, WRAPPED_AS
 from faccel._torch_compat import compiled_original, rebuild_ddp_buckets

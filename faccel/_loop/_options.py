@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from faccel._choices import INIT, OFFLOAD, WORKER_SEEDS, Init, Offload, WorkerSeeds
+from faccel._choices import INIT, OFFLOAD, WORKER_SEEDS, CommHookName, Init, Offload, WorkerSeeds
 from faccel._loop._activation_checkpoint import Selector, check_selector
 from faccel.errors import ArgumentValueError
 
@@ -70,12 +70,12 @@ class PrepareOptions:
     activation_checkpointing: Selector | None = attrs.field(default=None, validator=_check_selector)
     offload: Offload | None = attrs.field(default=None, validator=_check_offload)
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
-    # Pipeline stages (faccel._loop._pipeline): where the model is cut, and the schedule (a Schedule).
+    # Pipeline stages (faccel._loop._strategies._pipeline): where the model is cut, and the schedule.
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None
     schedule: Any = None
     # A batch (this rank's, as forward_backward gets it): the stages are built at prepare from its shapes.
     example: Any = None
-    comm_hook: str | None = None
+    comm_hook: CommHookName | None = None
     comm_hook_options: Mapping[str, Any] | None = None
 
     @property

@@ -10,18 +10,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from faccel._choices import Init, Offload, WorkerSeeds
+from faccel._choices import CommHookName, Init, Offload, WorkerSeeds
 from faccel._data._loader import PreparedLoader, prepare_loader
 from faccel._dist._process_group import breadcrumb
 from faccel._dist._state import DistState
-from faccel._loop._comm_hooks import check_comm_hook, register_comm_hook
 from faccel._loop._consistency import check_setup
 from faccel._loop._context import check_context
-from faccel._loop._deepspeed import ConfigOptimizer, ConfigScheduler, prepare_deepspeed
 from faccel._loop._materialize import prepare_meta
 from faccel._loop._model import check_options, prepare_module
 from faccel._loop._options import PrepareOptions
-from faccel._loop._pipeline import Schedule, pipelined
+from faccel._loop._strategies._ddp._comm_hooks import check_comm_hook, register_comm_hook
+from faccel._loop._strategies._deepspeed._engine import ConfigOptimizer, ConfigScheduler, prepare_deepspeed
+from faccel._loop._strategies._pipeline._stages import Schedule, pipelined
 from faccel._marks import OTHER_STAGE, REPLACED_BY, WHOLE_GROUPS
 from faccel._typecheck import setup_checked
 from faccel.errors import PrepareError
@@ -44,7 +44,7 @@ def _module(dist: DistState, obj: Any, options: _Options) -> Any:
     before = list(obj.parameters())
     prepared = prepare_module(dist, obj, options)
     if options.comm_hook is not None:
-        register_comm_hook(prepared, options.comm_hook, options.comm_hook_options)
+        register_comm_hook(dist, prepared, options.comm_hook, options.comm_hook_options)
     # Module.to() swaps tensor data in place for CPU <-> CUDA, but makes new Parameter
     # objects for some devices (meta, XLA), as fully_shard does (DTensors). The old
     # object is left behind, untrained; it says what replaced it, so an optimizer that
@@ -86,7 +86,7 @@ def _rebind(optimizer: torch.optim.Optimizer) -> bool:
         )  # every stage's parameters, as given: checkpoints number them
     for group in optimizer.param_groups:
         params = group["params"]
-        # Parameters another pipeline stage holds: never stepped here (faccel._loop._pipeline).
+        # Parameters another pipeline stage holds: never stepped here (faccel._loop._strategies._pipeline).
         params[:] = [p for p in params if not getattr(p, _OTHER_STAGE, False)]
         for index, param in enumerate(params):
             new = getattr(param, _REPLACED_BY, None)
@@ -237,7 +237,7 @@ def prepare(
     split: Sequence[str] | Callable[[int, int], nn.Module] | None = None,
     schedule: Schedule | None = None,
     example: Any = None,
-    comm_hook: str | None = None,
+    comm_hook: CommHookName | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make models, optimizers, schedulers and loaders ready for ``dist``.
@@ -429,7 +429,9 @@ def prepare(
     check_comm_hook(dist, comm_hook, comm_hook_options)
     # Every rank was given the same set-up (one small all_gather), before anything is wrapped or sharded.
     check_setup(dist, objs, options)
-    if dist.strategy == "deepspeed":  # one engine from the model and its optimizer (faccel._loop._deepspeed)
+    if (
+        dist.strategy == "deepspeed"
+    ):  # one engine from the model and its optimizer (faccel._loop._strategies._deepspeed._engine)
         _materialize_whole(dist, objs, options)
         prepared = prepare_deepspeed(dist, objs, lambda obj: _prepare_one(dist, obj, options))
         return prepared[0] if len(prepared) == 1 else prepared

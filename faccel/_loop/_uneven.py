@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import is_deepspeed_engine
+from faccel._loop._strategies._deepspeed._engine import is_deepspeed_engine
 from faccel.errors import UsageError
 
 __all__ = ["uneven_inputs"]

@@ -27,6 +27,44 @@ from faccel.errors import ArgumentValueError
 __all__ = ["profile"]
 
 _SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")
+# The least each schedule key takes: an active phase of 0 steps would record nothing, ever.
+_SCHEDULE_LEAST = {"wait": 0, "warmup": 0, "active": 1, "repeat": 0, "skip_first": 0}
+
+
+def _check_schedule(schedule: Mapping[str, Any]) -> None:
+    """Refuse a key ``torch.profiler.schedule`` does not take, or a count it would take wrongly."""
+    unknown = sorted(set(schedule) - set(_SCHEDULE_KEYS))
+    if unknown:
+        msg = f"schedule keys {unknown} are not torch.profiler.schedule's; it takes {list(_SCHEDULE_KEYS)}"
+        raise ArgumentValueError(msg)
+    for key, value in schedule.items():
+        least = _SCHEDULE_LEAST[key]
+        if type(value) is not int or value < least:
+            msg = (
+                f"profile(schedule={{{key!r}: {value!r}}}): {key} is a number of steps, an int >= {least}"
+                f"{' (an active phase of 0 steps records nothing)' if key == 'active' else ''}; "
+                "for example schedule={'wait': 1, 'warmup': 1, 'active': 2}"
+            )
+            raise ArgumentValueError(msg)
+
+
+def _trace_folder(trace_dir: str | os.PathLike[str]) -> Path:
+    """``trace_dir`` as a local folder, made if missing; refused by name when it cannot be one."""
+    refuse_url(trace_dir, what="profile's trace_dir")
+    text = os.fspath(trace_dir)
+    if not text or "\x00" in text:
+        msg = f"profile's trace_dir {text!r} is not a folder name (empty, or holding a NUL byte); pass a path"
+        raise ArgumentValueError(msg)
+    folder = Path(text)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        msg = f"profile's trace_dir {text!r} is a file, not a folder; pass a folder for the traces"
+        raise ArgumentValueError(msg) from None
+    except NotADirectoryError:
+        msg = f"profile's trace_dir {text!r} lies under a file, not a folder; pass a folder for the traces"
+        raise ArgumentValueError(msg) from None
+    return folder
 
 
 @contextlib.contextmanager
@@ -69,8 +107,11 @@ def profile(
         The running ``torch.profiler.profile``.
 
     Raises:
-        ArgumentValueError: a ``schedule`` key torch's schedule does not take; a URL
-            ``trace_dir`` (torch writes local files: profile locally, copy the traces up).
+        ArgumentError: an argument of another type (``schedule={'wait': '1'}``).
+        ArgumentValueError: a ``schedule`` key torch's schedule does not take, a
+            count below 0 (``active`` below 1); a URL ``trace_dir`` (torch writes
+            local files: profile locally, copy the traces up), one that is a file
+            or holds a NUL byte.
 
     Example:
         >>> import tempfile, torch, faccel
@@ -80,14 +121,9 @@ def profile(
         >>> sorted(os.listdir(out))
         ['profile_0.json']
     """
-    unknown = sorted(set(schedule or {}) - set(_SCHEDULE_KEYS))
-    if unknown:
-        msg = f"schedule keys {unknown} are not torch.profiler.schedule's; it takes {list(_SCHEDULE_KEYS)}"
-        raise ArgumentValueError(msg)
-    refuse_url(trace_dir, what="profile's trace_dir")
-    folder = None if trace_dir is None else Path(trace_dir)
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+    if schedule is not None:
+        _check_schedule(schedule)
+    folder = None if trace_dir is None else _trace_folder(trace_dir)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dist.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from faccel._choices import TRACKER_KIND, TrackerKind
+from faccel._choices import TRACKER_KIND, ReduceOpName, TrackerKind
 from faccel._dist._state import DistState
 from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
 from faccel._storage._roots import is_url, shown, spot_of
@@ -367,7 +367,7 @@ class Tracker:
         ('jsonl', True)
     """
 
-    kind: str
+    kind: TrackerKind
     folder: Path | str | None
     per_rank: bool = False
     _writer: _Writer | None = None
@@ -556,7 +556,7 @@ def log(
     step: int,
     metrics: Mapping[str, Any],
     *,
-    reduce: str | None = None,
+    reduce: ReduceOpName | None = None,
 ) -> None:
     """Record ``metrics`` at ``step``; each record says whose values they are.
 

@@ -77,7 +77,7 @@ def chunked_exchange() -> list[list[int]]:
     import torch
 
     import faccel
-    from faccel._loop._tree_reduce import exchange
+    from faccel._loop._exact._tree_reduce import exchange
 
     dist = faccel.detect()
     buffers = nodes(dist.world_size)[dist.rank]
@@ -99,7 +99,7 @@ def overlapped_and_serial(bucket: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     import faccel
-    from faccel._loop import _exact
+    from faccel._loop._exact import _mode as _exact
 
     _exact.BUCKET = bucket  # this process only
 

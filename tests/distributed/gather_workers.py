@@ -116,3 +116,34 @@ def restore_each(roots: list[str], stage: int) -> list[dict[str, Any]]:
         ]
         found.append({"step": step, "error": error, "warnings": passed_over})
     return found
+
+
+def peer_dies_in_a_deepspeed_step(where: str, timeout_s: float, out: str) -> None:
+    """ZeRO-2 on 2 ranks, one step trained; rank 1 dies entering the engine's ``where`` ("backward" or
+    "step") of the second, which the survivor runs (its collectives are DeepSpeed's own). The survivor
+    writes what it saw to ``out/outcome.json`` and ends its process at once (a teardown of a group
+    whose peer is gone can wait out gloo's timeout)."""
+    import json
+
+    import faccel
+    from tests.distributed import deepspeed_workers as dw
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist = faccel.detect(strategy="deepspeed", deepspeed=dw._zero(2), timeout=timeout)
+    objects = dw._prepared(dist)
+    model, optimizer, _, _, state = objects
+    dw._train(dist, objects, state, until=1, root="")
+    if dist.rank == 1:
+        object.__setattr__(model, where, _die)
+    x, y = dw._task()
+
+    def step() -> None:
+        faccel.backward(dist, torch.nn.functional.mse_loss(model(x[:4]), y[:4]))
+        optimizer.step()
+
+    outcome = _outcome(step)
+    with open(os.path.join(out, "outcome.json.tmp"), "w") as file:
+        json.dump(outcome, file)
+    os.replace(os.path.join(out, "outcome.json.tmp"), os.path.join(out, "outcome.json"))
+    os._exit(0)

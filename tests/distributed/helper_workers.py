@@ -91,3 +91,55 @@ def accelerate_schedule(steps: int) -> dict:
         optimizer.zero_grad()
         lrs.append(scheduler.get_last_lr()[0])
     return {"rank": dist.rank, "lrs": lrs}
+
+
+def _caught(work) -> str:
+    """The faccel error ``work()`` raised, as ``Class: message``; '' when it returned."""
+    try:
+        work()
+    except faccel.errors.FaccelError as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def options_that_differ_per_rank() -> dict:
+    """Each option that must agree, given differently on rank 1: refused on every rank, weights untouched.
+
+    One launch for all of them: each refusal leaves the process group usable for the next.
+    """
+    dist = faccel.detect()
+    other = dist.rank == 1
+    torch.manual_seed(0)
+    out: dict = {"rank": dist.rank}
+    rank = 2 if other else 1
+    options = {"start_powerSGD_iter": 2, "matrix_approximation_rank": rank}
+    out["comm_hook_options"] = _caught(
+        lambda: faccel.prepare(dist, torch.nn.Linear(4, 4), comm_hook="powersgd", comm_hook_options=options)
+    )
+    model = faccel.prepare(dist, torch.nn.Linear(4, 1))
+    before = faccel.unwrap_model(model).weight.flatten().tolist()
+
+    def block(**kwargs) -> None:
+        with faccel.local_sgd(dist, model, **kwargs):
+            pass
+
+    out["enabled"] = _caught(lambda: block(every=2, enabled=not other))
+    out["every"] = _caught(lambda: block(every=3 if other else 2))
+
+    def steps() -> None:
+        with faccel.local_sgd(dist, model, every=1) as local:
+            local.step(2 if other else 1)
+
+    out["step"] = _caught(steps)
+    out["untouched"] = faccel.unwrap_model(model).weight.flatten().tolist() == before
+    # A PowerSGD hook's buffers are dropped at shutdown (torch cannot take the hook off DDP).
+    hooked = faccel.prepare(
+        dist, torch.nn.Linear(8, 8), comm_hook="powersgd", comm_hook_options={"start_powerSGD_iter": 2}
+    )
+    for _ in range(3):
+        faccel.backward(dist, hooked(torch.randn(4, 8)).square().sum())
+    state = hooked._faccel_comm_hook
+    out["error_feedback"] = [len(state.error_dict)]
+    faccel.shutdown(dist)
+    out["error_feedback"].append(len(state.error_dict))
+    return out

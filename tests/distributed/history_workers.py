@@ -44,6 +44,15 @@ def history(root: str) -> dict:
     named_ok = _digest(target) == weights[1]
     faccel.checkpoint(dist, attrs.evolve(named, step=2), new)
     target = _state(dist, 2)
+    before = _digest(target)
+    # A rollback= that differs per rank: refused on every rank, nothing moved, deleted or loaded.
+    mixed = ""
+    try:
+        choice = "move" if dist.rank == 0 else "delete"
+        faccel.restore(dist, target, os.path.join(run, "step-000000000002"), rollback=choice)
+    except faccel.errors.CheckpointError as error:
+        mixed = str(error)
+    mixed_untouched = _digest(target) == before and "step-000000000003" in os.listdir(run)
     rolled = faccel.restore(dist, target, os.path.join(run, "step-000000000002"), rollback="move")
     rolled_ok = _digest(target) == weights[2]
     faccel.checkpoint(dist, attrs.evolve(rolled, step=3), run)  # the root's future is this run's again
@@ -51,6 +60,7 @@ def history(root: str) -> dict:
     return {
         "rank": dist.rank,
         "refused": refused,
+        "mixed": [mixed, mixed_untouched],
         "named": [named.step, named_ok],
         "rolled": [rolled.step, rolled_ok],
         "run": sorted(os.listdir(run)),

@@ -42,7 +42,7 @@ def test_the_exchange_cut_in_chunks_leaves_every_rank_the_simulated_sum() -> Non
     """Chunks of 3 over odd pieces (and a buffer shorter than the world): the bits simulate_exchange gives."""
     import torch
 
-    from faccel._loop._tree_reduce import simulate_exchange
+    from faccel._loop._exact._tree_reduce import simulate_exchange
 
     results = harness.run(exact_workers.chunked_exchange, world_size=4)
     expected = simulate_exchange(exact_workers.nodes(4))

@@ -9,6 +9,7 @@ The long proof (hundreds of one-rank kills of DeepSpeed checkpoints) is
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,21 @@ def test_deepspeed_zero2_checkpoint_a_peer_dying_in_the_gather_is_named(tmp_path
     )
     _assert_named(survivor)
     assert not list(tmp_path.glob("step-*"))
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("where", ["backward", "step"])
+def test_deepspeed_a_peer_dying_in_a_training_step_is_named(where: str, tmp_path: Path) -> None:
+    harness.run(
+        gather_workers.peer_dies_in_a_deepspeed_step,
+        timeout=180,
+        lost=(0, 1),
+        where=where,
+        timeout_s=20.0,
+        out=str(tmp_path),
+    )
+    survivor = json.loads((tmp_path / "outcome.json").read_text())
+    assert survivor["error"] == "RankFailedError", survivor
+    what = "the DeepSpeed backward" if where == "backward" else "the DeepSpeed optimizer step"
+    assert survivor["message"].startswith(f"{what} on rank 0 of 2: rank 1, its only peer, left"), survivor

@@ -50,3 +50,17 @@ def test_a_port_asking_for_accelerates_schedule_gets_it_on_two_ranks() -> None:
     # the warmup ends after 4 optimizer steps (faccel's own rule: after 8).
     results = harness.run(hw.accelerate_schedule, world_size=2, steps=5)
     assert [r["lrs"] for r in results] == [[0.25, 0.5, 0.75, 1.0, 1.0]] * 2
+
+
+def test_options_that_must_agree_are_refused_on_every_rank_when_one_rank_differs() -> None:
+    results = harness.run(hw.options_that_differ_per_rank, world_size=2)
+    for result in results:
+        assert result["comm_hook_options"].startswith("SetupMismatchError"), result
+        assert (
+            "comm_hook_options has matrix_approximation_rank 2, rank 0 has 1" in result["comm_hook_options"]
+        )
+        assert "enabled True on some ranks and False on others" in result["enabled"], result
+        assert "every from 2 to 3" in result["every"], result
+        assert result["step"].startswith("UsageError") and "averaged at different steps" in result["step"]
+        assert result["untouched"]
+        assert result["error_feedback"][0] >= 1 and result["error_feedback"][1] == 0

@@ -42,7 +42,7 @@ __all__ = ["PipelineState"]
 
 
 def _pipelined(model: object) -> Any:
-    from faccel._loop._pipeline import PipelinedModel
+    from faccel._loop._strategies._pipeline._stages import PipelinedModel
 
     return model if isinstance(model, PipelinedModel) else None
 

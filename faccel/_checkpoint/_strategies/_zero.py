@@ -2,10 +2,10 @@
 
 A DeepSpeed checkpoint is the whole-tensor format (version 3) of an unsharded run: the model's
 whole tensors and the torch optimizer's state over whole tensors, gathered one parameter at a
-time and scattered back by ``_loop/_zero_state.py``, so it restores at any world size and ZeRO
-stage. The sharded format is refused (ZeRO's flat partitions are not row shards). ZeRO-3's
-partitioned parameters are ``meta`` stand-ins of their whole shape in :meth:`ZeroState.target`,
-and its ``save_model`` gathers them tensor by tensor.
+time and scattered back by DeepSpeed's room (``_loop/_strategies/_deepspeed/_zero_state.py``),
+so it restores at any world size and ZeRO stage. The sharded format is refused (ZeRO's flat
+partitions are not row shards). ZeRO-3's partitioned parameters are ``meta`` stand-ins of
+their whole shape in :meth:`ZeroState.target`, and its ``save_model`` gathers them tensor by tensor.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from faccel._checkpoint._strategies._base import ExportKind, Ownership, Whole
 from faccel._checkpoint._strategies._plain import PlainState
-from faccel._loop._deepspeed import DeepSpeedOptimizer, is_deepspeed_engine
-from faccel._loop._zero_state import (
+from faccel._loop._strategies._deepspeed._engine import DeepSpeedOptimizer, is_deepspeed_engine
+from faccel._loop._strategies._deepspeed._zero_state import (
     full_state,
     gather_named,
     has_partitioned_parameters,

@@ -27,7 +27,7 @@ training (checkpoints of stages: ``faccel._checkpoint._strategies._pipeline``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -43,6 +43,8 @@ __all__ = ["SCHEDULES", "PipelinedModel", "Schedule", "forward_backward", "pipel
 
 # kind -> (torch's schedule class in torch.distributed.pipelining, how stages sit on ranks, stages per rank)
 # "loop": rank r holds stages r, r + p, r + 2p ...; "v": rank r holds r and 2p - 1 - r (a V).
+# Schedule.kind: each of SCHEDULES' keys (tests/test_pipeline.py holds them equal).
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 SCHEDULES: dict[str, tuple[str, str, int]] = {
     "gpipe": ("ScheduleGPipe", "loop", 1),
     "1f1b": ("Schedule1F1B", "loop", 1),
@@ -89,7 +91,7 @@ class Schedule:
         4
     """
 
-    kind: str = attrs.field(default="1f1b", validator=_kind)
+    kind: ScheduleKind = attrs.field(default="1f1b", validator=_kind)
     microbatches: int | None = attrs.field(default=None, validator=_positive_or_none)
     stages_per_rank: int | None = attrs.field(default=None, validator=_positive_or_none)
 
@@ -441,7 +443,7 @@ def _wrap_stage(dist: DistState, module: nn.Module, options: Any) -> nn.Module:
     """One stage wrapped as a whole model would be: the TP plan, then FSDP2 over the block's data ranks."""
     from faccel._dist._mesh import data_mesh
     from faccel._loop._model import Autocast, _wrap_fsdp
-    from faccel._loop._parallel import apply_plan
+    from faccel._loop._strategies._mesh._tp_plan import apply_plan
 
     layout = dist.parallel
     if isinstance(module, torch.fx.GraphModule):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from faccel._dist._state import DistState
-from faccel._loop._deepspeed import DeepSpeedOptimizer, is_deepspeed_engine, whole_shape
+from faccel._loop._strategies._deepspeed._engine import DeepSpeedOptimizer, is_deepspeed_engine, whole_shape
 
 __all__ = [
     "FP32_MASTER",

@@ -45,13 +45,14 @@ tensors, gathered and scattered by ``_zero_state``. DeepSpeed's own
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -59,9 +60,10 @@ import torch
 from torch import nn
 
 from faccel._dist._launch import deepspeed_environment
+from faccel._dist._process_group import last_calls
 from faccel._dist._state import DistState
 from faccel._marks import DEEPSPEED_ENGINE
-from faccel.errors import DeepSpeedConfigError, PrepareError, UsageError
+from faccel.errors import DeepSpeedConfigError, FaccelError, PrepareError, RankFailedError, UsageError
 
 __all__ = [
     "ConfigOptimizer",
@@ -472,9 +474,11 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         engine: nn.Module,
         optimizer: torch.optim.Optimizer,
         groups: Sequence[Sequence[nn.Parameter]] | None = None,
+        dist: DistState | None = None,
     ) -> None:
         # Not Optimizer.__init__: the parameters (ZeRO's partitions) belong to the engine.
         self.engine = engine
+        self.dist = dist  # whose rank a lost peer's error names
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         # The model's parameters in each group, as the torch optimizer held them before ZeRO
@@ -496,7 +500,8 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             msg = "a DeepSpeed step takes no closure; run the forward and faccel.backward before step()"
             raise UsageError(msg)
-        self.engine.step()  # type: ignore[operator]
+        with _peers_stay(self.dist, "the DeepSpeed optimizer step"):
+            self.engine.step()  # type: ignore[operator]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (ZeRO's partitions and the module's ``.grad``)."""
@@ -605,7 +610,7 @@ def _engine_of(loss: torch.Tensor) -> Any:
     raise UsageError(msg)
 
 
-def engine_backward(loss: torch.Tensor, *, sync: bool, **kwargs: Any) -> None:
+def engine_backward(loss: torch.Tensor, *, sync: bool, dist: DistState | None = None, **kwargs: Any) -> None:
     """The engine's backward for ``loss`` (already divided by the micro-step's group size).
 
     ``sync`` (faccel's micro-step) is the accumulation boundary: ZeRO reduces
@@ -616,10 +621,57 @@ def engine_backward(loss: torch.Tensor, *, sync: bool, **kwargs: Any) -> None:
     """
     engine = _engine_of(loss)
     engine.set_gradient_accumulation_boundary(sync)
-    engine.backward(loss, scale_wrt_gas=False, retain_graph=bool(kwargs.pop("retain_graph", False)))
+    with _peers_stay(dist, "the DeepSpeed backward"):
+        engine.backward(loss, scale_wrt_gas=False, retain_graph=bool(kwargs.pop("retain_graph", False)))
     if kwargs:
         msg = f"under strategy='deepspeed' backward takes only retain_graph, got {sorted(kwargs)}"
         raise UsageError(msg)
+
+
+@contextlib.contextmanager
+def _peers_stay(dist: DistState | None, what: str) -> Iterator[None]:
+    """The backend's report of a peer lost inside DeepSpeed's own collectives, as a :class:`RankFailedError`.
+
+    DeepSpeed runs the collectives of its backward and step itself, so faccel's
+    collective wrapper never sees them: a peer killed there left the survivor
+    gloo's bare ``RuntimeError``. A faccel error, or an error that is not the
+    backend's, passes unchanged.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, FaccelError) or not _from_backend(error):
+            raise
+        raise RankFailedError(_left_message(dist, what, error)) from error
+
+
+def _from_backend(error: RuntimeError) -> bool:
+    import torch.distributed as tdist
+
+    text = str(error)
+    return isinstance(error, tdist.DistError) or any(word in text for word in _BACKEND_WORDS)
+
+
+# What gloo's and NCCL's reports of a lost peer or a collective past its timeout say.
+_BACKEND_WORDS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+
+
+def _left_message(dist: DistState | None, what: str, error: RuntimeError) -> str:
+    import torch.distributed as tdist
+
+    rank = dist.rank if dist is not None else tdist.get_rank()
+    world = dist.world_size if dist is not None else tdist.get_world_size()
+    others = [r for r in range(world) if r != rank]
+    who = f"rank {others[0]}, its only peer," if len(others) == 1 else f"one of ranks {others}"
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    calls = last_calls(dist, others) if dist is not None else ""
+    timeout = f" ({dist.timeout})" if dist is not None else ""
+    return (
+        f"{what} on rank {rank} of {world}: {who} left the job or stopped answering during it "
+        f"(the backend said: {first}){calls}. That rank's log holds its first error (a crash, an out-"
+        f"of-memory kill, a signal), or it hung past the timeout{timeout}; restart the job from the "
+        "latest checkpoint (faccel.restore)"
+    )
 
 
 def _build(
@@ -795,7 +847,7 @@ def prepare_deepspeed(
             groups = [list(group["params"]) for group in optimizer.param_groups]
             engine = _build(dist, model, optimizer, config)
             torch_optimizer = optimizer
-        wrapped = DeepSpeedOptimizer(engine, torch_optimizer, groups)
+        wrapped = DeepSpeedOptimizer(engine, torch_optimizer, groups, dist)
         prepared = {models[0]: engine, optimizers[0]: wrapped}
         for i in schedules:
             prepared[i] = DeepSpeedScheduler(engine.lr_scheduler, wrapped)

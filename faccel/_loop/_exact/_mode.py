@@ -33,9 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._data._loader import PreparedLoader
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
+from faccel._loop._exact._tree_reduce import Exchange, TreeStack, bit_reversed, is_power_of_two, scratch_for
 from faccel._loop._micro_step import Atom, MicroStep
 from faccel._loop._model import is_sharded, unwrap_model
-from faccel._loop._tree_reduce import Exchange, TreeStack, bit_reversed, is_power_of_two, scratch_for
 from faccel._tree import map_tensors
 from faccel.errors import ArgumentError, ArgumentValueError, UsageError
 

@@ -1,0 +1,1 @@
+"""DDP's room: its communication hooks (``_comm_hooks``) and LocalSGD (``_local_sgd``)."""

@@ -1,0 +1,1 @@
+"""Pipeline stages' room: the schedule, the stages and their step (``_stages``)."""
