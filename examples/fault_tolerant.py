@@ -87,7 +87,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replica", type=int)
     parser.add_argument("--lighthouse")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
     if args.replica is None:
         demonstrate(args.steps)
