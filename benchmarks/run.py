@@ -77,6 +77,7 @@ GOAL_MEANINGS: Mapping[str, str] = {
     "moe": "moe: time per step of a Mixtral-like layer at expert=2, 2 gloo processes / the dispatch by hand",
     "moe_memory": "moe: peak memory per rank at expert=2 / FSDP2's without expert parallelism",
     "observe_step": "observe: time per step with faccel.measure once a step / the same loop without it",
+    "ft_step": "ft: time per fault-tolerant step (quorum, gather, commit), 3 gloo processes / DDP's",
 }
 
 

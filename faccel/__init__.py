@@ -55,6 +55,11 @@ if (
     from faccel._dist._signals import stop_signal as stop_signal
     from faccel._dist._state import DistState as DistState
     from faccel._dist._state import state_from_env as state_from_env
+    from faccel._ft._replicas import FaultTolerance as FaultTolerance
+    from faccel._ft._replicas import ReplicaQuorum as ReplicaQuorum
+    from faccel._ft._replicas import fault_tolerant as fault_tolerant
+    from faccel._ft._replicas import replica_commit as replica_commit
+    from faccel._ft._replicas import replica_quorum as replica_quorum
     from faccel._hf._load_model import load_model as load_model
     from faccel._hf._save_model import save_model as save_model
     from faccel._loop._accumulate import accumulate as accumulate

@@ -79,6 +79,13 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._loop._context": ("context_attention",),
         "faccel._loop._strategies._pipeline._stages": ("PipelinedModel", "Schedule"),
         "faccel._loop._forward_backward": ("forward_backward",),
+        "faccel._ft._replicas": (
+            "FaultTolerance",
+            "ReplicaQuorum",
+            "fault_tolerant",
+            "replica_commit",
+            "replica_quorum",
+        ),
     },
     "faccel.func": {
         "faccel._func._functional": ("FunctionalState", "loss_and_grad", "model_params"),

@@ -90,6 +90,12 @@ PINNED: dict[str, list[str]] = {
         "PipelinedModel",
         "Schedule",
         "forward_backward",
+        # fault tolerance: replicas that come and go between steps, healed from a live peer (torchft)
+        "FaultTolerance",
+        "ReplicaQuorum",
+        "fault_tolerant",
+        "replica_commit",
+        "replica_quorum",
         # preemption: a stop signal as a flag, read with any_rank at a step boundary
         "StopSignal",
         "stop_signal",
