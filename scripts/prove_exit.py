@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/prove_exit.py [runs] [--twin | --collective]   # default: 50 of run_clm.py
 
-Issue 35.11: 1 of 12 two-process runs of examples/run_clm.py never exited on rank 1 (after
+1 of 12 two-process runs of examples/run_clm.py never exited on rank 1 (after
 ``faccel.shutdown``, freeing the DDP wrapper waited on a gloo worker thread that waited for
 the interpreter lock). Each run here is a whole ``torchrun --nproc-per-node 2`` job of
 run_clm (one epoch of the tests' small GPT-2 on a generated corpus, evaluation, save_model,

@@ -1,4 +1,4 @@
-"""The long proof of issue 35, item 1: hundreds of one-rank SIGKILLs of DeepSpeed checkpoints.
+"""The long proof of hundreds of one-rank SIGKILLs of DeepSpeed checkpoints.
 
     PYTHONPATH=. python scripts/prove_gather_kills.py [kills] [seed]   # default 200 kills
 

@@ -1,4 +1,4 @@
-"""The long proof of issue 33: hundreds of SIGKILLs of a checkpoint writer on object storage.
+"""The long proof of hundreds of SIGKILLs of a checkpoint writer on object storage.
 
     PYTHONPATH=. python scripts/prove_object_store.py [kills] [seed] [worlds] [formats]
     # default: 200 kills per format, seed 0, worlds "1,2" (one writer process, then two gloo

@@ -1,4 +1,4 @@
-"""Accelerate's ``examples/by_feature`` ported to faccel, one test each (issue 36; docs/from-accelerate.md).
+"""Accelerate's ``examples/by_feature`` ported to faccel, one test each (docs/from-accelerate.md).
 
 Each port keeps the upstream script's shape (a model, an optimizer, a scheduler, a train and an
 eval loader, one epoch loop) on a tiny model and synthetic data, and asserts its feature's outcome.

@@ -361,7 +361,7 @@ def test_train_state_is_a_frozen_record() -> None:
 
 
 def test_restore_at_another_world_size_needs_the_global_position_mid_epoch(tmp_path: Path) -> None:
-    # Was test_restore_needs_the_same_world_size: any world size restores now (issue 13), an epoch
+    # Was test_restore_needs_the_same_world_size: any world size restores now, an epoch
     # boundary as it is, a position inside an epoch only where the checkpoint records it globally.
     import faccel
 
@@ -477,7 +477,7 @@ def test_a_resume_from_an_older_checkpoint_into_a_root_with_later_ones_is_stoppe
 def test_a_fresh_run_into_a_root_with_later_checkpoints_stops_at_its_first_checkpoint(
     tmp_path: Path, first_step: int
 ) -> None:
-    # Issue 25: a re-run into an old output folder used to train on until its first step that
+    # a re-run into an old output folder used to train on until its first step that
     # collided (step 10 or 30 here), hours in a real run; now its first checkpoint, whatever its
     # step, is refused when the root holds later ones, and nothing is written.
     import faccel

@@ -168,7 +168,7 @@ CASES: dict[str, tuple[Edit, str, str]] = {
     "deleted rng": (_delete("rng-00000.json"), "rng-00000.json", "missing"),
     "deleted state": (_delete("state.json"), "state.json", "missing"),
     "deleted manifest": (_delete("manifest.json"), "manifest.json", "no checkpoint there"),
-    # Version 2 is the sharded format (issue 13): a version beyond what this faccel reads.
+    # Version 2 is the sharded format: a version beyond what this faccel reads.
     "version bumped": (_edit_json("manifest.json", _set("version", 4)), "manifest.json", "version 4"),
     "foreign manifest": (
         _edit_json("manifest.json", _set("format", "x")),
@@ -318,7 +318,7 @@ def no_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_restore_refuses_pickles_left_in_the_folder_by_name_and_never_opens_them(
     folder: Path, tmp_path: Path, no_unpickling: None
 ) -> None:
-    """A file the manifest does not list is an extra object (issue 33): named, never read."""
+    """A file the manifest does not list is an extra object: named, never read."""
     import faccel
 
     marker = tmp_path / "pwned"

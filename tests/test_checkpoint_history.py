@@ -1,4 +1,4 @@
-"""Named checkpoints, restoring an older checkpoint into a new root, and rollback (issue 36, item 7).
+"""Named checkpoints, restoring an older checkpoint into a new root, and rollback.
 
 Before: folders were always ``root/step-N``; restoring an older step of a root that holds later
 ones was refused even when the run checkpoints into a new root, with no opt-out; rolling back

@@ -1,4 +1,4 @@
-"""A restore into a model that does not fit reads no tensor before it raises (issue 26, item 5)."""
+"""A restore into a model that does not fit reads no tensor before it raises."""
 
 from __future__ import annotations
 

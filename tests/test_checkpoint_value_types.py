@@ -1,4 +1,4 @@
-"""``restore`` checks optimizer and scheduler value types against the live objects' (issue 26, item 8).
+"""``restore`` checks optimizer and scheduler value types against the live objects'.
 
 A ``state.json`` with ``lr="abc"`` or ``last_epoch="x"`` (edited and rehashed, or saved from objects
 that held them) would restore, and the first ``optimizer.step()`` raise a raw ``TypeError``.

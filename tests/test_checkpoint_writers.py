@@ -291,7 +291,7 @@ def _damage_manifest(path: Path, how: str) -> None:
 def test_a_damaged_latest_manifest_is_passed_over_with_a_warning(
     tmp_path: Path, how: str, sharded: bool
 ) -> None:
-    """Issue 26, item 2: the manifest is a file of the checkpoint like any other."""
+    """The manifest is a file of the checkpoint like any other."""
     dist = faccel.detect({})
     for step in (1, 2):
         faccel.checkpoint(dist, _state(step), tmp_path, sharded=sharded)

@@ -1,4 +1,4 @@
-"""Issue 35, item 10: hostile command lines end with a one-line message and a non-zero status.
+"""Hostile command lines end with a one-line message and a non-zero status.
 
 Before: 18 of 39 hostile commands ended in a raw traceback (``plot`` on a missing path, a non-JSON
 or binary ``metrics.jsonl``, ``--out`` into a missing folder; ``plan`` on an invalid HF config,

@@ -1,4 +1,4 @@
-"""``consolidate`` reads one save, never a mix, whatever replaces the checkpoint (issue 26, item 1)."""
+"""``consolidate`` reads one save, never a mix, whatever replaces the checkpoint."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_a_version_1_checkpoint_consolidates_to_its_weights(tmp_path: Path) -> N
     assert all(bool((p == 3.0).all()) for p in target.parameters())
 
 
-# --- issue 26, item 6: a failed consolidate cleans up; every error is named ---------------------------
+# --- a failed consolidate cleans up; every error is named ---------------------------
 
 
 def _big_checkpoint(root: Path) -> Path:
@@ -116,7 +116,7 @@ def test_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> No
 
 
 def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> None:
-    # Issue 26, item 6: a forged checkpoint of 144 KB on disk consolidated into a 2 GiB file. Here a
+    # a forged checkpoint of 144 KB on disk consolidated into a 2 GiB file. Here a
     # consistent one (manifest rehashed) claims a 128 MiB tensor that a sparse file's holes "hold".
     import json
     import struct

@@ -275,7 +275,7 @@ def test_set_seed_leaves_the_data_order_to_the_dist_seed() -> None:
 
 
 def test_views_share_no_sampler_stream_or_generator() -> None:
-    # Issue 31.5: every view of a prepared loader pointed one shared sampler (or stream) and
+    # every view of a prepared loader pointed one shared sampler (or stream) and
     # reseeded one shared generator. Two views of a stream read side by side (no workers) mixed
     # their positions: the stream read its start lazily, after the second view had moved it.
     import torch

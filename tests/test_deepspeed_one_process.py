@@ -1,4 +1,4 @@
-"""``strategy="deepspeed"`` in one plain process (no launcher variables): no mpi4py needed (issue 35, item 6).
+"""``strategy="deepspeed"`` in one plain process (no launcher variables): no mpi4py needed.
 
 Before: ``prepare`` raised ``ModuleNotFoundError: No module named 'mpi4py'`` from inside DeepSpeed,
 which, finding no ``RANK``/``MASTER_ADDR``, looked for MPI. Run in a fresh interpreter with those

@@ -133,7 +133,7 @@ def test_convert_writes_the_safetensors_layout(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("views", "refusal"),
     [
-        # Issue 26, item 6: 1,619 bytes on disk that convert wrote as 512 MiB (2^42 elements: a raw
+        # 1,619 bytes on disk that convert wrote as 512 MiB (2^42 elements: a raw
         # RuntimeError of the allocator).
         (lambda: {"w": torch.zeros(1).expand(2**27)}, "a view whose elements overlap"),
         (lambda: {"w": torch.zeros(1).expand(2**42)}, "a view whose elements overlap"),

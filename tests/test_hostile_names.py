@@ -1,4 +1,4 @@
-"""Issue 35, item 8: hostile names and sizes in files faccel reads get a named CheckpointError.
+"""Hostile names and sizes in files faccel reads get a named CheckpointError.
 
 Before: a weight_map naming a shard with a NUL byte raised ``ValueError: embedded null byte`` from
 ``load_model`` and ``convert``; a whole-tensor checkpoint whose manifest claims a 20 GiB (sparse)

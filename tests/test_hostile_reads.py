@@ -182,7 +182,7 @@ def _attacks(tmp: Path) -> list[tuple[str, str, str, bool]]:
     os.truncate(folder / "manifest.json", 20 << 30)
     folder = restore_case("sparse 20 GB model file in a checkpoint")
     os.truncate(folder / "model.safetensors", 20 << 30)
-    # issue 26, item 3: the manifest's size edited to match, so the size check alone passes
+    # the manifest's size edited to match, so the size check alone passes
     folder = restore_case("sparse 20 GB model file with the manifest's size to match")
     os.truncate(folder / "model.safetensors", 20 << 30)
     manifest = json.loads((folder / "manifest.json").read_text())

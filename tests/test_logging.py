@@ -128,7 +128,7 @@ def test_print_writes_each_line_in_one_write_so_ranks_lines_never_merge() -> Non
 def test_a_logger_without_a_dist_state_reads_the_launcher_table(
     stream: tuple[str, io.StringIO], monkeypatch: pytest.MonkeyPatch, env: dict[str, str], where: str
 ) -> None:
-    # Issue 31.5: RANK / WORLD_SIZE were read here by name, beside faccel._dist._launch's table.
+    # RANK / WORLD_SIZE were read here by name, beside faccel._dist._launch's table.
     import faccel
 
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):

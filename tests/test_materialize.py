@@ -83,7 +83,7 @@ def test_init_empty_still_computes_non_persistent_buffers() -> None:
     assert torch.equal(model.rotary.inv_freq, TinyGPT().rotary.inv_freq)
 
 
-# Issue 35: the holes of the meta path, each refused by name or exact.
+# the holes of the meta path, each refused by name or exact.
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -1,4 +1,4 @@
-"""What a port from Accelerate needs to keep its meaning (issue 36, items 1 and 8)."""
+"""What a port from Accelerate needs to keep its meaning."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_the_train_timeout_is_read_beside_faccel_timeout() -> None:
 
 
 def test_another_handles_background_checkpoint_is_found_through_its_handle_not_a_thread_name() -> None:
-    # Issue 31.5: wait() found other handles' checkpoints among threads named "faccel-checkpoint".
+    # wait() found other handles' checkpoints among threads named "faccel-checkpoint".
     import threading
 
     first, second = Runtime(), Runtime()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tests.distributed.checkpoint_workers import Net, assert_same, build, example_spec
 from tests.strategies import checkpoint_specs
 
-# Changed with issue 12: the shards of each save carry a tag of their own (8 hex digits).
+# Changed with the shards of each save carry a tag of their own (8 hex digits).
 SHARD = re.compile(r"model-[0-9a-f]{8}-(\d{5})-of-(\d{5})\.safetensors")
 
 

@@ -138,7 +138,7 @@ def test_an_index_claiming_a_huge_tensor_is_refused_before_anything_is_allocated
 
 
 def test_reads_that_need_more_memory_than_the_process_can_take_are_refused_before_allocating() -> None:
-    # Issue 26, item 3: a tensor the target takes whole with no shape to compare with (the state of
+    # a tensor the target takes whole with no shape to compare with (the state of
     # an optimizer that has not stepped, of a class faccel does not know) is bounded by memory.
     import resource
 

@@ -1,4 +1,4 @@
-"""stop_signal: handlers that only set a flag, restored on close and at shutdown (issue 23)."""
+"""stop_signal: handlers that only set a flag, restored on close and at shutdown."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 35, item 9: hostile tracker names, configs, metrics and a full disk get a named error.
+"""Hostile tracker names, configs, metrics and a full disk get a named error.
 
 Before: ``ValueError: embedded null byte`` or ``OSError: File name too long`` for a name,
 ``ValueError: Circular reference detected``, ``RecursionError`` or ``ValueError: Exceeds the limit
@@ -87,7 +87,7 @@ def test_log_names_a_hostile_metric_or_step_and_writes_nothing(
 
 
 def test_a_metric_named_step_time_or_source_is_allowed_in_every_file_back_end(tmp_path: Path) -> None:
-    """docs/ecosystem.md said such a name was refused and allowed: it is allowed (issue 36, item 8)."""
+    """docs/ecosystem.md said such a name was refused and allowed: it is allowed."""
     dist = faccel.detect({})
     for kind in ("jsonl", "csv"):
         with faccel.init_tracker(dist, tmp_path / kind, kind=kind) as tracker:

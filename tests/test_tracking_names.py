@@ -1,4 +1,4 @@
-"""Issue 25's tracking: any metric name, keyword dist, project folders, kind="all", hparams, a full disk."""
+"""The tracking: any metric name, keyword dist, project folders, kind="all", hparams, a full disk."""
 
 from __future__ import annotations
 

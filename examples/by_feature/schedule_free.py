@@ -1,4 +1,4 @@
-"""Accelerate's ``examples/by_feature/schedule_free.py`` ported to faccel (issue 36).
+"""Accelerate's ``examples/by_feature/schedule_free.py`` ported to faccel.
 
 Facebook's schedule-free AdamW (``pip install schedulefree``) needs no LR scheduler; it keeps two
 sets of weights, so the loop switches the optimizer with the model: ``optimizer.train()`` before

@@ -253,7 +253,7 @@ def whole_job(args: JobArgs) -> Job:
     # A strategy that holds the state in pieces (FSDP2, ZeRO) gathers whole tensors onto rank 0,
     # which writes them exactly as an unsharded model's (any world size restores them). Every rank
     # takes part, inside the ranks' agreement: a peer lost in the gather is this step's named
-    # error on the survivors (issue 35, item 1), not the backend's.
+    # error on the survivors, not the backend's.
     whole = together(
         dist,
         lambda: strategy.whole_state(dist, train_state.model, train_state.optimizer),

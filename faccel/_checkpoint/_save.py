@@ -197,7 +197,7 @@ def checkpoint(
     step = train_state.step
     final = root / (checkpoint_name(step) if name is None else name)
     temporary = Spot(root.store, root.store.staging(final.key))
-    # A value one rank cannot store fails every rank alike, before they agree (issue 26, item 7).
+    # A value one rank cannot store fails every rank alike, before they agree.
     rng = together(
         dist,
         lambda: capture_rng(dist, train_state.rank_extras),
@@ -340,12 +340,12 @@ def _agree(dist: DistState, root: Spot, state: TrainState, *, replace: bool, fin
     """Every rank learns, in one collective, whether any rank objects to writing this checkpoint."""
     step = state.step
     # The first checkpoint of this process into a root that already holds later steps: the run
-    # would meet them at its first colliding step, hours in (issue 25), so it stops here. A named
+    # would meet them at its first colliding step, hours in, so it stops here. A named
     # checkpoint meets no numbered one.
     first = _root_name(root) not in dist.runtime.roots and final.name == checkpoint_name(step)
     # Reading the root can fail on one rank alone (an object store unreachable from it): the
     # failure is one more flag of the agreement, so that every rank raises at once instead of
-    # waiting in the next collective for a rank that left (issue 33, item 2).
+    # waiting in the next collective for a rank that left.
     failed: CheckpointError | None = None
     blocked, exists, ahead = None, False, list[str]()
     try:

@@ -666,7 +666,7 @@ def restore_at_another_world_size(root: str) -> dict:
     return {"rank": dist.rank, "error": None, "unchanged": None}
 
 
-# --- mistakes under DDP (issue 11): per-rank extras, calls on some ranks only, slow writes ---
+# --- mistakes under DDP: per-rank extras, calls on some ranks only, slow writes ---
 
 
 def rank_extras(root: str) -> dict:
@@ -845,7 +845,7 @@ def seconds_of_one_crash_trial(root: str) -> float:
 
 def unstorable_rank_extras(root: str) -> dict:
     """Rank 1's ``rank_extras`` holds a value checkpoints cannot store; each rank catches the error,
-    then both train on (one all_reduce) and checkpoint again without it (issue 26, item 7)."""
+    then both train on (one all_reduce) and checkpoint again without it."""
     import datetime
 
     import attrs

@@ -147,7 +147,7 @@ def fsdp_eval_on_every_rank() -> dict[str, Any]:
 
 
 def peer_gone_before_checkpoint(root: str, timeout_s: float) -> dict[str, Any]:
-    """Rank 1 leaves (its process ends) just before a checkpoint; rank 0 calls it (issue 26.10)."""
+    """Rank 1 leaves (its process ends) just before a checkpoint; rank 0 calls it."""
     import faccel
 
     dist = faccel.detect(timeout=datetime.timedelta(seconds=timeout_s))

@@ -269,7 +269,7 @@ def refusals(root: str) -> dict[str, str]:
     return out
 
 
-# Checkpoints of a pipelined model (issue 32): 3 steps, a checkpoint, 2 more; restored at other layouts.
+# Checkpoints of a pipelined model: 3 steps, a checkpoint, 2 more; restored at other layouts.
 def _ckpt_setup(
     layout: str | None, world_batch: tuple[torch.Tensor, torch.Tensor], seed: int = 0
 ) -> tuple[Any, Any, Any]:

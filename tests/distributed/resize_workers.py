@@ -1,4 +1,4 @@
-"""What the resume-at-another-world-size tests run on every rank (issue 13).
+"""What the resume-at-another-world-size tests run on every rank.
 
 Phase one trains part of an epoch at one world size and checkpoints; phase two
 restores at another world size and finishes the epoch. Every rank returns the

@@ -168,7 +168,7 @@ def _nothing(module: nn.Module) -> bool:
 
 
 def orders() -> dict[str, Any]:
-    """Issue 35, item 7: what silently broke training although the set-up check ran (FSDP2, 2 ranks).
+    """What silently broke training although the set-up check ran (FSDP2, 2 ranks).
 
     Each case's outcome on this rank, then one matching prepare of all of it and a step.
     """

@@ -190,7 +190,7 @@ def test_a_checkpoint_slower_than_the_collective_timeout_is_a_named_error(tmp_pa
 
 
 def test_an_unstorable_rank_extras_value_on_one_rank_fails_every_rank_alike(tmp_path: Path) -> None:
-    """Issue 26, item 7: the ranks agree before one fails, so both raise and the group lives on."""
+    """The ranks agree before one fails, so both raise and the group lives on."""
     results = harness.run(cw.unstorable_rank_extras, world_size=2, root=str(tmp_path), timeout=60)
     assert all(r["error"].startswith("CheckpointError") for r in results), [r["error"] for r in results]
     assert "rank_extras" in results[1]["error"] and "failed on 1 other rank" in results[0]["error"]

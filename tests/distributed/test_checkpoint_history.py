@@ -1,4 +1,4 @@
-"""Named checkpoints, an older one into a new root, a rollback: on two gloo ranks (issue 36, item 7)."""
+"""Named checkpoints, an older one into a new root, a rollback: on two gloo ranks."""
 
 from __future__ import annotations
 

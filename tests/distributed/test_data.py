@@ -85,7 +85,7 @@ def test_uneven_batches_under_ddp_neither_hang_nor_lose_gradients() -> None:
 def test_a_sampler_seeded_differently_on_each_rank_is_refused_on_every_rank() -> None:
     ranks = harness.run(data_workers.disagreeing_sampler, world_size=2)
     for r in ranks:
-        # The set-up check at prepare compares the sampler's seed first (issue 35, item 7); the
+        # The set-up check at prepare compares the sampler's seed first; the
         # order check that used to catch this (different orders drawn) stays behind it.
         assert r["error"] is not None and "sampler has seed 1, rank 0 has 0" in r["error"]
     seen = sorted(x for r in ranks for batch in r["alike"] for x in batch)

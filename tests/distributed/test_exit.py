@@ -1,6 +1,6 @@
 """Every rank of a two-process job exits, and exits cleanly.
 
-Issue 35.11: 1 of 12 two-process runs of examples/run_clm.py never exited on rank 1: after
+1 of 12 two-process runs of examples/run_clm.py never exited on rank 1: after
 ``shutdown`` destroyed the group, freeing the DDP wrapper joined a gloo worker thread that
 waited for the interpreter lock the main thread held. The suite runs a few torchrun jobs of
 tests/distributed/scripts/exit_twin.py (run_clm's life cycle without transformers); every one

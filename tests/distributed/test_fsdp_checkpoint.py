@@ -35,7 +35,7 @@ def test_fsdp_resumes_bitwise_and_reshards_into_one_plain_process(tmp_path: Path
     optimizer = torch.optim.AdamW(plain.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     state = faccel.TrainState.create(model=plain, optimizer=optimizer, scheduler=scheduler)
-    # Changed with issue 11: the mid-epoch checkpoint (batch 2 of epoch 1, in batches of 2 ranks)
+    # Changed with the mid-epoch checkpoint (batch 2 of epoch 1, in batches of 2 ranks)
     # is refused in one process, untouched; the same tensors at an epoch boundary restore.
     before = [p.detach().clone() for p in plain.parameters()]
     with pytest.raises(faccel.errors.CheckpointError, match="written by 2 processes at batch 2 of epoch 1"):

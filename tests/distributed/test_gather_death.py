@@ -1,6 +1,6 @@
 """A peer dying during a checkpoint's whole-state gather is the survivor's named ``CheckpointError``.
 
-Issue 35, item 1: the gather (FSDP2 ``sharded=False``, DeepSpeed's ZeRO partitions) ran before
+the gather (FSDP2 ``sharded=False``, DeepSpeed's ZeRO partitions) ran before
 any agreement step, and the survivor got gloo's raw ``RuntimeError: Connection reset by peer``.
 The long proof (hundreds of one-rank kills of DeepSpeed checkpoints) is
 ``scripts/prove_gather_kills.py``; its bounded version is tests/test_gather_kills.py.

@@ -1,4 +1,4 @@
-"""Accelerate's helpers on two gloo ranks: find_executable_batch_size, DDP communication hooks (issue 36)."""
+"""Accelerate's helpers on two gloo ranks: find_executable_batch_size, DDP communication hooks."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_a_peer_gone_before_a_checkpoint_ends_within_the_process_groups_timeout(
 
 
 def test_a_peer_gone_at_the_agreement_step_is_the_callers_named_error() -> None:
-    # Issue 26, item 10: the ranks' agreement (an all_reduce after the check-in) raised the
+    # the ranks' agreement (an all_reduce after the check-in) raised the
     # backend's bare RuntimeError when a peer was gone; now it is the caller's error, naming the step.
     survivor, _ = harness.run(peer_workers.peer_gone_at_the_agreement, timeout=60, timeout_s=3.0)
     assert survivor["error"] == "CheckpointError", survivor
@@ -134,7 +134,7 @@ def test_a_peer_gone_at_the_agreement_step_is_the_callers_named_error() -> None:
 
 
 def test_a_survivor_whose_store_host_died_gets_a_named_error(tmp_path: Path) -> None:
-    # Issue 26, item 10: without a torchrun agent rank 0 hosts the store; when it died, the
+    # without a torchrun agent rank 0 hosts the store; when it died, the
     # survivor's next faccel call raised torch's raw DistNetworkError.
     import socket
 
@@ -176,7 +176,7 @@ def test_a_longer_evaluation_on_one_rank_is_named_when_the_others_train_again() 
 
 
 def test_forwards_of_one_kind_in_a_row_enter_no_collective_and_shutdown_removes_the_hooks() -> None:
-    # Issue 31.5: a check-in before every forward without gradients made an evaluation forward
+    # a check-in before every forward without gradients made an evaluation forward
     # 52x the hand-written one; now the ranks meet only where the forwards change kind.
     outcomes = harness.run(peer_workers.fsdp_check_ins, timeout=60)
     for outcome in outcomes:

@@ -1,4 +1,4 @@
-"""Checkpoints of a pipelined model (issue 32) on real gloo processes, restored at other layouts.
+"""Checkpoints of a pipelined model on real gloo processes, restored at other layouts.
 
 A run at pipeline=2 (2 gloo ranks, tests/distributed/pipeline_workers.py's ``Net``, Adam) takes 3
 steps, checkpoints (the sharded format, keyed by the model's own names: each stage's rank writes

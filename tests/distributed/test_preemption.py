@@ -1,4 +1,4 @@
-"""Preemption under real torchrun: a stop signal, a SIGKILL and a restart, each ending bitwise (issue 23)."""
+"""Preemption under real torchrun: a stop signal, a SIGKILL and a restart, each ending bitwise."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Resuming an interrupted epoch at another world size, DDP and FSDP2, on real gloo processes (issue 13).
+"""Resuming an interrupted epoch at another world size, DDP and FSDP2, on real gloo processes.
 
 Each pair trains one epoch and part of the next at one world size, checkpoints, restores at the
 other and finishes the epoch. Across the two runs every sample of the interrupted epoch is read

@@ -39,7 +39,7 @@ def test_a_set_up_that_differs_on_one_rank_is_refused_on_every_rank(
         assert seen["trained"]  # the group survived every refusal, and the same set-up is not refused
 
 
-# Issue 35, item 7: set-ups that differ in what silently broke training (13 of 40 samples read twice,
+# set-ups that differ in what silently broke training (13 of 40 samples read twice,
 # DDP parameters diverging, SIGABRT on one rank) before the check compared them.
 ORDERS = {
     "shuffle": r'rank 1: sampler has class "SequentialSampler", rank 0 has "RandomSampler"',

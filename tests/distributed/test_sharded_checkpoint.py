@@ -211,7 +211,7 @@ def _one_process_reads(folder: Path) -> list[str]:
 
 
 def test_consistent_edits_of_the_chunk_rule_or_a_shard_from_another_save_are_refused(tmp_path: Path) -> None:
-    # Issue 26, item 4: the shard headers did not say which rows (or which save) they hold, so a
+    # the shard headers did not say which rows (or which save) they hold, so a
     # `first` edited in state.json (rehashed in the manifest) gave rows back permuted, and rank 1's
     # shard copied from another step (its rank page and the manifest updated) gave a mix of saves.
     written = harness.run(sw.save, world_size=2, root=str(tmp_path / "a"), steps=3)[0]["state"]

@@ -1,4 +1,4 @@
-"""A multi-node rehearsal: train, checkpoint, and resume at another world size (issue 13).
+"""A multi-node rehearsal: train, checkpoint, and resume at another world size.
 
 Run by tests/distributed/test_resize.py as two torchrun agents on one machine, each a "node"
 of 2 processes meeting through a c10d rendezvous on localhost, then again as one agent of 3:

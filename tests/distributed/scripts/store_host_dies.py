@@ -3,7 +3,7 @@
 RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python store_host_dies.py ROOT
 
 Both ranks prepare and meet once; rank 0 then exits at once (its store goes with it), and rank 1
-calls ``checkpoint``, printing the error it gets (issue 26, item 10: a raw DistNetworkError).
+calls ``checkpoint``, printing the error it gets (a raw DistNetworkError).
 """
 
 from __future__ import annotations
