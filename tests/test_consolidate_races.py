@@ -143,7 +143,7 @@ def test_weights_backed_by_holes_are_refused_unless_allowed(tmp_path: Path) -> N
 
 
 def test_convert_on_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_path: Path) -> None:
-    """Issue 26, item 6, for ``convert``: a 16 KiB tmpfs cannot hold the 33 KB of weights. Root only."""
+    """For ``convert``: a 16 KiB tmpfs cannot hold the 33 KB of weights. Root only."""
 
     from faccel._hf._save_model import convert_weights
     from faccel.errors import StorageError

@@ -2,7 +2,7 @@
 
 Two real gloo ranks checkpoint a ZeRO run (stage 2 or 3) step after step; the loop SIGKILLs one
 of them at a random moment (drawn from the first checkpoint's measured duration, never a fixed
-number of seconds). The survivor must end with a ``faccel.errors`` exception (issue 35, item 1:
+number of seconds). The survivor must end with a ``faccel.errors`` exception (once
 14 of 30 survivors got gloo's raw ``Connection reset by peer`` from the whole-state gather), and
 the root's latest checkpoint must restore, whole, into a fresh engine.
 

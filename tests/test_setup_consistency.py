@@ -122,7 +122,7 @@ def test_one_process_describes_nothing_and_sends_nothing() -> None:
 
 
 def test_loader_order_scheduler_hyper_parameters_and_selections_are_described() -> None:
-    """Issue 35, item 7, in one process: what the two-rank test compares, item by item."""
+    """In one process: what the two-rank test compares, item by item."""
     dist = faccel.detect({})
     data = torch.utils.data.TensorDataset(torch.randn(40, 8))
     shuffled = describe(

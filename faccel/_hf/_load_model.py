@@ -62,7 +62,7 @@ def _from_index(index_path: Spot, read: _Reader, within: Sequence[Path]) -> dict
         and v not in ("", ".", "..")
         for k, v in weight_map.items()
     ):
-        # (A NUL byte in a name would reach the OS as torch's raw "embedded null byte": issue 35, item 8.)
+        # (A NUL byte in a name would reach the OS as torch's raw "embedded null byte".)
         msg = (
             f"{index_path}: needs a weight_map of tensor names to shard file names in the folder "
             "(plain names: no '/', no NUL byte)"

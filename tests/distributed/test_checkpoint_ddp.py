@@ -133,7 +133,7 @@ def test_a_mid_epoch_checkpoint_without_its_loader_is_refused_at_another_world_s
     tmp_path: Path,
 ) -> None:
     # Was test_ddp_restore_at_another_world_size_is_refused_on_every_rank: DDP restores at any
-    # world size since issue 13 (tests/distributed/test_resize.py), except a position inside an
+    # world size (tests/distributed/test_resize.py), except a position inside an
     # epoch that the checkpoint cannot place in the epoch's global order (no TrainState.loader).
     harness.run(cw.checkpoint_layout, world_size=2, root=str(tmp_path))
     results = harness.run(cw.restore_at_another_world_size, world_size=3, root=str(tmp_path))
