@@ -116,7 +116,8 @@ def _save(folder: Path, **kwargs: Any) -> Path:
 
 def _forge_huge_optimizer_state(root: Path, rows: int) -> Path:
     """A sharded checkpoint whose headers, state.json, rank page and manifest all agree on an
-    optimizer tensor of ``rows`` x 3 fp32, backed by a sparse file: consistent, forged (every rank used to allocate it before the shape check)."""
+    optimizer tensor of ``rows`` x 3 fp32, backed by a sparse file: consistent, forged
+    (every rank used to allocate it before the shape check)."""
     import attrs
 
     import faccel

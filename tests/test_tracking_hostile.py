@@ -115,3 +115,13 @@ def test_a_logdir_that_is_a_file_is_a_storage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(StorageError, match="could not"):
         faccel.init_tracker(faccel.detect({}), tmp_path / "file" / "run")
+
+
+@pytest.mark.parametrize("logdir", ["s3:/bucket/logs", "s3:bucket/logs", " s3://bucket/logs"])
+def test_a_mistyped_url_logdir_is_refused_and_no_local_folder_is_made(
+    logdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArgumentValueError, match="is not a root faccel takes"):
+        faccel.init_tracker(dist=faccel.detect({}), logdir=logdir)
+    assert list(tmp_path.iterdir()) == []

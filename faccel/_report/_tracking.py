@@ -44,7 +44,7 @@ from faccel._choices import TRACKER_KIND, ReduceOpName, TrackerKind
 from faccel._dist._hangs import HANGS_FOLDER
 from faccel._dist._state import DistState
 from faccel._report._metrics_file import METRICS_FILE, plot, read_metrics
-from faccel._storage._roots import is_url, shown, spot_of
+from faccel._storage._roots import is_url, parse_root, shown, spot_of
 from faccel._storage._store import Spot
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError, CheckpointError, StorageError
@@ -476,7 +476,8 @@ def init_tracker(
             _check_name(what, part)
     options = dict(config or {})
     _check_config(options)
-    base: Path | Spot = Path(logdir)
+    # Parsed once, strictly, as every root is: 's3:/b/logs' is a mistyped URL, not a local folder.
+    base: Path | Spot = Path(parse_root(logdir))
     if is_url(logdir):
         if kind not in _URL_KINDS:
             protocol = os.fspath(logdir).split("://", 1)[0]
