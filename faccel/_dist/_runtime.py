@@ -180,6 +180,10 @@ class Runtime:
         # Expert parallelism's load in the last forward of each experts module, by its name:
         # (tokens routed to each expert, assignments dropped) (faccel._loop._strategies._experts).
         self.expert_loads: dict[str, tuple[torch.Tensor, int]] = {}
+        # The loop strategy chosen for the last DistState that asked (faccel._loop._strategies), by
+        # identity: a DistState is frozen, so the choice holds for it, and the per-step calls
+        # (backward, clipping) skip the walk over the table. Weak, so the record is not kept alive.
+        self.chosen: tuple[weakref.ref[Any], Any] | None = None
         self.collectives = 0  # collectives this rank entered: the number a crumb carries
         self.step: int | None = None
         self.backwards = 0  # backward calls: a crumb says how far training had got

@@ -11,6 +11,7 @@ here and a row there, nothing elsewhere (docs/architecture.md, "how to add a str
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -61,7 +62,13 @@ def loop_strategy(dist: DistState) -> LoopStrategy:
         >>> loop_strategy(faccel.DistState()).name, loop_strategy(faccel.DistState(strategy="fsdp")).name
         ('plain', 'plain')
     """
-    return next(strategy for strategy in LOOP_STRATEGIES if strategy.applies(dist))
+    runtime = dist.runtime
+    chosen = runtime.chosen
+    if chosen is not None and chosen[0]() is dist:  # the same record asked before: its choice holds
+        return chosen[1]  # type: ignore[no-any-return]
+    strategy = next(strategy for strategy in LOOP_STRATEGIES if strategy.applies(dist))
+    runtime.chosen = (weakref.ref(dist), strategy)
+    return strategy
 
 
 def holding(model: object, params: Sequence[torch.Tensor] = ()) -> LoopStrategy:
