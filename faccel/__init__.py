@@ -81,8 +81,8 @@ if (
     from faccel._loop._strategies import unwrap_model as unwrap_model
     from faccel._loop._strategies._ddp._local_sgd import LocalSGD as LocalSGD
     from faccel._loop._strategies._ddp._local_sgd import local_sgd as local_sgd
-    from faccel._loop._strategies._deepspeed._engine import ConfigOptimizer as ConfigOptimizer
-    from faccel._loop._strategies._deepspeed._engine import ConfigScheduler as ConfigScheduler
+    from faccel._loop._strategies._deepspeed._config import ConfigOptimizer as ConfigOptimizer
+    from faccel._loop._strategies._deepspeed._config import ConfigScheduler as ConfigScheduler
     from faccel._loop._strategies._experts._balance import expert_load as expert_load
     from faccel._loop._strategies._experts._balance import load_balancing_loss as load_balancing_loss
     from faccel._loop._strategies._experts._balance import update_expert_bias as update_expert_bias

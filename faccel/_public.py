@@ -58,7 +58,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "faccel._loop._schedule": ("accelerate_scheduler_steps",),
         "faccel._loop._batch_size": ("find_executable_batch_size",),
         "faccel._loop._strategies._ddp._local_sgd": ("LocalSGD", "local_sgd"),
-        "faccel._loop._strategies._deepspeed._engine": ("ConfigOptimizer", "ConfigScheduler"),
+        "faccel._loop._strategies._deepspeed._config": ("ConfigOptimizer", "ConfigScheduler"),
         "faccel._report._profile": ("profile",),
         "faccel._report._memory_plan": ("MemoryPlan", "estimate_memory"),
         "faccel._report._progress": ("progress",),

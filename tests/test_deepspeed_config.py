@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import faccel
-from faccel._loop._strategies._deepspeed._engine import fill_config
+from faccel._loop._strategies._deepspeed._config import fill_config
 
 DIST = faccel.DistState.simulated(world_size=2, accumulation_steps=2)
 

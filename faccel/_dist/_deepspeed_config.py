@@ -1,7 +1,7 @@
 """A DeepSpeed config as a value: a dict or a JSON file read into canonical JSON text.
 
-``DistState.deepspeed`` holds the text (frozen, hashable); ``faccel._loop._strategies._deepspeed._engine``
-completes it with what faccel knows and builds the engine. Pure: no deepspeed import.
+``DistState.deepspeed`` holds the text (frozen, hashable); ``faccel._loop._strategies._deepspeed._config``
+completes it with what faccel knows, and ``_engine`` beside it builds the engine. Pure: no deepspeed import.
 """
 
 from __future__ import annotations

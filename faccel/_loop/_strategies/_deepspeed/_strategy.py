@@ -17,9 +17,8 @@ from torch import nn
 from faccel._dist._state import DistState
 from faccel._loop._options import PrepareOptions
 from faccel._loop._strategies._base import LoopStrategy, PrepareOne
+from faccel._loop._strategies._deepspeed._config import ConfigOptimizer, ConfigScheduler
 from faccel._loop._strategies._deepspeed._engine import (
-    ConfigOptimizer,
-    ConfigScheduler,
     engine_backward,
     is_deepspeed_engine,
     prepare_deepspeed,
