@@ -2,10 +2,12 @@
 
 The setting is bench_step's: one thread, SGD + LambdaLR, the seed's small MLP
 (32-64-64-1, batch 32, MSE) through ``faccel.prepare`` and ``faccel.backward``.
-Both subjects train their own copy of the same model on the same cycled
-batches; the metered one adds the one call a step (``meter =
-faccel.measure(dist, meter, items=32)``: the clock, the peak RSS, a new frozen
-record). The target: at most 1% over the same loop without it.
+Both subjects train their own copy of the same model (the same seed) on the
+same cycled batches, in the same step function; the metered one adds the one
+call a step (``meter = faccel.measure(dist, meter, items=32)``: the clock, a
+few stores into the meter, the peak RSS every 0.05 s), and its wrapper's own
+call, which counts against the meter. The target: at most 1% over the same
+loop without it.
 """
 
 from __future__ import annotations
