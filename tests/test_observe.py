@@ -98,6 +98,28 @@ def test_the_meter_on_this_process_reads_the_clock_and_the_peak_rss() -> None:
     assert dist.runtime.phase == "forward"  # the next step begins: what a hang record would say
 
 
+def test_measure_adds_in_place_what_advance_makes_anew_from_the_same_readings() -> None:
+    dist = faccel.detect({})
+    model = torch.nn.Linear(4, 1)
+    meter = faccel.start_meter(dist)
+    pure, kept = meter.copy(), []
+    for step in range(6):
+        if step % 2:  # steps with and without a backward: forward time known, then not
+            faccel.backward(dist, model(torch.ones(2, 4)).sum())
+        before = meter.last
+        assert faccel.measure(dist, meter, items=step) is meter  # the loop's own meter, updated
+        backward_at = dist.runtime.backward_at
+        # The same step, pure, from what measure read: its clock, the backward's start, the memory.
+        pure = advance(pure, items=step, now=meter.last, memory=meter.memory_bytes, backward_at=backward_at)
+        kept.append(pure)
+        assert meter.step_seconds == meter.last - before
+    fields = ("last", "step", "items", "step_items", "step_seconds", "forward_seconds", "window_seconds")
+    assert [getattr(pure, f) for f in fields] == [getattr(meter, f) for f in fields]
+    assert pure.window_steps == meter.window_steps and pure.memory_bytes == meter.memory_bytes
+    assert [m.step for m in kept] == list(range(1, 7))  # each advance made its own, left as it was
+    assert meter.forward_seconds is not None and kept[-2].forward_seconds is None
+
+
 @given(rank_times, st.floats(min_value=1.01, max_value=10.0))
 def test_the_straggler_rule_is_about_ratios_and_names_fewer_than_half(
     times: list[float], factor: float

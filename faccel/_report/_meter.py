@@ -1,17 +1,19 @@
-"""The meter: a step's throughput, time, memory and MFU, as a value the loop holds.
+"""The meter: a step's throughput, time, memory and MFU, kept in a tally the loop holds.
 
-A :class:`Meter` is a frozen record, like ``TrainState``: the loop makes one
-with :func:`start_meter` and replaces it every step with :func:`measure`,
-which reads the clock and the memory and hands them to :func:`advance`, the
-pure function that makes the next record from the previous one. Nothing is
-counted behind the loop's back: two meters coexist, a meter can be dropped and
-started again, and the laws of the rates are tested on :func:`advance` alone.
+A :class:`Meter` is the loop's own: it makes one with :func:`start_meter` and
+passes it to :func:`measure` once a step, which reads the clock (and now and
+then the memory) and adds the step to the meter in place. Nothing is counted
+behind the loop's back: two meters coexist, a meter can be dropped and started
+again, :meth:`Meter.copy` keeps a reading apart, and the laws of the rates are
+tested on :func:`advance`, the pure form of the same step.
 
 Memory is the rank's peak: CUDA's allocator (``max_memory_allocated``) on a
 GPU, the process's peak resident set size on a CPU (the kernel's high-water
 mark, ``getrusage``: 1.4 us, where reading ``/proc/self/statm`` costs 10 us a
-step). MFU needs the FLOPs of an item (``faccel.count_flops`` on the first
-step, or ``faccel.transformer_flops``) and the device's peak
+step). Both are high-water marks, so reading them every :data:`MEMORY_SECONDS`
+misses no peak: it shows at most that late (or a step late, for longer steps). MFU needs the
+FLOPs of an item (``faccel.count_flops`` on the first step, or
+``faccel.transformer_flops``) and the device's peak
 (``faccel._report._flops.PEAK_FLOPS``, or ``peak_flops=``).
 """
 
@@ -22,7 +24,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, NoReturn
 
 import attrs
 import torch
@@ -33,20 +35,23 @@ from faccel._report._tracking import METER_NAMES
 from faccel.errors import ArgumentValueError
 
 __all__ = [
-    "MEMORY_EVERY",
+    "MEMORY_SECONDS",
     "MemorySource",
     "Meter",
     "MeterSpec",
     "advance",
     "measure",
     "peak_memory",
+    "restart_window",
     "start_meter",
 ]
 
 MemorySource = Literal["cuda", "rss"]
-# measure reads the peak memory on the first step and every MEMORY_EVERY steps: a peak moves little
-# once training runs, and its read (a syscall, or CUDA's counters) is a third of measure's cost.
-MEMORY_EVERY = 16
+# measure reads the peak memory on the first step and then once this many seconds have passed since
+# its last read: a high-water mark read late misses no peak, and the read (a syscall, or CUDA's
+# counters: 2 to 4 us inside a training loop) is paid once in so much time, not once in so many
+# steps, so its share of a step stays under 0.01% however short the step.
+MEMORY_SECONDS = 0.05
 # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 
@@ -99,12 +104,17 @@ class MeterSpec:
     device: str = "cpu"
 
 
-@attrs.frozen(kw_only=True)
 class Meter:
-    """One rank's measures after its last step; made by :func:`start_meter`, advanced by :func:`measure`.
+    """One rank's measures, kept by :func:`measure`: a live tally the loop holds, like an optimizer's state.
 
-    The fields are what changes each step; what does not (the start, the FLOPs,
-    the peak) sits in ``spec``, so each step makes a small record.
+    :func:`start_meter` makes one; :func:`measure` adds each step to it *in
+    place* and returns it (so ``meter = faccel.measure(dist, meter, items=n)``
+    reads as an update). A step costs a few attribute stores, no new object: a
+    frozen record a step cost 4 to 7 us inside a small model's loop, over 1% of
+    its step (docs/observe.md). The measures read as attributes below;
+    :meth:`copy` keeps a reading that later steps leave alone, and :func:`advance`
+    is the pure form (a new meter from the old), the laws' subject. What never
+    changes (the start, the FLOPs, the peak) sits in ``spec``.
 
     Attributes:
         spec: The :class:`MeterSpec`: start time, FLOPs per item, device peak, memory source.
@@ -128,16 +138,34 @@ class Meter:
         (64.0, 0.064)
     """
 
-    spec: MeterSpec
-    last: float
-    step: int = 0
-    items: int = 0
-    step_items: int = 0
-    step_seconds: float = 0.0
-    forward_seconds: float | None = None
-    window_seconds: float = 0.0
-    window_steps: int = 0
-    memory_bytes: int | None = None
+    # Private slots behind read-only properties: only measure, advance and check_stragglers move
+    # them, and a store to a slot is the cheapest write Python has.
+    __slots__ = (
+        "_forward_seconds",
+        "_items",
+        "_last",
+        "_memory_at",
+        "_memory_bytes",
+        "_spec",
+        "_step",
+        "_step_items",
+        "_step_seconds",
+        "_window_seconds",
+        "_window_steps",
+    )
+
+    def __init__(self, *, spec: MeterSpec, last: float) -> None:
+        self._spec = spec
+        self._last = last
+        self._step = 0
+        self._items = 0
+        self._step_items = 0
+        self._step_seconds = 0.0
+        self._forward_seconds: float | None = None
+        self._window_seconds = 0.0
+        self._window_steps = 0
+        self._memory_bytes: int | None = None
+        self._memory_at = -math.inf  # when measure last read the memory: never
 
     @classmethod
     def create(
@@ -166,27 +194,98 @@ class Meter:
         )
         return cls(spec=spec, last=started)
 
+    def copy(self) -> Meter:
+        """This meter as it reads now, apart: measuring this one later leaves the copy as it is.
+
+        Example:
+            >>> m = Meter.create(started=0.0)
+            >>> before = m.copy()
+            >>> _add(m, 4, 1.0, None, None).step, before.step
+            (1, 0)
+        """
+        new = Meter(spec=self._spec, last=self._last)
+        for name in Meter.__slots__:
+            setattr(new, name, getattr(self, name))
+        return new
+
+    def __repr__(self) -> str:
+        return (
+            f"Meter(step={self._step}, items={self._items}, step_seconds={self._step_seconds!r}, "
+            f"forward_seconds={self._forward_seconds!r}, memory_bytes={self._memory_bytes!r}, "
+            f"spec={self._spec!r})"
+        )
+
+    @property
+    def spec(self) -> MeterSpec:
+        """What the meter knows from its start: clock start, FLOPs per item, device peak, memory source."""
+        return self._spec
+
+    @property
+    def last(self) -> float:
+        """When the last step ended (``time.perf_counter``), or the start."""
+        return self._last
+
+    @property
+    def step(self) -> int:
+        """Steps measured."""
+        return self._step
+
+    @property
+    def items(self) -> int:
+        """Items (samples, tokens) over the run, this rank's."""
+        return self._items
+
+    @property
+    def step_items(self) -> int:
+        """The last step's items."""
+        return self._step_items
+
+    @property
+    def step_seconds(self) -> float:
+        """The last step's time, from the measure before it to its own."""
+        return self._step_seconds
+
+    @property
+    def forward_seconds(self) -> float | None:
+        """The part of the last step before its last ``faccel.backward``, or None without one."""
+        return self._forward_seconds
+
+    @property
+    def window_seconds(self) -> float:
+        """Time summed since the last straggler check (forward time where known, else step time)."""
+        return self._window_seconds
+
+    @property
+    def window_steps(self) -> int:
+        """Steps since the last straggler check."""
+        return self._window_steps
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Peak memory so far, as last read (see :func:`measure`), or None before it is read."""
+        return self._memory_bytes
+
     @property
     def items_per_second(self) -> float:
         """The last step's items per second on this rank (0 before any step)."""
-        return _rate(self.step_items, self.step_seconds)
+        return _rate(self._step_items, self._step_seconds)
 
     @property
     def run_items_per_second(self) -> float:
         """Items per second on this rank over the whole run so far."""
-        return _rate(self.items, self.last - self.spec.started)
+        return _rate(self._items, self._last - self._spec.started)
 
     @property
     def flops_per_second(self) -> float | None:
         """The model's FLOP/s on this rank in the last step, or None without ``flops_per_item``."""
-        flops = self.spec.flops_per_item
+        flops = self._spec.flops_per_item
         return None if flops is None else flops * self.items_per_second
 
     @property
     def mfu(self) -> float | None:
         """Model FLOPs utilisation of the last step (0 to 1), or None without FLOPs or a peak."""
         flops = self.flops_per_second
-        peak = self.spec.peak_flops
+        peak = self._spec.peak_flops
         if flops is None or not peak:
             return None
         return flops / peak
@@ -211,14 +310,16 @@ class Meter:
             >>> sorted(advance(Meter.create(started=0.0), items=4, now=1.0, memory=8).metrics())
             ['memory/peak_gib', 'perf/items_per_second', 'perf/items_per_second_run', 'perf/step_seconds']
         """
+        memory = self._memory_bytes
+        flops = self.flops_per_second
         values: dict[str, float | None] = {
             "items_per_second": self.items_per_second,
             "run_items_per_second": self.run_items_per_second,
-            "step_seconds": self.step_seconds,
-            "forward_seconds": self.forward_seconds,
-            "tflops": None if self.flops_per_second is None else self.flops_per_second / 1e12,
+            "step_seconds": self._step_seconds,
+            "forward_seconds": self._forward_seconds,
+            "tflops": None if flops is None else flops / 1e12,
             "mfu": self.mfu,
-            "peak_memory_gib": None if self.memory_bytes is None else self.memory_bytes / (1 << 30),
+            "peak_memory_gib": None if memory is None else memory / (1 << 30),
         }
         return {METER_NAMES[key]: value for key, value in values.items() if value is not None}
 
@@ -229,10 +330,68 @@ def _rate(items: int, seconds: float) -> float:
     return items / seconds if seconds > 0 else math.inf
 
 
+def _refuse(items: int, now: float, last: float) -> NoReturn:
+    msg = (
+        f"measure: a step has items >= 0 and ends after the last one; got items={items}, "
+        f"now={now} against the last end {last}: pass the step's item count and a "
+        "monotonic clock (time.perf_counter)"
+    )
+    raise ArgumentValueError(msg)
+
+
+def _keep_peak(meter: Meter, memory: int) -> None:
+    peak = meter._memory_bytes
+    if peak is None or memory > peak:
+        meter._memory_bytes = memory
+
+
+def _add(meter: Meter, items: int, now: float, memory: int | None, backward_at: float | None) -> Meter:
+    # One step added to ``meter`` in place: advance's path, on its copy. measure writes the same
+    # stores out in its own body (tests/test_observe.py checks the two agree).
+    last = meter._last
+    seconds = now - last
+    if items < 0 or seconds < 0:
+        _refuse(items, now, last)
+    forward = None
+    if backward_at is not None and last <= backward_at <= now:
+        forward = backward_at - last
+    if memory is not None:
+        _keep_peak(meter, memory)
+    meter._last = now
+    meter._step += 1
+    meter._items += items
+    meter._step_items = items
+    meter._step_seconds = seconds
+    meter._forward_seconds = forward
+    meter._window_seconds += seconds if forward is None else forward
+    meter._window_steps += 1
+    return meter
+
+
+def restart_window(meter: Meter, now: float) -> Meter:
+    """Empty ``meter``'s straggler window and restart its step clock at ``now``, in place; the meter.
+
+    What :func:`faccel.check_stragglers` does after a check: the time a rank
+    waited there for a slow one counts in no step.
+
+    Example:
+        >>> m = restart_window(advance(Meter.create(started=0.0), items=1, now=1.0), 1.5)
+        >>> m.window_steps, m.window_seconds, m.last, m.step
+        (0, 0.0, 1.5, 1)
+    """
+    meter._window_seconds = 0.0
+    meter._window_steps = 0
+    meter._last = now
+    return meter
+
+
 def advance(
     meter: Meter, *, items: int, now: float, memory: int | None = None, backward_at: float | None = None
 ) -> Meter:
-    """The meter after one more step of ``items`` that ended at ``now``: pure, the laws' subject.
+    """A new meter: ``meter`` after one more step of ``items`` that ended at ``now`` (``meter`` unchanged).
+
+    The pure form of :func:`measure`'s step (the same arithmetic, on a copy):
+    the laws of the rates are tested on it.
 
     Args:
         meter: The meter before the step.
@@ -253,34 +412,7 @@ def advance(
         >>> m.step, m.items_per_second, m.forward_seconds
         (1, 32.0, 0.2)
     """
-    seconds = now - meter.last
-    if items < 0 or seconds < 0:
-        msg = (
-            f"measure: a step has items >= 0 and ends after the last one; got items={items}, "
-            f"now={now} against the last end {meter.last}: pass the step's item count and a "
-            "monotonic clock (time.perf_counter)"
-        )
-        raise ArgumentValueError(msg)
-    forward = None
-    if backward_at is not None and meter.last <= backward_at <= now:
-        forward = backward_at - meter.last
-    peak = meter.memory_bytes
-    if memory is not None and (peak is None or memory > peak):
-        peak = memory
-    # Made whole, not with attrs.evolve: evolve reads every field back first, which in a loop
-    # of a small model cost as much again as the record (benchmarks/bench_observe.py).
-    return Meter(
-        spec=meter.spec,
-        last=now,
-        step=meter.step + 1,
-        items=meter.items + items,
-        step_items=items,
-        step_seconds=seconds,
-        forward_seconds=forward,
-        window_seconds=meter.window_seconds + (seconds if forward is None else forward),
-        window_steps=meter.window_steps + 1,
-        memory_bytes=peak,
-    )
+    return _add(meter.copy(), items, now, memory, backward_at)
 
 
 def start_meter(
@@ -337,22 +469,26 @@ def start_meter(
 
 
 def measure(dist: DistState, meter: Meter, *, items: int) -> Meter:
-    """The meter after this step: call it once at the end of every step, on every rank.
+    """Add this step to ``meter``, in place, and return it: call it at the end of every step, on every rank.
 
-    Reads the clock, the peak memory (on the first step and every
-    :data:`MEMORY_EVERY` steps after) and when the step's last
-    ``faccel.backward`` began, and returns :func:`advance`'s new record. No
-    collective: per-rank only (:func:`faccel.check_stragglers` compares the
-    ranks every N steps). The next step's phase, for a hang record, is
-    ``forward``.
+    Reads the clock, when the step's last ``faccel.backward`` began, and the
+    peak memory on the first step and then every :data:`MEMORY_SECONDS` (a
+    high-water mark: no peak is missed; it shows at most that late, or one step
+    late when steps are longer). The step is a few stores into the meter, no new object: its price
+    inside the seed's small MLP is in docs/observe.md. No collective: per-rank
+    only (:func:`faccel.check_stragglers` compares the ranks every N steps).
+    The next step's phase, for a hang record, is ``forward``.
 
     Args:
         dist: The run's :class:`DistState`.
-        meter: The meter after the previous step (or :func:`start_meter`'s).
+        meter: The meter of this loop (:func:`start_meter`'s), changed in place.
         items: The step's items on this rank (samples, or tokens).
 
     Returns:
-        The new :class:`Meter`.
+        ``meter``, with this step added (``meter = faccel.measure(...)`` reads as the update it is).
+
+    Raises:
+        ArgumentValueError: Negative ``items``, or a clock that went back.
 
     Example:
         >>> import faccel
@@ -364,6 +500,24 @@ def measure(dist: DistState, meter: Meter, *, items: int) -> Meter:
     runtime = dist.runtime
     runtime.phase = "forward"
     now = time.perf_counter()
-    spec = meter.spec
-    memory = None if meter.step % MEMORY_EVERY else _MEMORY[spec.memory_source](spec.device)
-    return advance(meter, items=items, now=now, memory=memory, backward_at=runtime.backward_at)
+    if now - meter._memory_at >= MEMORY_SECONDS:
+        meter._memory_at = now
+        spec = meter._spec
+        _keep_peak(meter, _MEMORY[spec.memory_source](spec.device))
+    # _add's step written out here: the call to it was a quarter of measure's price inside a
+    # small model's loop (0.4 of 1.7 us), where a cold call costs more than it does alone.
+    last = meter._last
+    seconds = now - last
+    if items < 0 or seconds < 0:
+        _refuse(items, now, last)
+    backward_at = runtime.backward_at
+    forward = backward_at - last if last <= backward_at <= now else None
+    meter._last = now
+    meter._step += 1
+    meter._items += items
+    meter._step_items = items
+    meter._step_seconds = seconds
+    meter._forward_seconds = forward
+    meter._window_seconds += seconds if forward is None else forward
+    meter._window_steps += 1
+    return meter

@@ -27,7 +27,7 @@ from faccel._dist._collectives import all_gather_bytes
 from faccel._dist._hangs import here
 from faccel._dist._process_group import comm_device, peers_answer, require_peers
 from faccel._dist._state import DistState
-from faccel._report._meter import Meter
+from faccel._report._meter import Meter, restart_window
 from faccel._report._tracking import SPREAD_NAMES
 from faccel.errors import ArgumentValueError
 
@@ -148,7 +148,7 @@ def check_stragglers(
 
     Returns:
         ``(spread, meter)``: the :class:`Spread` on a check's step (else None),
-        and the meter with its window emptied (after a check) or as it was.
+        and the meter, its window emptied in place after a check.
 
     Raises:
         ArgumentValueError: ``every`` < 1 or ``factor`` <= 1.
@@ -193,4 +193,4 @@ def check_stragglers(
     )
     spread = Spread(step=meter.step, seconds=seconds, median=median, factor=factor, stragglers=named)
     # The window starts after the check: a rank that waited here for a slow one does not count it.
-    return spread, attrs.evolve(meter, window_seconds=0.0, window_steps=0, last=time.perf_counter())
+    return spread, restart_window(meter, time.perf_counter())
