@@ -111,6 +111,15 @@ class FaultTolerance:
         self.live: TrainState | None = None
         self.healed = False
         self.closed = False
+        # The current epoch's order, drawn once an epoch: drawing it is a permutation of the
+        # whole dataset, far more than a step's work on a large one.
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's order of sample indices (``_rows.epoch_order``), drawn once an epoch."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.seed, epoch, self.dataset_size))
+        return self._order[1]
 
     def capture(self) -> dict[str, Any]:
         """What a healing peer receives: the checkpoint's content, from the live objects."""
@@ -346,7 +355,7 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
         replica_rank=rank,
         participants=participants,
     )
-    order = epoch_order(ft.seed, state.epoch, ft.dataset_size)
+    order = ft.order(state.epoch)
     return ReplicaQuorum(
         state=state,
         quorum_id=int(getattr(manager, "_quorum_id", -1)),
