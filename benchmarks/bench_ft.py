@@ -32,6 +32,9 @@ FT = FACCEL  # the fault-tolerant step: the subject whose target applies
 SIZES = (32, 64, 64, 1)
 BATCH = 32
 WORLD = 3
+# Samples in an epoch of the fault-tolerant loop: 1000 steps of the full quorum, so that a run
+# crosses a few epochs (each draws the epoch's order once, as a sampler does).
+EPOCH = 1000 * WORLD * BATCH
 
 
 def unavailable() -> str | None:
@@ -75,7 +78,7 @@ def _step_worker(rank: int, port: int, plan: tuple[int, int, str], out: str) -> 
         state,
         replica=rank,
         lighthouse=lighthouse,
-        dataset_size=1 << 30,
+        dataset_size=EPOCH,
         batch_size=BATCH,
         host="127.0.0.1",
     )
@@ -219,6 +222,10 @@ def _restart_seconds(kills: int) -> list[float]:
 
 
 def run(quick: bool) -> list[Row]:
+    # torchft's servers log every quorum and commit at INFO: megabytes a minute to stderr, which
+    # the fault-tolerant step would pay for and the DDP step not. Warnings only, as a job would
+    # run it (set before torchft's first import, which reads it; the ranks inherit it).
+    os.environ.setdefault("RUST_LOG", "warn")
     result = _step_rows(quick)
     kills = 2 if quick else 5
     heal = _heal_seconds(kills)

@@ -160,3 +160,20 @@ def test_the_fault_tolerant_example_ends_with_equal_weights_on_every_replica():
     assert len(digests) == 1 and done.stdout.count("done at step 600") == 3, done.stdout[-3000:]
     # Healed after the kill (a heal at step 0 is the start's own sync from replica 0).
     assert re.search(r"replica 2: healed from a live peer at step [1-9]", done.stdout), done.stdout[-3000:]
+
+
+def test_a_quorum_that_does_not_form_in_time_is_asked_again_then_given_up(tmp_path):
+    # A replica that finds no quorum within quorum_timeout (its peers held elsewhere: here, not
+    # started yet) asks again instead of stopping, and trains once the peer comes; with its
+    # retries spent it raises DistributedError. The timeouts here are meant to fire: their length
+    # sets only the test's duration, the peer starts after the first retry, not after a delay.
+    pytest.importorskip("torchft")
+    from tests.distributed.ft_workers import retry_run
+
+    seen = retry_run(out=str(tmp_path))
+    assert set(seen) == {9, 0, 1}, seen
+    assert seen[9]["step"] == 0 and "no quorum formed in 2 tries" in seen[9]["error"], seen[9]
+    for replica in (0, 1):
+        assert seen[replica]["error"] is None and seen[replica]["step"] == 2, seen
+    assert seen[0]["retries"][0] >= 1, seen[0]
+    assert seen[0]["weights"] == seen[1]["weights"]

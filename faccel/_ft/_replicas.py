@@ -13,6 +13,7 @@ next quorum goes on with whoever is left.
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 from typing import Any
 
@@ -48,6 +49,8 @@ class ReplicaQuorum:
         counts: Samples each replica rank reads, for the mean over the step's samples.
         healed: Whether this replica received the state from a peer in this quorum.
         failed: Whether the quorum itself failed here (the step will be discarded).
+        retries: Quorums this replica asked for again before this one formed (each
+            did not form within the ``quorum_timeout`` of :func:`fault_tolerant`).
 
     Example:
         >>> import torch
@@ -69,6 +72,7 @@ class ReplicaQuorum:
     counts: tuple[int, ...]
     healed: bool
     failed: bool
+    retries: int = 0
 
 
 class FaultTolerance:
@@ -80,12 +84,21 @@ class FaultTolerance:
 
     Example:
         >>> ft = FaultTolerance(manager=None, pg=None, store=None, dataset_size=96, batch_size=4, seed=0)
-        >>> ft.live is None, ft.closed
-        (True, False)
+        >>> ft.live is None, ft.closed, ft.quorum_retries
+        (True, False, 5)
     """
 
     def __init__(
-        self, *, manager: Any, pg: Any, store: Any, dataset_size: int, batch_size: int, seed: int
+        self,
+        *,
+        manager: Any,
+        pg: Any,
+        store: Any,
+        dataset_size: int,
+        batch_size: int,
+        seed: int,
+        replica: int = 0,
+        quorum_retries: int = 5,
     ) -> None:
         self.manager = manager
         self.pg = pg
@@ -93,9 +106,20 @@ class FaultTolerance:
         self.dataset_size = dataset_size
         self.batch_size = batch_size
         self.seed = seed
+        self.replica = replica
+        self.quorum_retries = quorum_retries
         self.live: TrainState | None = None
         self.healed = False
         self.closed = False
+        # The current epoch's order, drawn once an epoch: drawing it is a permutation of the
+        # whole dataset, far more than a step's work on a large one.
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's order of sample indices (``_rows.epoch_order``), drawn once an epoch."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.seed, epoch, self.dataset_size))
+        return self._order[1]
 
     def capture(self) -> dict[str, Any]:
         """What a healing peer receives: the checkpoint's content, from the live objects."""
@@ -165,6 +189,8 @@ def fault_tolerant(
     min_replicas: int = 1,
     host: str | None = None,
     timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+    quorum_timeout: datetime.timedelta | None = None,
+    quorum_retries: int = 5,
 ) -> FaultTolerance:
     """Join the fault-tolerant data-parallel dimension as replica ``replica``.
 
@@ -183,8 +209,15 @@ def fault_tolerant(
         batch_size: Samples each replica reads in a step.
         min_replicas: Fewest replicas that may commit a step.
         host: The name peers reach this replica by (default: this machine's host name).
-        timeout: How long a quorum, a collective or a transfer may take before the
-            step is given up.
+        timeout: How long a quorum, a collective, a rebuild of the process group or a
+            transfer may take before the step is given up.
+        quorum_timeout: How long one request for a quorum waits before it is asked
+            for again (default: ``timeout``).
+        quorum_retries: How many times a quorum that did not form within ``quorum_timeout``
+            is asked for again before :func:`replica_quorum` raises. When a replica dies, the
+            others can each be held for a timeout in the step it died in (the collective,
+            the rebuild of the process group, a transfer to it), and the lighthouse waits
+            for them: the default rides out several such timeouts in a row.
 
     Returns:
         The handle the loop passes to :func:`replica_quorum` and :func:`replica_commit`.
@@ -215,6 +248,9 @@ def fault_tolerant(
     if replica < 0:
         msg = f"fault_tolerant needs replica >= 0, got {replica}: number the replicas 0, 1, ..."
         raise ArgumentValueError(msg)
+    if quorum_retries < 0:
+        msg = f"fault_tolerant needs quorum_retries >= 0, got {quorum_retries}: pass a count of retries"
+        raise ArgumentValueError(msg)
     if dist.world_size != 1:
         msg = (
             f"fault_tolerant runs one process per replica; this process is one of {dist.world_size} "
@@ -237,7 +273,7 @@ def fault_tolerant(
         min_replica_size=min_replicas,
         use_async_quorum=False,
         timeout=timeout,
-        quorum_timeout=timeout,
+        quorum_timeout=quorum_timeout or timeout,
         connect_timeout=timeout,
         rank=0,
         world_size=1,
@@ -249,7 +285,14 @@ def fault_tolerant(
         checkpoint_transport=PeerTransport(pg),
     )
     ft = FaultTolerance(
-        manager=manager, pg=pg, store=store, dataset_size=dataset_size, batch_size=batch_size, seed=dist.seed
+        manager=manager,
+        pg=pg,
+        store=store,
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        seed=dist.seed,
+        replica=replica,
+        quorum_retries=quorum_retries,
     )
     manager.register_state_dict_fn("faccel", ft.load, ft.capture)
     # A state restored from a checkpoint starts at its step: a replica behind it heals from it.
@@ -292,11 +335,7 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
     ft.live = state
     ft.healed = False
     _zero(state)
-    try:
-        manager.start_quorum()
-    except Exception as error:  # torchft raises whatever its RPC raised
-        msg = f"no quorum formed: {error}; is the lighthouse running, and are min_replicas replicas alive?"
-        raise DistributedError(msg) from error
+    retries = _start_quorum(ft)
     state = ft.live
     failed = manager.errored() is not None
     participants = max(manager.num_participants(), 1)
@@ -316,7 +355,7 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
         replica_rank=rank,
         participants=participants,
     )
-    order = epoch_order(ft.seed, state.epoch, ft.dataset_size)
+    order = ft.order(state.epoch)
     return ReplicaQuorum(
         state=state,
         quorum_id=int(getattr(manager, "_quorum_id", -1)),
@@ -327,7 +366,47 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
         counts=tuple(counts),
         healed=ft.healed,
         failed=failed,
+        retries=retries,
     )
+
+
+def _start_quorum(ft: FaultTolerance) -> int:
+    """torchft's quorum for this step, asked for again while one does not form; the retries it took.
+
+    A quorum that does not form within the timeout is not this replica's failure: the
+    lighthouse waits for every replica it still hears, and after a death the others can
+    be held for a timeout or more (a collective with the dead replica, a rebuild of the
+    process group it never joined, a transfer to it). This replica asks again, up to
+    ``ft.quorum_retries`` times, and then raises: the lighthouse is gone, or fewer than
+    ``min_replicas`` replicas stayed alive that long. A rebuild or a transfer that failed
+    inside a quorum does not come here: torchft reports it, the step is discarded, and
+    the next quorum (whose number the failure changes) rebuilds the group.
+    """
+    manager = ft.manager
+    attempt = 0
+    while True:
+        try:
+            manager.start_quorum()
+            return attempt
+        except Exception as error:  # torchft raises whatever its RPC raised
+            # torchft keeps the failed request's future and raises it again at the next
+            # start_quorum: forget it, so that the next request is a new one.
+            manager._quorum_future = None
+            if attempt == ft.quorum_retries:
+                msg = (
+                    f"replica {ft.replica}: no quorum formed in {attempt + 1} tries of quorum_timeout each "
+                    f"({error}); is the lighthouse running, and are min_replicas replicas alive?"
+                )
+                raise DistributedError(msg) from error
+            attempt += 1
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            logging.getLogger("faccel.fault_tolerance").warning(
+                "replica %d: no quorum formed (%s); asking again (retry %d of %d)",
+                ft.replica,
+                first_line,
+                attempt,
+                ft.quorum_retries,
+            )
 
 
 def advance(state: TrainState, taken: int, dataset_size: int) -> TrainState:

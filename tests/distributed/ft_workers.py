@@ -370,3 +370,106 @@ def check_run(
         "epochs_complete": last_epoch,
         "steps": steps,
     }
+
+
+def retry_main(
+    *, replica: int, lighthouse: str, out: str, steps: int, quorum_timeout: float, quorum_retries: int
+) -> None:
+    """A replica whose quorum requests wait ``quorum_timeout`` seconds each; it writes what it saw.
+
+    The first time it asks for a quorum again (faccel's warning), it writes ``retried-R``: the
+    parent starts the peer only then, so that the retry is certain and no wait is timed.
+    """
+    import datetime
+    import logging
+
+    import faccel
+    from faccel._ft._replicas import fault_tolerant, replica_commit, replica_quorum
+    from faccel.errors import DistributedError
+
+    class Mark(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            (Path(out) / f"retried-{replica}").touch()
+
+    logging.getLogger("faccel.fault_tolerance").addHandler(Mark())
+    torch.set_num_threads(1)
+    dist = faccel.detect(seed=7)
+    model = make_model()
+    state = faccel.TrainState.create(model=model, optimizer=make_optimizer(model))
+    x, y = dataset(96)
+    ft = fault_tolerant(
+        dist,
+        state,
+        replica=replica,
+        lighthouse=lighthouse,
+        dataset_size=96,
+        batch_size=4,
+        host="127.0.0.1",
+        quorum_timeout=datetime.timedelta(seconds=quorum_timeout),
+        quorum_retries=quorum_retries,
+    )
+    seen: dict[str, Any] = {"retries": [], "error": None}
+    try:
+        while state.step < steps:
+            quorum = replica_quorum(ft, state)
+            seen["retries"].append(quorum.retries)
+            grads_of(model, x, y, list(quorum.indices))
+            state = replica_commit(ft, quorum)
+    except DistributedError as error:
+        seen["error"] = str(error)
+    seen["step"], seen["weights"] = state.step, digest(model)
+    (Path(out) / f"result-{replica}.json").write_text(json.dumps(seen))
+    faccel.shutdown(dist)
+
+
+def retry_run(*, out: str, timeout: float = 240) -> dict[int, dict[str, Any]]:
+    """A replica alone asks for a quorum again and again (the lighthouse wants two); then its peer comes.
+
+    Replica 9 asks with one retry only and gives up (``DistributedError``). Replica 0 asks with
+    a short ``quorum_timeout`` and many retries; once it has retried, replica 1 starts, and the
+    two train two steps together. Returns what each wrote.
+    """
+    import multiprocessing as mp
+    import time
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1000)
+    address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "faccel", "torchft", "tests.distributed.ft_workers"])
+    # One request waits 0.5 s: it is meant to time out (no peer yet); how long it waits sets only
+    # how long the test takes. 200 retries (100 s) is the bound on the peer's start, generous.
+    common = {"lighthouse": address, "out": out, "steps": 2, "quorum_timeout": 0.5}
+
+    def start(replica: int, retries: int) -> Any:
+        proc = ctx.Process(
+            target=retry_main, kwargs={"replica": replica, "quorum_retries": retries, **common}
+        )
+        proc.start()
+        return proc
+
+    deadline = time.monotonic() + timeout
+    procs = []
+    try:
+        procs.append(start(9, 1))
+        procs[-1].join(max(deadline - time.monotonic(), 1))
+        procs.append(start(0, 200))
+        while not (Path(out) / "retried-0").exists() and procs[-1].exitcode is None:
+            if time.monotonic() > deadline:
+                raise AssertionError("replica 0 never asked for a quorum again")
+            time.sleep(0.01)
+        procs.append(start(1, 200))
+        for proc in procs:
+            proc.join(max(deadline - time.monotonic(), 1))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        lighthouse.shutdown()
+    return {
+        replica: json.loads(path.read_text())
+        for replica in (9, 0, 1)
+        if (path := Path(out) / f"result-{replica}.json").exists()
+    }
