@@ -318,7 +318,7 @@ def sharded_job(args: JobArgs) -> Job:
     def planned() -> tuple[StateFile, dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
         own = strategy.shard_state(train_state.model, train_state.optimizer)
         content, files = capture(dist, train_state, own, shards=True)  # refuses unstorable values first
-        index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size)
+        index, pieces, placed = plan_pieces(files, dist.rank, dist.world_size, strategy.held)
         content = attrs.evolve(
             content,
             tensors={group: {k: p.to_json() for k, p in entries.items()} for group, entries in index.items()},

@@ -54,7 +54,6 @@ from faccel._hf._naming import (
 )
 from faccel._hf._spread_write import OwnFile, write_own
 from faccel._loop._strategies import given_model, unwrap_model
-from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, parse_json
 from faccel._storage._roots import shown, spot_of
 from faccel._storage._safetensors import TensorInfo, header_bytes, plan
@@ -363,9 +362,9 @@ def _save_spread(
     # Largest element size first, as plan() lays out a file: every tensor aligned to its element size.
     walk = sorted(stored, key=lambda name: -specs[name][0].itemsize)
     owner = assign(sizes, dist.world_size)
-    # Pipeline stages (faccel._checkpoint._strategies._pipeline): each tensor is marked with the ranks
-    # of the stage that holds it; those ranks share its stage's tensors, balanced by bytes.
-    held = {name: getattr(state[name], WRITTEN_BY) for name in stored if hasattr(state[name], WRITTEN_BY)}
+    # Where the strategy places a tensor itself (pipeline stages: the ranks of the stage that holds
+    # it): those ranks share its stage's tensors, balanced by bytes.
+    held = {name: lies for name in stored if (lies := strategy.held(state[name])) is not None}
     if held:
         blocks: dict[tuple[int, int], dict[str, int]] = {}
         for name in stored:

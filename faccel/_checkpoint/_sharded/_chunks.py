@@ -86,7 +86,7 @@ class Held:
     ``first``). ``cut``: on a rank of the stage, what gives the chunk this rank writes (None past
     the last row), called only by a checkpoint's plan (a collective of the stage's ranks where the
     tensor must be made whole first; an export never calls it). Set on the state's tensor under the
-    mark ``WRITTEN_BY`` (``faccel._marks``).
+    mark ``WRITTEN_BY`` (``faccel._marks``), which the strategy state reads back (``held``).
 
     Example:
         >>> held = Held(block=3, first=2, ranks=2)

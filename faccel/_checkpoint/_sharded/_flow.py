@@ -46,7 +46,6 @@ from faccel._checkpoint._strategies import strategy_of
 from faccel._checkpoint._verify import elementwise_optimizer
 from faccel._dist._process_group import comm_device
 from faccel._dist._state import DistState
-from faccel._marks import WRITTEN_BY
 from faccel._storage._durable import MAX_JSON, SHA256, FileRecord, allocatable_bytes, in_parallel, parse_json
 from faccel._storage._roots import spot_of
 from faccel._storage._store import Spot
@@ -70,9 +69,15 @@ _READERS = 4
 
 
 def plan_pieces(
-    files: Mapping[str, Mapping[str, torch.Tensor]], rank: int, world: int
+    files: Mapping[str, Mapping[str, torch.Tensor]],
+    rank: int,
+    world: int,
+    held: Callable[[torch.Tensor], Held | None],
 ) -> tuple[dict[str, dict[str, Placed]], dict[str, torch.Tensor], dict[str, Placed]]:
     """The index ``{group: {key: Placed}}``, and the chunks ``rank`` writes, keyed ``group/key``.
+
+    ``held`` (the strategy state's :meth:`~StrategyState.held`) says where a tensor lies when its
+    strategy decides it (pipeline stages: the ranks of its stage); the others follow the chunk rule.
 
     Raises :class:`CheckpointError` for a DTensor that is not split by rows
     over all ranks (another layout: write it with ``sharded=False``).
@@ -84,7 +89,7 @@ def plan_pieces(
     for file, group in GROUPS.items():
         for key, value in files.get(file, {}).items():
             name, tensor = f"{group}/{key}", value
-            if is_dtensor(tensor) and not hasattr(tensor, WRITTEN_BY):
+            if is_dtensor(tensor) and held(tensor) is None:
                 if not row_split(tensor, world):
                     msg = (
                         f"{name} is a DTensor placed {tensor.placements} on a mesh of "
@@ -95,15 +100,13 @@ def plan_pieces(
                 sharded.append(name)
             specs[name] = (tensor.dtype, tuple(tensor.shape))
             tensors[name] = tensor
-    # Pipeline stages (faccel._checkpoint._strategies._pipeline): every tensor is marked with where it
-    # lies (a Held: the chunk rule over its stage's ranks, and the chunk this rank writes, if any).
-    writers: dict[str, Held] = {
-        name: getattr(t, WRITTEN_BY) for name, t in tensors.items() if hasattr(t, WRITTEN_BY)
-    }
+    # Where the strategy places a tensor itself (pipeline stages: the chunk rule over its stage's
+    # ranks, and the chunk this rank writes, if any).
+    writers = {name: lies for name, t in tensors.items() if (lies := held(t)) is not None}
     placed = assign({k: v for k, v in specs.items() if k not in writers}, sharded, world)
-    for name, held in writers.items():
+    for name, lies in writers.items():
         dtype, shape = specs[name]
-        placed[name] = Placed(dtype=dtype, shape=shape, block=held.block, first=held.first)
+        placed[name] = Placed(dtype=dtype, shape=shape, block=lies.block, first=lies.first)
     placed = {name: placed[name] for name in specs}
     pieces: dict[str, torch.Tensor] = {}
     for name, spot in placed.items():

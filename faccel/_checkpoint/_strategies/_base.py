@@ -35,6 +35,7 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
+    from faccel._checkpoint._sharded._chunks import Held
     from faccel._dist._state import DistState
 
 __all__ = ["ExportKind", "Ownership", "StrategyState", "Whole"]
@@ -96,6 +97,11 @@ class StrategyState(Protocol):
 
     def shard_state(self, model: Any, optimizer: Any) -> Whole | None:
         """This rank's pieces for the sharded format (DTensors); None: the live state dicts."""
+        ...
+
+    def held(self, tensor: torch.Tensor) -> Held | None:
+        """Where a tensor of :meth:`shard_state` lies when this strategy decides it (which ranks write
+        its chunks, and how this rank gets its own); None: the chunk rule over all ranks decides."""
         ...
 
     def sharded_problem(self, dist: DistState, model: object) -> str | None:

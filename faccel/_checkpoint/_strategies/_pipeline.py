@@ -279,6 +279,10 @@ class PipelineState(PlainState):
         _check(model)
         return stage_shards(model, optimizer)
 
+    def held(self, tensor: torch.Tensor) -> Held | None:
+        """The stage's ranks and chunk rule that :meth:`shard_state` marked the tensor with."""
+        return getattr(tensor, WRITTEN_BY, None)
+
     def sharded_problem(self, dist: DistState, model: object) -> str | None:
         """Stages not built yet."""
         return None if _pipelined(model).built else _unbuilt(model)

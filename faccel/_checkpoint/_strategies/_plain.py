@@ -17,6 +17,7 @@ from faccel._loop._strategies import unwrap_model
 from faccel._storage._weights import alias_groups
 
 if TYPE_CHECKING:
+    from faccel._checkpoint._sharded._chunks import Held
     from faccel._dist._state import DistState
 
 __all__ = ["PlainState"]
@@ -38,6 +39,10 @@ class PlainState:
 
     def shard_state(self, model: Any, optimizer: Any) -> Whole | None:
         """None: the live state dicts, split between the ranks by the chunk rule."""
+        return None
+
+    def held(self, tensor: torch.Tensor) -> Held | None:
+        """None: the chunk rule over all ranks places every tensor."""
         return None
 
     def sharded_problem(self, dist: DistState, model: object) -> str | None:
