@@ -26,10 +26,12 @@ __all__ = [
     "batched_powersgd_works",
     "compiled_original",
     "default_store",
+    "dtensor_local",
     "fake_tensors",
     "flatten_mesh",
     "incompatible_keys",
     "is_dtensor",
+    "like_dtensor",
     "local_box",
     "local_rows",
     "module_dicts",
@@ -92,6 +94,31 @@ def ddp_ignore(module: nn.Module, names: list[str]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+def dtensor_local(tensor: Any) -> tuple[torch.Tensor, Any]:
+    """``(local tensor, spec)`` of the DTensor ``tensor``: this rank's part, and what places it.
+
+    What ``to_local`` reads, without its autograd node: for a custom autograd
+    function that returns the local part and gives back a gradient of the
+    same placement (:func:`like_dtensor`) in one node.
+    """
+    return tensor._local_tensor, tensor._spec
+
+
+def like_dtensor(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor placed by ``spec`` (from :func:`dtensor_local`) around ``local``, outside autograd.
+
+    ``local`` has the shape and strides of the local part ``spec`` came with:
+    what ``to_local``'s backward builds (the gradient of a DTensor parameter),
+    without the autograd function and placement arithmetic of ``from_local``.
+    """
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    # a copy, as to_local's backward makes: sharding propagation may change a spec it holds
+    return DTensor(local, copy.copy(spec), requires_grad=False)
 
 
 def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

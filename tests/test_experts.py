@@ -46,6 +46,7 @@ def _simulate(case: dict) -> tuple[list[torch.Tensor], list[dict[int, list[tuple
         rows = torch.cat(arrived[dst]) if arrived[dst] else torch.empty(0, 3, dtype=torch.int64)
         assert receive.recv_splits == [len(chunk) for chunk in arrived[dst]]
         grouped = rows[receive.order]
+        assert (grouped[:, 2] - dst * local).tolist() == receive.experts.tolist()  # each row's local expert
         by_expert = torch.split(grouped, receive.expert_counts)
         seen.append({dst * local + e: [tuple(r) for r in rows.tolist()] for e, rows in enumerate(by_expert)})
         computed = grouped.clone()

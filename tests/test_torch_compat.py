@@ -93,6 +93,7 @@ def test_the_process_group_apis_on_two_real_ranks() -> None:
     assert reports[0]["rebuild_ddp_buckets"] == reports[1]["rebuild_ddp_buckets"]
     assert [r["is_dtensor"] for r in reports] == [[True, False], [True, False]]
     assert [r["local_rows"] for r in reports] == [[0, 3], [3, 5]]
+    assert [r["dtensor_local"] for r in reports] == [[True, True, True]] * 2
     assert [r["flatten_mesh"] for r in reports] == [[[0, 1], [0, 1]]] * 2
     assert all(r["set_group_timeout"] for r in reports)
 

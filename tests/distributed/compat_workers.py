@@ -31,6 +31,13 @@ def private_apis() -> dict[str, Any]:
     sharded = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])  # rows 3 + 2
     report["is_dtensor"] = [compat.is_dtensor(sharded), compat.is_dtensor(sharded.to_local())]
     report["local_rows"] = list(compat.local_rows(sharded))
+    local, spec = compat.dtensor_local(sharded)  # this rank's rows, and a DTensor of the same placement
+    twice = compat.like_dtensor(local * 2, spec)
+    report["dtensor_local"] = [
+        torch.equal(local, sharded.to_local()),
+        compat.is_dtensor(twice) and twice.placements == sharded.placements,
+        torch.equal(twice.full_tensor(), sharded.full_tensor() * 2),
+    ]
 
     # a 2-D mesh's two dimensions flattened into one named dimension, sliced from the root by name
     grid = init_device_mesh("cpu", (world, 1), mesh_dim_names=("shard", "context"))

@@ -44,9 +44,9 @@ from faccel._dist._mesh import device_mesh, dimension_group
 from faccel._dist._state import DistState
 from faccel._loop._options import PrepareOptions
 from faccel._loop._strategies._experts._find import find_experts
-from faccel._loop._strategies._experts._plan import capacity_of, dispatch_plan, inverse, receive_plan
+from faccel._loop._strategies._experts._plan import capacity_of, dispatch_plan, receive_plan
 from faccel._marks import EXPERT_SHARD, TENSOR_PARALLEL
-from faccel._torch_compat import ddp_ignore, is_dtensor
+from faccel._torch_compat import ddp_ignore, dtensor_local, is_dtensor, like_dtensor
 from faccel.errors import DistributedError, PrepareError
 
 __all__ = [
@@ -93,17 +93,29 @@ class ExpertShard:
         return self.index * self.local
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """The identity forward; the gradient times ``scale`` backward."""
+class _LocalRows(torch.autograd.Function):
+    """A split parameter's rows on this rank for the module's own forward; its gradient times ``scale``.
+
+    Of a DTensor, its local tensor, and backward a gradient of the DTensor's own
+    placement, as ``to_local`` gives it; of a plain tensor (FSDP2's unsharded one), the
+    tensor. One node where ``to_local`` then a scaling made two, each a Python call
+    in every backward, and the gradient's DTensor built without ``from_local``.
+    """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = scale
-        return tensor.view_as(tensor)
+    def forward(ctx: Any, param: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        local, spec = dtensor_local(param) if is_dtensor(param) else (param, None)
+        ctx.scale, ctx.spec, ctx.stride = scale, spec, local.stride()
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad * ctx.scale, None
+        grad = grad * ctx.scale
+        if ctx.spec is None:
+            return grad, None
+        if grad.stride() != ctx.stride:  # the spec describes the local part's layout: give it that
+            grad = grad.new_empty_strided(grad.shape, ctx.stride).copy_(grad)
+        return like_dtensor(grad, ctx.spec), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -149,25 +161,20 @@ def _exchange(
         raise DistributedError(msg) from error
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a split parameter (a DTensor's local tensor, differentiable), else itself."""
-    return param.to_local() if is_dtensor(param) else param  # type: ignore[attr-defined, no-any-return]
-
-
 def _local_view(module: nn.Module, kind: type, shard: ExpertShard) -> nn.Module:
     """A shallow copy of ``module`` (of its own class ``kind``, whatever FSDP2 made of it) whose
-    stacked parameters are this rank's, their gradients scaled.
+    stacked parameters are this rank's, their gradients scaled by ``1 / ranks``.
 
     The module's own forward runs on it as on ``module`` with ``num_experts`` local experts.
     (Made without ``__init__``: FSDP2's class would run it again, transformers' needs a config.)
+    With every expert here (one rank) the parameters are the module's own, unscaled.
     """
     view: nn.Module = object.__new__(kind)
     view.__dict__.update(module.__dict__)
-    scale = 1.0 / shard.ranks
-    own = {
-        name: _ScaleGrad.apply(_local(param), scale) for name, param in module.named_parameters(recurse=False)
-    }
-    view.__dict__["_parameters"] = own  # nn.Module reads its parameters from this dict
+    if shard.ranks > 1:
+        scale = 1.0 / shard.ranks
+        own = {name: _LocalRows.apply(param, scale) for name, param in module.named_parameters(recurse=False)}
+        view.__dict__["_parameters"] = own  # nn.Module reads its parameters from this dict
     view.__dict__["num_experts"] = shard.local
     return view
 
@@ -197,39 +204,43 @@ def _dispatched(
         )
         receive = receive_plan(cells_in.view(shard.ranks, shard.local, top_k), slot_major=shard.slot_major)
         device = hidden_states.device
-        sent = hidden_states[(plan.order // top_k).to(device)]
+        order = plan.order.to(device)
+        sent = hidden_states[order // top_k]
         arrived = _AllToAll.apply(sent, receive.recv_splits, plan.send_splits, group, shard.name)
-        grouped = arrived[receive.order.to(device)]
-        ids = torch.repeat_interleave(torch.arange(shard.local), torch.tensor(receive.expert_counts)).to(
-            device
-        )
+        by_expert = receive.order.to(device)
+        grouped = arrived[by_expert]
+        ids = receive.experts.to(device)
         ones = torch.ones(ids.numel(), 1, dtype=top_k_weights.dtype, device=device)
         computed = original(_local_view(module, kind, shard), grouped, ids[:, None], ones)
         if torch.is_grad_enabled() and grouped.requires_grad and not computed.requires_grad:
             # no rows for this rank's experts: still a node of the graph, so that its reverse
             # all-to-all runs in the backward as every peer's does
             computed = computed + grouped * 0
-        back = _AllToAll.apply(
-            computed[inverse(receive.order).to(device)],
-            plan.send_splits,
-            receive.recv_splits,
-            group,
-            shard.name,
+        # the rows back in arrival order (the inverse of by_expert, by one index_copy)
+        returned = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        back = _AllToAll.apply(returned, plan.send_splits, receive.recv_splits, group, shard.name)
+        # Each assignment lands in its token's row at the place of its expert among the token's
+        # experts (increasing id, ties by slot), so the sum below adds each token's outputs in
+        # increasing expert order from zero, as transformers' loop over experts does.
+        slots = torch.sort(top_k_index, dim=1, stable=True).indices.to(device)
+        place = torch.empty_like(slots).scatter_(1, slots, _slot_ids(slots))
+        place = (place + torch.arange(0, tokens * top_k, top_k, device=device)[:, None]).view(-1)
+        fresh = hidden_states.new_empty if plan.dropped == 0 else hidden_states.new_zeros  # drops: zeros
+        rows = fresh((tokens * top_k, hidden_states.shape[-1])).index_copy(
+            0, place[order], back.to(hidden_states.dtype)
         )
-        rows = hidden_states.new_zeros((tokens * top_k, hidden_states.shape[-1])).index_copy(
-            0, plan.order.to(device), back.to(hidden_states.dtype)
-        )
-        rows = rows.view(tokens, top_k, -1)
-        # each token's outputs in increasing expert order, summed from zero (transformers' order)
-        slots = torch.sort(top_k_index, dim=1, stable=True).indices
+        weights = top_k_weights.gather(1, slots)
         out = torch.zeros_like(hidden_states)
-        every = torch.arange(tokens, device=device)
-        for j in range(top_k):
-            slot = slots[:, j]
-            out = out + rows[every, slot] * top_k_weights[every, slot, None]
+        for row, weight in zip(rows.view(tokens, top_k, -1).unbind(1), weights.unbind(1), strict=True):
+            out = out + row * weight[:, None]
         return out
 
     return forward
+
+
+def _slot_ids(slots: torch.Tensor) -> torch.Tensor:
+    """``[0, 1, ..., k - 1]`` on every row of ``slots`` (``[T, k]``), a broadcast view."""
+    return torch.arange(slots.shape[1], device=slots.device).expand_as(slots)
 
 
 def shard_experts(

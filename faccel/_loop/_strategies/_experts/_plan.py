@@ -63,13 +63,20 @@ class ReceivePlan:
 
     Attributes:
         order: Into the received rows (grouped by source, then expert): the rows by expert, then source.
-        expert_counts: Rows each local expert gets, ``[E / R]``.
+        experts: The local expert of each row in ``order``'s order (``[0, E / R)``, nondecreasing).
+        per_expert: Rows each local expert gets, ``[E / R]``.
         recv_splits: Rows received from each source rank.
     """
 
     order: torch.Tensor
-    expert_counts: list[int]
+    experts: torch.Tensor
+    per_expert: torch.Tensor
     recv_splits: list[int]
+
+    @property
+    def expert_counts(self) -> list[int]:
+        """Rows each local expert gets, as a list."""
+        return self.per_expert.tolist()  # type: ignore[no-any-return]
 
 
 def _check(num_experts: int, ranks: int) -> None:
@@ -131,7 +138,7 @@ def dispatch_plan(
     _check(num_experts, ranks)
     tokens_k = top_k_index.shape[-1] if top_k_index.dim() == 2 else 1
     flat = top_k_index.reshape(-1).to(torch.int64)
-    slot = torch.arange(flat.numel()) % tokens_k
+    slot = torch.arange(flat.numel(), device=flat.device) % tokens_k
     key = flat * tokens_k + slot
     order = torch.sort(key if slot_major else flat, stable=True).indices
     cells = torch.bincount(key, minlength=num_experts * tokens_k).view(num_experts, tokens_k)
@@ -140,13 +147,13 @@ def dispatch_plan(
     if capacity is not None:
         # each assignment's place in its expert's queue: those at capacity or later are dropped
         starts = torch.cumsum(routed, 0) - routed
-        place = torch.arange(order.numel()) - starts[flat[order]]
+        place = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
         keep = place < capacity
         order = order[keep]
         kept_key = key[order]
         cells = torch.bincount(kept_key, minlength=num_experts * tokens_k).view(num_experts, tokens_k)
         dropped = int(routed.sum() - cells.sum())
-    counts = cells.sum(dim=1)
+    counts = routed if capacity is None else cells.sum(dim=1)
     send_splits = counts.view(ranks, num_experts // ranks).sum(dim=1).tolist()
     return DispatchPlan(
         order=order, cells=cells, counts=counts, routed=routed, send_splits=send_splits, dropped=dropped
@@ -164,19 +171,21 @@ def receive_plan(cells_in: torch.Tensor, *, slot_major: bool = True) -> ReceiveP
 
     Example:
         >>> plan = receive_plan(torch.tensor([[[1], [2]], [[0], [1]]]))
-        >>> plan.order.tolist(), plan.expert_counts, plan.recv_splits
-        ([0, 1, 2, 3], [1, 3], [3, 1])
+        >>> plan.order.tolist(), plan.expert_counts, plan.recv_splits, plan.experts.tolist()
+        ([0, 1, 2, 3], [1, 3], [3, 1], [0, 1, 1, 1])
         >>> receive_plan(torch.tensor([[[1, 1]], [[1, 1]]])).order.tolist()  # slot before source
         [0, 2, 1, 3]
     """
     cells = cells_in.to(torch.int64)
     ranks, local, top_k = cells.shape
     # (expert, slot) of each received row, in arrival order (source-major)
-    key = torch.arange(local * top_k).repeat(ranks).repeat_interleave(cells.reshape(-1))
-    order = torch.sort(key if slot_major else key // top_k, stable=True).indices
+    key = torch.arange(local * top_k, device=cells.device).repeat(ranks).repeat_interleave(cells.reshape(-1))
+    # sorted by (expert, slot) or by expert alone: the sorted keys name each row's expert
+    ordered, order = torch.sort(key if slot_major else key // top_k, stable=True)
     return ReceivePlan(
         order=order,
-        expert_counts=cells.sum(dim=(0, 2)).tolist(),
+        experts=ordered // top_k if slot_major else ordered,
+        per_expert=cells.sum(dim=(0, 2)),
         recv_splits=cells.sum(dim=(1, 2)).tolist(),
     )
 
