@@ -115,3 +115,62 @@ def test_a_torch_optimizer_with_the_configs_scheduler_section_in_one_plain_proce
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["scheduler"] == "DeepSpeedScheduler(WarmupLR)" and result["optimizer"] == "SGD"
     assert result["lrs"] == pytest.approx([0.0, 0.025, 0.05, 0.075])  # warmup_max_lr: the optimizer's 0.1
+
+
+_FORMER_NAMES = """
+import json, sys, blake3, torch, faccel
+from pathlib import Path
+root = Path(sys.argv[1])
+config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2,
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "warmup_type": "linear"}}}
+dist = faccel.detect(deepspeed=config)
+
+def made():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return faccel.prepare(dist, model, optimizer, faccel.ConfigScheduler(warmup_num_steps=4))
+
+model, optimizer, scheduler = made()
+for _ in range(2):
+    faccel.backward(dist, model(torch.ones(2, 4)).square().mean())
+    faccel.optimizer_step(dist, optimizer, scheduler=scheduler)
+    optimizer.zero_grad()
+state = faccel.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, step=2)
+path = faccel.checkpoint(dist, state, root)
+recorded = json.loads((path / "state.json").read_text())
+for section, old in (("optimizer", "DeepSpeedOptimizer"), ("scheduler", "DeepSpeedScheduler")):
+    recorded[section]["class"] = "faccel._loop._deepspeed." + old
+data = json.dumps(recorded).encode()
+(path / "state.json").write_bytes(data)
+manifest = json.loads((path / "manifest.json").read_text())
+manifest["files"]["state.json"] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+(path / "manifest.json").write_text(json.dumps(manifest))
+model2, optimizer2, scheduler2 = made()
+back = faccel.restore(dist, faccel.TrainState(model=model2, optimizer=optimizer2, scheduler=scheduler2), root)
+same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+faccel.shutdown(dist)
+print(json.dumps({"step": back.step, "same": same, "lr": scheduler2.get_last_lr()[0]}))
+"""
+
+
+def test_a_checkpoint_naming_the_deepspeed_classes_by_their_former_module_restores(tmp_path: Path) -> None:
+    """The DeepSpeed optimizer and scheduler moved module; ``state.json`` written before the move
+    names them ``faccel._loop._deepspeed.*``, and restore accepts those names (it refused them as
+    another class before)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith(("OMPI_", "SLURM_"))
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORMER_NAMES, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"step": 2, "same": True, "lr": pytest.approx(0.025)}  # two warmup steps of four

@@ -27,7 +27,7 @@ from faccel._storage._tagged_json import TensorSink, encode
 from faccel._storage._weights import model_tensors
 from faccel._train_state import TrainState, global_position
 
-__all__ = ["capture", "capture_rng", "class_name", "extras_digests", "is_stateful"]
+__all__ = ["capture", "capture_rng", "class_name", "class_names", "extras_digests", "is_stateful"]
 
 
 def class_name(obj: object) -> str:
@@ -39,6 +39,21 @@ def class_name(obj: object) -> str:
     """
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def class_names(obj: object) -> frozenset[str]:
+    """Every name ``state.json`` may hold for ``obj``'s class: :func:`class_name` and the former ones.
+
+    A faccel class that moved between modules lists the names its checkpoints recorded
+    before the move in a ``formerly`` tuple, so restore still accepts those checkpoints.
+
+    Example:
+        >>> sorted(class_names(1.0))
+        ['builtins.float']
+    """
+    kind = type(obj)
+    formerly = vars(kind).get("formerly", ()) if kind.__module__.startswith("faccel.") else ()
+    return frozenset((class_name(obj), *formerly))
 
 
 def is_stateful(value: object) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from faccel._checkpoint._capture import class_name, is_stateful
+from faccel._checkpoint._capture import class_name, class_names, is_stateful
 from faccel._checkpoint._format import (
     EXTRAS,
     MODEL,
@@ -319,7 +319,7 @@ def _check_optimizer(
             target_kind = "none" if target is None else "one"
             problems.add(STATE, f"{saved_kind} was saved, and the target has {target_kind}")
         return {}
-    if section.class_name != class_name(target):
+    if section.class_name not in class_names(target):
         problems.add(STATE, f"the optimizer is a {section.class_name}, the target a {class_name(target)}")
         return {}
     saved = decoded(section.state_dict)
@@ -490,7 +490,7 @@ def _check_scheduler(
         return None
     if section is None or target is None:
         return None
-    if section.class_name != class_name(target):
+    if section.class_name not in class_names(target):
         problems.add(STATE, f"the scheduler is a {section.class_name}, the target a {class_name(target)}")
         return None
     saved = decoded(section.state_dict)

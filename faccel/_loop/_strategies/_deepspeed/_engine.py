@@ -86,6 +86,9 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
     :attr:`engine`; the torch optimizer :attr:`optimizer`.
     """
 
+    # The names state.json recorded for this class before it moved here; restore accepts them.
+    formerly = ("faccel._loop._deepspeed.DeepSpeedOptimizer",)
+
     def __init__(
         self,
         engine: nn.Module,
@@ -162,6 +165,9 @@ class DeepSpeedScheduler(torch.optim.lr_scheduler.LRScheduler):
     ``state_dict`` is the schedule's own (with its type), so checkpoints hold it
     and ``restore`` puts it back. DeepSpeed's object is :attr:`scheduler`.
     """
+
+    # The names state.json recorded for this class before it moved here; restore accepts them.
+    formerly = ("faccel._loop._deepspeed.DeepSpeedScheduler",)
 
     def __init__(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         # Not LRScheduler.__init__: DeepSpeed's schedule sets the learning rates itself.
