@@ -95,7 +95,7 @@ One hook on a wrapper faccel builds (not an object of yours), and its mark:
 - ``comm_hook=`` of ``prepare`` (DDP's communication hooks: fp16, bf16,
   PowerSGD), registered with ``register_comm_hook`` on the
   ``DistributedDataParallel`` wrapper ``prepare`` made
-  (``faccel._loop._comm_hooks``). torch has no way to take one off a DDP
+  (``faccel._loop._strategies._ddp._comm_hooks``). torch has no way to take one off a DDP
   wrapper; it goes with the wrapper. A PowerSGD hook keeps buffers of the
   gradients' size (its error feedback, its warm-start matrices) in its
   state, marked on the wrapper as ``_faccel_comm_hook`` (:data:`COMM_HOOK`),
@@ -183,7 +183,8 @@ HOOKS = (EVAL_CHECK_IN, REBIND_AT_FIRST_STEP, EXACT_BUCKET_READY)
 CHECK_IN_GROUP = "evaluation check-in"
 #: Every name of ``dist.runtime.groups`` (the meshes' groups are kept in ``dist.runtime.meshes``).
 GROUPS = (CHECK_IN_GROUP,)
-# On the DDP wrapper prepare made with a PowerSGD comm_hook: its PowerSGDState (faccel._loop._comm_hooks).
+# On the DDP wrapper prepare made with a PowerSGD comm_hook: its PowerSGDState
+# (faccel._loop._strategies._ddp._comm_hooks).
 COMM_HOOK = "_faccel_comm_hook"
 #: The name of every thread faccel starts (or the prefix of a pool's), each joined as the docstring says.
 THREADS = (

@@ -114,3 +114,74 @@ def test_a_loop_strategy_is_one_module_and_one_row_of_the_table() -> None:
         if name not in {table, home} and re.search(rf"\b{cls}\b", text)
     }
     assert elsewhere == set()
+
+
+# Dotted ``faccel.*`` strings that name no module or object on purpose: format tags, logger names
+# and a pytree marker.
+_NOT_PATHS = {
+    "faccel.checkpoint.state",
+    "faccel.checkpoint.rng",
+    "faccel.checkpoint.ranks",
+    "faccel.fault_tolerance",
+    "faccel.static",
+    "faccel.sgd",  # docs/functional.md: the names that moved into faccel.func
+    "faccel.FunctionalState",
+}
+_DOTTED = re.compile(r"\bfaccel(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+_MODULE_FILE = re.compile(r"(?<![\w/.])((?:faccel/)?(?:_[A-Za-z0-9_]+/)*_[A-Za-z0-9_]+\.py)")
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(found, attr):
+                return False
+            found = getattr(found, attr)
+        return True
+    return False
+
+
+def _prose() -> list[Path]:
+    code = sorted((ROOT / "faccel").rglob("*.py"))
+    return [*code, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
+
+
+def test_every_faccel_name_the_code_and_docs_cite_exists() -> None:
+    """A comment or page that names ``faccel._loop._x.Thing`` names something that is there: a
+    module move that left its old name in prose fails here (formerly-names are exempt where the
+    class lists them in ``formerly``)."""
+    formerly = {
+        name
+        for path in (ROOT / "faccel").rglob("*.py")
+        for listed in re.findall(r"formerly = \(([^)]*)\)", path.read_text())
+        for name in re.findall(r'"(faccel\.[\w.]+)"', listed)
+    }
+    stale = [
+        f"{path.relative_to(ROOT)}:{number}: {name}"
+        for path in _prose()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for name in (found.rstrip(".") for found in _DOTTED.findall(line))
+        if name not in _NOT_PATHS and name not in formerly and not _resolves(name)
+    ]
+    assert not stale, "\n".join(stale)
+
+
+def test_every_module_file_the_code_and_docs_cite_exists() -> None:
+    modules = [path.relative_to(ROOT).as_posix() for path in (ROOT / "faccel").rglob("*.py")]
+    placeholders = {"_strategies/_name.py"}  # docs/architecture.md: the file a new strategy adds
+    stale = [
+        f"{path.relative_to(ROOT)}:{number}: {cited}"
+        for path in _prose()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for cited in _MODULE_FILE.findall(line)
+        if not any(cited.endswith(p) for p in placeholders)
+        and not any(module.endswith("/" + cited.removeprefix("faccel/")) for module in modules)
+    ]
+    assert not stale, "\n".join(stale)

@@ -5,7 +5,7 @@ decode each: their keys are spelled here only.
 run resumed), the world size that wrote it, the model's tensor names (and tied aliases), and the
 state of the optimizer, scheduler, grad scaler and extras as tagged JSON (``_storage/_tagged_json``;
 their tensors live in the safetensors files). The sharded format adds ``tensors``, the index of
-every tensor's chunks (``_sharded/_index.py`` checks it).
+every tensor's chunks (``_sharded._chunks.parse_index`` checks it).
 
 :func:`~faccel._checkpoint._capture.capture` builds a :class:`StateFile`, ``_save`` writes
 :meth:`StateFile.encode`; ``restore`` reads it back with :meth:`StateFile.decode`, which checks

@@ -28,7 +28,7 @@ class Atom(NamedTuple):
         seed: The seed torch's generators run under for this piece; derive
             Python or NumPy randomness of the forward from it
             (``numpy.random.default_rng(micro.atom.seed)``).
-        group: The step's live accumulator (``faccel._loop._exact.AtomGroup``);
+        group: The step's live accumulator (``faccel._loop._exact._mode.AtomGroup``);
             ``group.loss`` is the step's loss, the same bits at every size,
             once the step's last piece went through ``faccel.backward``.
 
@@ -61,7 +61,7 @@ class MicroStep(NamedTuple):
             before the group starts; None when not counted. ``backward(...,
             items=n)`` divides the loss sum by it instead of by ``group_size``.
         atom: In exact mode (``micro_batches(..., atoms=A, model=model)``), which
-            atom of the step this micro-step computes (``faccel._loop._exact.Atom``:
+            atom of the step this micro-step computes (``faccel._loop._micro_step.Atom``:
             its index, seed and the step's accumulator); None otherwise.
 
     Example:

@@ -1,6 +1,6 @@
 """The strategy-state protocol: what a strategy contributes to checkpoints and exports.
 
-A strategy (one process, DDP, FSDP2 / HSDP / tensor parallelism, DeepSpeed's ZeRO, and next
+A strategy (one process, DDP, FSDP2 / HSDP / tensor parallelism, DeepSpeed's ZeRO, and
 pipeline stages) holds a model's state its own way: whole on every rank, in row shards
 (DTensors), in flat partitions. Checkpoints (``_save``, ``_restore``, ``_verify``, ``_load``)
 and exports (``_hf``) never ask which strategy runs; they ask its :class:`StrategyState`

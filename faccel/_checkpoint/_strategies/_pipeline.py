@@ -1,4 +1,5 @@
-"""Pipeline stages: the strategy state of a :class:`~faccel._loop._pipeline.PipelinedModel`.
+"""Pipeline stages: the strategy state of a
+:class:`~faccel._loop._strategies._pipeline._stages.PipelinedModel`.
 
 A stage's rank holds only its stages' names. A checkpoint of it is the sharded format (version 2),
 keyed by the original model's names, exactly as an unpipelined model's: every rank plans the whole
