@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Expert parallelism's checkpoint moves (expert=2 -> one process, -> shard=2, -> expert=4, optimizer
 # state included, bitwise) and its save_model export read back by transformers' from_pretrained;
-# shard=2,expert=2 on 4 processes against one process; the dispatch bitwise against transformers'
-# own Mixtral block (eager, batched_mm). Kept out of the default suite's budget (docs/parallelism.md,
+# shard=2,expert=2 and pipeline=2,expert=2 on 4 processes against one process; the dispatch bitwise
+# against transformers' own Mixtral block (eager, batched_mm). Kept out of the default suite's budget (docs/parallelism.md,
 # "Mixture of experts").
 # Set PYTHON to choose the interpreter (default python3). faccel is used from this checkout.
 set -euo pipefail

@@ -243,7 +243,7 @@ def _mixtral_block_meta() -> torch.nn.Module:
     return block
 
 
-@pytest.mark.parametrize("layout", ["replicate=2,expert=2", "expert=2,tensor=2", "pipeline=2,expert=2"])
+@pytest.mark.parametrize("layout", ["replicate=2,expert=2", "expert=2,tensor=2"])
 def test_expert_parallelism_beside_other_dimensions_is_refused_by_name(layout: str) -> None:
     import faccel
     from faccel._dist._layout import parse_layout
@@ -253,3 +253,19 @@ def test_expert_parallelism_beside_other_dimensions_is_refused_by_name(layout: s
     dist = faccel.DistState.simulated(rank=0, world_size=grid.world_size, layout=grid, strategy="fsdp")
     with pytest.raises(faccel.errors.PrepareError, match="combines expert parallelism with"):
         shard_experts(dist, _mixtral_block_meta(), names=None, capacity_factor=None)
+
+
+def test_experts_in_pipeline_stages_cut_by_module_names_are_refused_by_name() -> None:
+    """A stage cut by names is traced; the traced stage would never call the dispatch forward."""
+    import faccel
+    from faccel._loop._options import PrepareOptions
+    from faccel._loop._strategies._pipeline._stages import pipelined
+
+    grid = faccel.Layout(pipeline=2, expert=2)
+    dist = faccel.DistState.simulated(rank=0, world_size=4, layout=grid, strategy="fsdp")
+    model = torch.nn.Sequential(_mixtral_block_meta(), _mixtral_block_meta())
+    with pytest.raises(faccel.errors.PrepareError, match="give split= a function build"):
+        pipelined(dist, model, PrepareOptions(split=("1",)))
+    # with a split function, the whole model's experts are found at prepare, for each stage to split
+    piped = pipelined(dist, model, PrepareOptions(split=lambda stage, stages: model[stage]))
+    assert piped._options.experts == ("0.experts", "1.experts")

@@ -95,14 +95,16 @@ def data_mesh(dist: DistState) -> Any:
     (2-D, HSDP: all-gather within a replica, all-reduce across replicas) with them.
     Context-parallel ranks hold the same parameters and their gradients sum, so
     with ``context > 1`` the shards run over shard x context flattened into one
-    dimension (``"shard_context"``, torchtitan's ``dp_shard_cp``).
+    dimension (``"shard_context"``, torchtitan's ``dp_shard_cp``). Expert ranks deal batches too:
+    the parameters outside the split experts shard over shard x expert (``"shard_expert"``),
+    as torchtitan's ``dp_shard`` covers the ranks it lends to ``ep``.
     """
     mesh = device_mesh(dist)
     layout = dist.parallel
-    shard_name = "shard"
-    if layout.context > 1:
-        shard_name = "shard_context"
-        flatten_mesh(mesh["shard", "context"], shard_name)  # registered on the root mesh, sliced below
+    inner = ("shard", *(name for name in ("expert", "context") if layout.size(name) > 1))
+    shard_name = "_".join(inner)
+    if len(inner) > 1:
+        flatten_mesh(mesh[inner], shard_name)  # registered on the root mesh, sliced below
     return mesh["replicate", shard_name] if layout.replicate > 1 else mesh[shard_name]
 
 

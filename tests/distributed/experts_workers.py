@@ -214,3 +214,85 @@ def load_into(*, layout: str, model_dir: str) -> dict[str, str]:
         n: list(_local(p).shape) for n, p in faccel.unwrap_model(model).named_parameters() if "experts" in n
     }
     return {**digests(model, torch.optim.SGD([torch.zeros(1)])), "shapes": json.dumps(shapes)}
+
+
+class MoeNet(torch.nn.Module):
+    """A user's own mixture-of-experts model: an input layer, two residual MoE blocks, a read-out."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, hidden)
+        self.layers = torch.nn.ModuleList(Block(experts, hidden) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.layers:
+            h = h + block(h)
+        return self.head(h)
+
+
+class MoeStage(torch.nn.Module):
+    """One pipeline stage of :class:`MoeNet` built by hand: the same names, its block only."""
+
+    def __init__(self, stage: int, stages: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        whole = MoeNet()  # the same seed, the same values: then keep this stage's part only
+        self.embed = whole.embed if stage == 0 else None
+        self.layers = torch.nn.ModuleDict({str(stage): whole.layers[stage]})
+        self.head = whole.head if stage == stages - 1 else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            h = self.embed(h)
+        for block in self.layers.values():
+            h = h + block(h)
+        return self.head(h) if self.head is not None else h
+
+
+def pipelined_experts(*, layout: str | None, root: str | None = None, steps: int = 3) -> dict[str, Any]:
+    """``steps`` AdamW steps of :class:`MoeNet` through ``forward_backward`` under ``layout`` (pipeline
+    stages whose blocks' experts are split over the expert ranks), or in one process without one; the
+    losses, every whole weight by name, each rank's rows of each expert tensor, the checkpoint's digests.
+    """
+    dist = faccel.detect(None if layout else {}, layout=layout)
+    torch.manual_seed(0)
+    model = MoeNet()
+    names = [n for n, m in model.named_modules() if isinstance(m, Experts)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options: dict[str, Any] = {"experts": names}
+    if dist.parallel.pipeline > 1:
+        options.update(split=MoeStage, schedule=faccel.Schedule(kind="1f1b", microbatches=2))
+    model, optimizer = faccel.prepare(dist, model, optimizer, **options)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+        part = dist.data_rank, dist.data_world_size
+        x, y = x.chunk(part[1])[part[0]], y.chunk(part[1])[part[0]]
+        optimizer.zero_grad()
+        loss = faccel.forward_backward(dist, model, torch.nn.functional.mse_loss, x, y)
+        losses.append(float(faccel.reduce(dist, loss, "mean") if dist.data_world_size > 1 else loss))
+        faccel.optimizer_step(dist, optimizer)
+    modules = model.stages if isinstance(model, faccel.PipelinedModel) else [model]
+    weights, rows = {}, {}
+    for module in modules:
+        for name, param in faccel.unwrap_model(module).named_parameters():
+            weights[name] = _whole(param).flatten().tolist()
+            if "experts" in name:
+                rows[name] = _local(param).shape[0]
+    if root is not None:
+        faccel.checkpoint(dist, faccel.TrainState.create(model=model, optimizer=optimizer), root)
+    return {"losses": losses, "weights": weights, "rows": rows}
+
+
+def moe_net_restored(root: str) -> dict[str, list[float]]:
+    """The checkpoint in ``root`` restored into a fresh :class:`MoeNet` in one process: its weights."""
+    dist = faccel.detect({})
+    torch.manual_seed(5)
+    model = MoeNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    state = faccel.restore(dist, faccel.TrainState.create(model=model, optimizer=optimizer), root)
+    return {name: param.detach().flatten().tolist() for name, param in state.model.named_parameters()}

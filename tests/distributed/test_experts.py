@@ -114,6 +114,38 @@ def test_experts_beside_shards_train_as_one_process_and_restore_in_one(tmp_path:
     assert experts_workers.digests(state.model, optimizer) == both[0]["even"]["digests"]
 
 
+@expert_moves
+def test_pipeline_stages_with_experts_split_in_each_train_as_one_process_and_restore_in_one(
+    tmp_path: Path,
+) -> None:
+    # pipeline=2 x expert=2 on 4 ranks: each stage's block has its experts split over the 2 ranks
+    # of the stage (an all-to-all inside the stage, between the schedule's sends), the rest of the
+    # stage sharded by FSDP2 over the same 2 data-parallel ranks
+    root = tmp_path / "ckpt"
+    one = experts_workers.pipelined_experts(layout=None)
+    ranks = harness.run(
+        experts_workers.pipelined_experts,
+        world_size=4,
+        timeout=300,
+        layout="pipeline=2,expert=2",
+        root=str(root),
+    )
+    names: set[str] = set()
+    for r in ranks:
+        # the same arithmetic in another order (micro-batches, two ranks' halves): float32 rounding
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-6)
+        assert r["losses"] == ranks[0]["losses"]
+        for name, value in r["weights"].items():
+            assert value == pytest.approx(one["weights"][name], rel=1e-5, abs=1e-6), name
+        assert r["rows"] and all(rows == 2 for rows in r["rows"].values()), r["rows"]  # 2 of 4 experts
+        names |= set(r["weights"])
+    assert names == set(one["weights"])  # the stages together hold the whole model
+    # the checkpoint of the stages restores in one process, bitwise
+    restored = experts_workers.moe_net_restored(str(root))
+    by_name = {name: value for r in ranks for name, value in r["weights"].items()}
+    assert restored == by_name
+
+
 def test_a_peer_dying_in_the_all_to_all_is_named_on_the_survivor() -> None:
     survivor, _ = harness.run(
         experts_workers.peer_dies_in_the_all_to_all, world_size=2, timeout=120, lost=(1,)

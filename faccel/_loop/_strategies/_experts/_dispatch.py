@@ -257,16 +257,21 @@ def shard_experts(
             expert parallelism does not run under (yet).
     """
     layout = dist.parallel
+    # Pipeline stages split their blocks' experts within each stage's ranks (each stage is its own
+    # model, wrapped by FSDP2 over the data ranks): the dimension composes with them as with shards.
     others = {
-        name: size for name, size in layout.sizes.items() if name not in ("expert", "shard") and size > 1
+        name: size
+        for name, size in layout.sizes.items()
+        if name not in ("expert", "shard", "pipeline") and size > 1
     }
     alone = layout.shard == 1 and dist.strategy == "ddp"
     with_shards = dist.strategy == "fsdp"  # torchtitan's dp_shard x ep: experts' blocks sharded over shard
     if layout.expert > 1 and (others or not (alone or with_shards)):
         msg = (
             f"layout {layout} combines expert parallelism with {sorted(others) or dist.strategy!r}; faccel "
-            "splits experts over expert ranks alone (Layout(expert=E), strategy 'ddp') or beside "
-            "shards (Layout(shard=S, expert=E), strategy 'fsdp') so far; use one of those"
+            "splits experts over expert ranks alone (Layout(expert=E), strategy 'ddp'), beside "
+            "shards (Layout(shard=S, expert=E), strategy 'fsdp') or in pipeline stages "
+            "(Layout(pipeline=P, expert=E)) so far; use one of those"
         )
         raise PrepareError(msg)
     group = dimension_group(dist, "expert") if layout.expert > 1 else None
@@ -357,9 +362,12 @@ def expert_units(dist: DistState, model: nn.Module) -> list[nn.Module]:
     experts is sharded again over the ranks that hold the same block, while the
     rest of the model is sharded over every data-parallel rank; the experts'
     gradients are averaged over the shard ranks by FSDP2 and over the expert
-    group by the dispatch's ``1 / E``.
+    group by the dispatch's ``1 / E``. With ``shard=1`` (pipeline stages beside
+    experts) each is still its own unit, of one rank: so that the unit around
+    the rest, over every data-parallel rank, leaves the experts' blocks (which
+    differ by rank) alone.
     """
-    if dist.parallel.expert == 1 or dist.parallel.shard == 1:
+    if dist.parallel.expert == 1:
         return []
     return [
         module

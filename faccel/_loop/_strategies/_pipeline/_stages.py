@@ -286,6 +286,8 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
             f"{dist.strategy!r} is not supported with pipeline={dist.parallel.pipeline}: use strategy='fsdp'"
         )
         raise PrepareError(msg)
+    if dist.parallel.expert > 1 or options.experts is not None or options.expert_capacity is not None:
+        options = _stage_experts(dist, model, options)
     schedule = options.schedule if options.schedule is not None else Schedule()
     if not isinstance(schedule, Schedule):
         msg = f"schedule must be a faccel.Schedule, got {schedule!r}"
@@ -300,6 +302,21 @@ def pipelined(dist: DistState, model: nn.Module, options: Any) -> PipelinedModel
         shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in args)
         object.__setattr__(piped, "shapes", shapes)
     return piped
+
+
+def _stage_experts(dist: DistState, model: nn.Module, options: Any) -> Any:
+    """``options`` naming the whole model's experts modules, found or checked now, before any stage is
+    built: each stage splits those it holds (``_build``), over the ranks of its expert group."""
+    from faccel._loop._strategies._experts._find import find_experts
+
+    if not callable(options.split):
+        msg = (
+            f"layout {dist.parallel} splits experts inside pipeline stages, whose dispatch replaces each "
+            "experts module's forward; a stage cut by module names (torch's tracer) never calls it: give "
+            "split= a function build(stage, stages) that builds the stage from the model's own modules"
+        )
+        raise PrepareError(msg)
+    return attrs.evolve(options, experts=tuple(find_experts(model, options.experts)))
 
 
 def _some(names: set[str]) -> str:
@@ -548,6 +565,7 @@ def _build(model: PipelinedModel, inputs: tuple[Any, ...]) -> None:
 
     from faccel._dist._mesh import dimension_group
     from faccel._loop._materialize import materialize, prepare_meta
+    from faccel._loop._strategies._experts._dispatch import split_experts
 
     dist, schedule, options = model._dist, model.schedule, model._options
     layout = dist.parallel
@@ -579,6 +597,10 @@ def _build(model: PipelinedModel, inputs: tuple[Any, ...]) -> None:
         meta = prepare_meta(module, dist.device, options.init, shards_first=sharded)
         if not meta:
             module.to(dist.device)
+        if options.experts is not None:  # the stage's experts (checked on the whole model at prepare)
+            held = dict(module.named_modules())
+            here = attrs.evolve(options, experts=tuple(name for name in options.experts if name in held))
+            split_experts(dist, module, here)
         wrapped = _wrap_stage(dist, module, options)
         if meta and sharded:
             materialize(module, dist.device, options.init)
