@@ -141,7 +141,7 @@ def test_fsdp_tensor_parallelism_and_a_bare_loader_are_refused_by_name() -> None
     dist, loader = prepared(4, layout=faccel.Layout(replicate=2, tensor=2))
     with pytest.raises(UsageError, match="tensor parallelism and pipelines"):
         next(faccel.micro_batches(dist, loader, atoms=4, model=model()))
-    dist, loader = prepared(4, layout=faccel.Layout(replicate=2, expert=2))
+    dist, loader = prepared(4, layout=faccel.Layout(expert=4))
     with pytest.raises(UsageError, match="exact mode does not cover expert parallelism"):
         next(faccel.micro_batches(dist, loader, atoms=4, model=model()))
     dist = faccel.DistState()

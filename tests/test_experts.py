@@ -243,14 +243,17 @@ def _mixtral_block_meta() -> torch.nn.Module:
     return block
 
 
-@pytest.mark.parametrize("layout", ["replicate=2,expert=2", "expert=2,tensor=2"])
-def test_expert_parallelism_beside_other_dimensions_is_refused_by_name(layout: str) -> None:
+def test_expert_parallelism_beside_context_ranks_or_replicas_under_ddp_is_refused_by_name() -> None:
     import faccel
-    from faccel._dist._layout import parse_layout
     from faccel._loop._strategies._experts._dispatch import shard_experts
 
-    grid = parse_layout(layout)
-    dist = faccel.DistState.simulated(rank=0, world_size=grid.world_size, layout=grid, strategy="fsdp")
+    # DDP leaves each rank's experts alone, so it cannot average a block over the replicas holding it
+    replicas = faccel.Layout(replicate=2, expert=2)
+    with pytest.raises(faccel.errors.LaunchError, match="averages experts over replicas"):
+        faccel.DistState.simulated(world_size=4, layout=replicas, strategy="ddp")
+    assert faccel.DistState.simulated(world_size=4, layout=replicas).strategy == "fsdp"
+    grid = faccel.Layout(expert=2, context=2)
+    dist = faccel.DistState.simulated(rank=0, world_size=4, layout=grid, strategy="fsdp")
     with pytest.raises(faccel.errors.PrepareError, match="combines expert parallelism with"):
         shard_experts(dist, _mixtral_block_meta(), names=None, capacity_factor=None)
 

@@ -341,6 +341,11 @@ def layout_problem(layout: Layout, world_size: int, strategy: Strategy) -> str:
             f"layout {layout} shards parameters over {layout.shard} ranks, which strategy 'ddp' "
             "never does; use strategy='fsdp' (or shard=1)"
         )
+    if strategy == "ddp" and layout.replicate > 1 and layout.expert > 1:
+        return (
+            f"layout {layout} averages experts over replicas, which DDP (leaving each rank's experts "
+            "alone) cannot do; use strategy='fsdp' (HSDP: each block of experts averaged over its replicas)"
+        )
     if strategy == "ddp" and layout.replicate > 1 and layout.replicate * layout.expert != world_size:
         return (
             f"layout {layout} replicates stages or tensor-parallel or context-parallel weights, "
@@ -350,13 +355,15 @@ def layout_problem(layout: Layout, world_size: int, strategy: Strategy) -> str:
 
 
 def strategy_for(layout: Layout) -> str:
-    """The strategy a layout asks for when none is given: FSDP2 unless every dimension but replicate
-    and expert is 1 (expert parallelism alone keeps the rest of the model whole, as DDP does).
+    """The strategy a layout asks for when none is given: DDP for replicas alone or expert ranks alone
+    (expert parallelism alone keeps the rest of the model whole, as DDP does), else FSDP2 (replicas
+    beside experts included: HSDP averages each block of experts over its replicas).
 
     Example:
-        >>> strategy_for(Layout(replicate=4)), strategy_for(Layout(tensor=4))
-        ('ddp', 'fsdp')
+        >>> strategy_for(Layout(replicate=4)), strategy_for(Layout(tensor=4)), strategy_for(Layout(expert=4))
+        ('ddp', 'fsdp', 'ddp')
         >>> strategy_for(Layout(pipeline=2, replicate=2)), strategy_for(Layout(replicate=2, expert=2))
-        ('fsdp', 'ddp')
+        ('fsdp', 'fsdp')
     """
-    return "ddp" if layout.replicate * layout.expert == layout.world_size else "fsdp"
+    alone = layout.replicate == layout.world_size or layout.expert == layout.world_size
+    return "ddp" if alone else "fsdp"

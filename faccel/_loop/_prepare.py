@@ -365,8 +365,8 @@ def prepare(
             experts": transformers' ``MixtralExperts``, ``Qwen2MoeExperts``...).
             Each rank keeps its block of each one's experts; tokens travel to
             them by all-to-all. ``Layout(expert=E)`` over every rank (DDP for the
-            rest), ``Layout(shard=S, expert=E)`` (FSDP2) and ``Layout(pipeline=P,
-            expert=E)`` (stages built by a ``split=`` function) are supported. Given in
+            rest), and under FSDP2 beside ``shard``, ``replicate``, ``tensor`` and
+            ``pipeline`` (stages built by a ``split=`` function). Given in
             one process, the same dispatch runs with every expert here (the same
             forward at any size).
         expert_capacity: Each expert's capacity per batch, as a multiple of its

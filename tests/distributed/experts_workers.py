@@ -251,10 +251,11 @@ class MoeStage(torch.nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-def pipelined_experts(*, layout: str | None, root: str | None = None, steps: int = 3) -> dict[str, Any]:
-    """``steps`` AdamW steps of :class:`MoeNet` through ``forward_backward`` under ``layout`` (pipeline
-    stages whose blocks' experts are split over the expert ranks), or in one process without one; the
-    losses, every whole weight by name, each rank's rows of each expert tensor, the checkpoint's digests.
+def experts_beside(*, layout: str | None, root: str | None = None, steps: int = 3) -> dict[str, Any]:
+    """``steps`` AdamW steps of :class:`MoeNet` through ``forward_backward`` under ``layout`` (experts
+    split over the expert ranks beside pipeline stages, tensor parallelism or replicas), or in one
+    process without one; the losses, every whole weight by name, each rank's rows of each expert
+    tensor; checkpointed into ``root``.
     """
     dist = faccel.detect(None if layout else {}, layout=layout)
     torch.manual_seed(0)
@@ -264,6 +265,12 @@ def pipelined_experts(*, layout: str | None, root: str | None = None, steps: int
     options: dict[str, Any] = {"experts": names}
     if dist.parallel.pipeline > 1:
         options.update(split=MoeStage, schedule=faccel.Schedule(kind="1f1b", microbatches=2))
+    if dist.parallel.tensor > 1:  # the input and read-out layers split over the tensor ranks
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        plan = ColwiseParallel(output_layouts=Replicate())
+        options.update(tp_plan={"embed": plan, "head": plan})
     model, optimizer = faccel.prepare(dist, model, optimizer, **options)
     generator = torch.Generator().manual_seed(1)
     losses = []

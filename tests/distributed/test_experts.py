@@ -115,20 +115,19 @@ def test_experts_beside_shards_train_as_one_process_and_restore_in_one(tmp_path:
 
 
 @expert_moves
-def test_pipeline_stages_with_experts_split_in_each_train_as_one_process_and_restore_in_one(
-    tmp_path: Path,
+@pytest.mark.parametrize("layout", ["pipeline=2,expert=2", "tensor=2,expert=2", "replicate=2,expert=2"])
+def test_experts_beside_stages_tensor_ranks_or_replicas_train_as_one_process_and_restore_in_one(
+    layout: str, tmp_path: Path
 ) -> None:
-    # pipeline=2 x expert=2 on 4 ranks: each stage's block has its experts split over the 2 ranks
-    # of the stage (an all-to-all inside the stage, between the schedule's sends), the rest of the
-    # stage sharded by FSDP2 over the same 2 data-parallel ranks
+    # 4 ranks, 2 experts of the 4 on each. pipeline=2: each stage's block splits its experts over
+    # the stage's 2 ranks (an all-to-all inside the stage, between the schedule's sends), the rest
+    # of the stage sharded by FSDP2 over them. tensor=2: the input and read-out layers split over
+    # the tensor ranks, whose pair holds the same tokens and experts. replicate=2: HSDP, each
+    # block of experts averaged over the replicas that hold it.
     root = tmp_path / "ckpt"
-    one = experts_workers.pipelined_experts(layout=None)
+    one = experts_workers.experts_beside(layout=None)
     ranks = harness.run(
-        experts_workers.pipelined_experts,
-        world_size=4,
-        timeout=300,
-        layout="pipeline=2,expert=2",
-        root=str(root),
+        experts_workers.experts_beside, world_size=4, timeout=300, layout=layout, root=str(root)
     )
     names: set[str] = set()
     for r in ranks:
@@ -140,10 +139,9 @@ def test_pipeline_stages_with_experts_split_in_each_train_as_one_process_and_res
         assert r["rows"] and all(rows == 2 for rows in r["rows"].values()), r["rows"]  # 2 of 4 experts
         names |= set(r["weights"])
     assert names == set(one["weights"])  # the stages together hold the whole model
-    # the checkpoint of the stages restores in one process, bitwise
+    # the checkpoint restores in one process, bitwise
     restored = experts_workers.moe_net_restored(str(root))
-    by_name = {name: value for r in ranks for name, value in r["weights"].items()}
-    assert restored == by_name
+    assert restored == {name: value for r in ranks for name, value in r["weights"].items()}
 
 
 def test_a_peer_dying_in_the_all_to_all_is_named_on_the_survivor() -> None:

@@ -183,6 +183,14 @@ def _dispatched(
     kind: type, module: nn.Module, original: Any, shard: ExpertShard, group: Any, loads: dict[str, Any]
 ) -> Any:
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        if is_dtensor(hidden_states):
+            msg = (
+                f"experts module {shard.name} got a DTensor of hidden states (a tensor-parallel plan "
+                "left its input split, e.g. sequence parallel); its dispatch moves whole tokens: give "
+                "the block a plain (replicated) input, e.g. PrepareModuleInput(desired_input_layouts="
+                "Replicate(), use_local_output=True)"
+            )
+            raise DistributedError(msg)
         tokens, top_k = top_k_index.shape
         capacity = capacity_of(tokens, top_k, shard.num_experts, shard.capacity_factor)
         plan = dispatch_plan(
@@ -257,21 +265,20 @@ def shard_experts(
             expert parallelism does not run under (yet).
     """
     layout = dist.parallel
-    # Pipeline stages split their blocks' experts within each stage's ranks (each stage is its own
-    # model, wrapped by FSDP2 over the data ranks): the dimension composes with them as with shards.
-    others = {
-        name: size
-        for name, size in layout.sizes.items()
-        if name not in ("expert", "shard", "pipeline") and size > 1
-    }
-    alone = layout.shard == 1 and dist.strategy == "ddp"
-    with_shards = dist.strategy == "fsdp"  # torchtitan's dp_shard x ep: experts' blocks sharded over shard
-    if layout.expert > 1 and (others or not (alone or with_shards)):
+    # Under FSDP2 the experts compose with every data and model dimension but context: pipeline
+    # stages split their own blocks' experts, tensor ranks hold the same tokens and experts, and the
+    # experts' units shard over shard (x replicate, HSDP) while the rest shards over every data rank.
+    # DDP leaves the experts' parameters alone (each rank's differ), so it cannot average them over
+    # replicas: with DDP the expert ranks are every rank.
+    under_fsdp = ("expert", "shard", "pipeline", "tensor", "replicate")
+    beside = under_fsdp if dist.strategy == "fsdp" else ("expert",)
+    others = {name: size for name, size in layout.sizes.items() if name not in beside and size > 1}
+    if layout.expert > 1 and (others or dist.strategy not in ("ddp", "fsdp")):
         msg = (
             f"layout {layout} combines expert parallelism with {sorted(others) or dist.strategy!r}; faccel "
-            "splits experts over expert ranks alone (Layout(expert=E), strategy 'ddp'), beside "
-            "shards (Layout(shard=S, expert=E), strategy 'fsdp') or in pipeline stages "
-            "(Layout(pipeline=P, expert=E)) so far; use one of those"
+            "splits experts over expert ranks alone (Layout(expert=E), strategy 'ddp') or, under "
+            "strategy 'fsdp', beside shards, replicas, pipeline stages and tensor ranks (not context "
+            "ranks yet); use one of those"
         )
         raise PrepareError(msg)
     group = dimension_group(dist, "expert") if layout.expert > 1 else None
@@ -377,8 +384,10 @@ def expert_units(dist: DistState, model: nn.Module) -> list[nn.Module]:
 
 
 def experts_mesh(dist: DistState) -> Any:
-    """The mesh an experts module's FSDP2 unit shards over: the ``shard`` dimension."""
-    return device_mesh(dist)["shard"]
+    """The mesh an experts module's FSDP2 unit shards over: ``shard``, with replicas HSDP over
+    ``("replicate", "shard")`` (each block averaged over the replicas that hold it too)."""
+    mesh = device_mesh(dist)
+    return mesh["replicate", "shard"] if dist.parallel.replicate > 1 else mesh["shard"]
 
 
 def ignore_experts_in_ddp(wrapped: nn.Module) -> None:
