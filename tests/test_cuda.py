@@ -280,3 +280,73 @@ def test_deepspeed_on_the_gpu_resumes_bitwise(tmp_path: Path, precision: str, of
     assert all(name.endswith((".safetensors", ".json")) for name in result["files"]), result["files"]
     if precision == "fp16":
         assert result["scaler"]["restored"] == result["scaler"]["saved"]
+
+
+def test_the_meter_on_the_gpu_reads_the_allocators_peak_and_an_mfu_against_the_devices_peak() -> None:
+    """A small transformer's steps on the GPU: MFU from the 6N + attention formula against the
+    table's peak for this device (fp32), and the CUDA allocator's peak as the memory."""
+    import faccel
+    from faccel._report._flops import device_peak_flops
+
+    dist = faccel.detect({})
+    torch.manual_seed(0)
+    width, layers, seq, batch = 512, 4, 256, 16
+    layer = torch.nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = faccel.prepare(dist, model, optimizer)
+    flops = faccel.transformer_flops(params=params, layers=layers, width=width, seq_len=seq)
+    meter = faccel.start_meter(dist, flops_per_item=flops, flops_source="formula")
+    x = torch.randn(batch, seq, width, device=dist.device)
+    for _ in range(5):
+        faccel.backward(dist, model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        meter = faccel.measure(dist, meter, items=batch * seq)
+    name = torch.cuda.get_device_name(0)
+    peak = device_peak_flops(name, "fp32")
+    print(f"{name}: peak {peak}, {meter.metrics()}")
+    assert meter.spec.memory_source == "cuda" and meter.spec.peak_flops == peak
+    assert meter.memory_bytes is not None and meter.memory_bytes >= torch.cuda.memory_allocated()
+    if peak is not None:  # a device of the table: an MFU, and a physical one
+        assert meter.mfu is not None and 0 < meter.mfu < 1
+
+
+class _Experts(torch.nn.Module):
+    """An experts module under faccel's contract: stacked weights, each expert's rows by slot."""
+
+    def __init__(self, experts: int, hidden: int, device: str) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = torch.nn.Parameter(torch.randn(experts, 2 * hidden, hidden, device=device) / hidden**0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, hidden, 2 * hidden, device=device) / hidden**0.5)
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in range(self.num_experts):
+            slot, token = torch.where(index.t() == expert)
+            rows = torch.relu(hidden[token] @ self.up[expert].t()) @ self.down[expert].t()
+            out = out.index_add(0, token, rows * weights[token, slot, None])
+        return out
+
+
+def experts_dispatch_is_the_modules_own_forward(device: str = "cuda") -> None:
+    """Expert parallelism's dispatch (one process: every expert here, no all-to-all) gives the experts
+    module's own forward, bitwise: the same rows to each expert, summed in the same order."""
+    import copy
+
+    import faccel
+
+    torch.manual_seed(0)
+    experts, hidden, tokens = 8, 64, 128
+    holder = torch.nn.ModuleDict({"experts": _Experts(experts, hidden, device)})
+    plain = copy.deepcopy(holder["experts"])
+    faccel.prepare(faccel.detect({}, device=device), holder, experts=["experts"])
+    x = torch.randn(tokens, hidden, device=device)
+    weights, index = torch.topk(torch.softmax(torch.randn(tokens, experts, device=device), -1), 2, dim=-1)
+    torch.testing.assert_close(holder["experts"](x, index, weights), plain(x, index, weights), rtol=0, atol=0)
+
+
+def test_the_experts_dispatch_on_the_gpu_is_the_modules_own_forward() -> None:
+    experts_dispatch_is_the_modules_own_forward("cuda")
