@@ -48,9 +48,11 @@ itself, under these names, and nowhere else:
 - ``_faccel_expert_shard`` (:data:`EXPERT_SHARD`), on each experts module that
   expert parallelism split (``Layout(expert=...)``; ``faccel._loop._strategies._experts``):
   its ``ExpertShard`` (the layer's expert count, the group's size, this rank's
-  block), so that checkpoints and exports find the whole tensors' shapes and
-  which rows of each stacked parameter this rank holds. Its ``forward`` is then
-  the dispatch (the instance attribute below).
+  block), read by the dispatch, by a second ``prepare`` (not split twice), and
+  by the DDP and FSDP2 wrappers (which leave the split experts to their own
+  units). Checkpoints and exports do not read it: the split parameters are
+  DTensors, which carry their whole shapes and this rank's rows themselves. Its
+  ``forward`` is then the dispatch (the instance attribute below).
 - ``forward``, on each submodule that ``prepare(..., activation_checkpointing=...)``
   selected (only when you ask for it): an instance attribute, set with
   ``object.__setattr__``, that runs the class's own ``forward`` through
