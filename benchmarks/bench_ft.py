@@ -37,7 +37,16 @@ WORLD = 3
 EPOCH = 1000 * WORLD * BATCH
 
 
+def _quiet_servers() -> None:
+    # torchft's servers log every quorum and commit at INFO: megabytes a minute to stderr, which
+    # the fault-tolerant step would pay for and the DDP step not. Warnings only, as a job would
+    # run it: set before torchft's first import, which reads it (run.py imports it in
+    # unavailable(), before run()); the ranks inherit it.
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 def unavailable() -> str | None:
+    _quiet_servers()
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -222,10 +231,7 @@ def _restart_seconds(kills: int) -> list[float]:
 
 
 def run(quick: bool) -> list[Row]:
-    # torchft's servers log every quorum and commit at INFO: megabytes a minute to stderr, which
-    # the fault-tolerant step would pay for and the DDP step not. Warnings only, as a job would
-    # run it (set before torchft's first import, which reads it; the ranks inherit it).
-    os.environ.setdefault("RUST_LOG", "warn")
+    _quiet_servers()
     result = _step_rows(quick)
     kills = 2 if quick else 5
     heal = _heal_seconds(kills)

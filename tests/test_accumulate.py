@@ -24,6 +24,35 @@ def test_groups_partition_the_epoch_and_sync_at_their_ends(n: int, k: int) -> No
         start = end + 1
 
 
+class _Resumed:
+    """A loader resumed at ``start`` of an epoch of ``n`` batches, as a prepared one is: it yields the
+    batches from ``start`` on and its length is the whole epoch's."""
+
+    def __init__(self, n: int, start: int) -> None:
+        self.n, self.start = n, start
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.start, self.n))
+
+
+@given(st.integers(0, 300), st.integers(1, 16), st.data())
+def test_micro_batches_hot_loop_gives_the_pure_boundarys_micro_steps(n: int, k: int, data) -> None:  # type: ignore[no-untyped-def]
+    """micro_batches inlines the sync boundary for speed; it must give micro_step's records exactly,
+    from any resumed position."""
+    import faccel
+    from faccel import micro_step
+
+    start = data.draw(st.integers(0, n))
+    dist = faccel.DistState(accumulation_steps=k)
+    got = list(faccel.micro_batches(dist, _Resumed(n, start)))
+    expected = [micro_step(i, accumulation_steps=k, num_batches=n) for i in range(start, n)]
+    assert [m for m, _ in got] == expected and [b for _, b in got] == list(range(start, n))
+    assert all(type(m) is faccel.MicroStep for m, _ in got)
+
+
 def test_out_of_range_micro_steps_are_refused() -> None:
     from faccel import micro_step
     from faccel.errors import AccumulationError

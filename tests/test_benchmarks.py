@@ -156,6 +156,19 @@ def test_the_report_has_a_summary_the_sections_and_what_is_pending() -> None:
     assert "faccel" in table and "1.025" in table
 
 
+def test_the_summary_keeps_two_benchmarks_whose_cases_share_their_words() -> None:
+    """observe and step both time "small MLP ...": each keeps its own summary row (the observe row
+    once hid the step row, with the step's anchors printed beside the meter's figure)."""
+    samples = {common.PLAIN: [2.0, 2.2], common.FACCEL: [2.1, 2.2]}
+    step = common.rows("small MLP", samples, baseline=common.PLAIN, unit="us/step")
+    metered = {"faccel, no meter": [2.0, 2.0], common.FACCEL: [2.2, 2.2]}
+    observe = common.rows("small MLP", metered, baseline="faccel, no meter", unit="us/step")
+    table = run.summary_table(
+        [run.coerce(r, "step") for r in step] + [run.coerce(r, "observe") for r in observe]
+    )
+    assert "| step | small MLP | 1.025 |" in table and "| observe | small MLP | 1.100 |" in table
+
+
 def test_the_committed_report_is_rendered_from_the_committed_results() -> None:
     import json
 

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from faccel._data._loader import PreparedLoader
 from faccel._dist._state import DistState
 from faccel._loop._exact._mode import ExactRun
-from faccel._loop._micro_step import MicroStep, sync_boundary
+from faccel._loop._micro_step import MicroStep
 from faccel._loop._model import is_sharded
 from faccel._typecheck import setup_checked
 from faccel.errors import ArgumentError, ArgumentValueError
@@ -107,8 +107,13 @@ def micro_batches(
     except TypeError:
         total = None
     if total is not None:
-        for offset, batch in enumerate(loader):
-            yield sync_boundary(start + offset, k, total), batch
+        # sync_boundary inlined, and the tuple made without the named tuple's keyword parsing:
+        # this loop runs once per micro-batch, inside the training step.
+        make = tuple.__new__
+        for index, batch in enumerate(loader, start):
+            first = index - index % k
+            end = min(first + k, total)
+            yield make(MicroStep, (index, index == end - 1, end - first, None, None)), batch
         return
     # Groups stay aligned to the epoch (index // k) when resuming mid-epoch.
     index = start
