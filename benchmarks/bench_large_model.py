@@ -97,7 +97,7 @@ only on a small shared machine; faccel's load (``prepare (meta)`` +
 as ratios to Accelerate's (``from_pretrained`` + ``prepare``; ``save_model``;
 ``save_state``), or the reason there is none.
 
-Checked: (1) the criterion of faccel issue 22: no rank's peak rises by more
+Checked: (1) the large-model memory criterion: no rank's peak rises by more
 than 0.75x the whole model during ``prepare`` of the meta model,
 ``load_model`` or ``save_model``; (2) the large-model target: in every faccel
 phase, every rank's absolute peak resident size is at most 1.15x its share of
@@ -144,7 +144,7 @@ PHASES = {
     WHOLE: ("build + load", "prepare", "step", "checkpoint", "save_model"),
     PRETRAINED: ("from_pretrained", "prepare", "step", "checkpoint", "save_model"),
 }
-# The phases issue 22's criterion bounds, and the bound (x the whole model's bytes).
+# The phases the memory criterion bounds, and the bound (x the whole model's bytes).
 BOUNDED, BOUND = ("prepare (meta)", "load_model", "save_model"), 0.75
 # The large-model target: per-rank peak <= SLACK x (BYTES_PER_PARAMETER x parameters / world) + FLOOR.
 SLACK, BYTES_PER_PARAMETER, FLOOR = 1.15, 16, 300e6
@@ -622,7 +622,7 @@ def _report(
     met = not broken and all(rise <= BOUND for _, rise in bounded)
     detail = ", ".join(f"{name} {'failed' if name in broken else f'{rise:.2f}x'}" for name, rise in bounded)
     print(
-        f"criterion (issue 22: no rank's peak rise over {BOUND}x the model in {', '.join(BOUNDED)}): "
+        f"criterion (memory: no rank's peak rise over {BOUND}x the model in {', '.join(BOUNDED)}): "
         f"{'met' if met else 'NOT met'} ({detail})"
     )
     share = BYTES_PER_PARAMETER * parameters / world

@@ -175,6 +175,39 @@ def test_a_live_writers_lease_is_never_taken_over(s3: S3) -> None:
     assert winner._holder(key)["token"] == "winner"
 
 
+def test_a_writer_killed_while_breaking_a_dead_lease_does_not_lock_the_root_forever(s3: S3) -> None:
+    """A writer that won the break of a dead writer's lease and died before deleting it (a CI kill
+    loop hit this window) left a break object every later writer lost to: the root refused every
+    checkpoint from then on. The next writer now breaks the dead breaker's claim too."""
+    from faccel._storage._objects import ObjectStore
+    from faccel._storage._roots import spot_of
+
+    root = f"{s3.url}/run"
+    spot = spot_of(root)
+    fs, protocol = spot.store.fs, spot.store.protocol
+    key = f"{spot.key}/.lock"
+    dead = {"host": socket.gethostname(), "pid": 999_999_999, "token": "dead", "renewed": 0}
+    fs.pipe_file(key, json.dumps(dead).encode())
+
+    class DiesAfterItsClaim(ObjectStore):
+        """A breaker that dies (as a SIGKILL would leave it) once its break object is written."""
+
+        def delete(self, key: str) -> None:
+            raise SystemExit("killed")
+
+    with pytest.raises(SystemExit):
+        DiesAfterItsClaim(fs, protocol)._acquire(key, "breaker", spot.key)
+    # the breaker's claim names this host and a pid that is gone, like its lease would
+    claims = [name for name in fs.ls(spot.key) if ".lock-broken-" in name]
+    assert claims
+    for claim in claims:
+        fs.pipe_file(claim, json.dumps({**dead, "token": "breaker"}).encode())
+    dist = faccel.detect({})
+    faccel.checkpoint(dist, _state(3), root)
+    assert faccel.latest_checkpoint(root) == f"{root}/step-000000000003"
+    assert not fs.exists(key)  # released after the write, as always
+
+
 def test_a_check_failing_after_the_manifest_was_written_says_the_checkpoint_is_committed(
     s3: S3, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,9 @@ token, when it was last renewed), created with a conditional write and renewed
 by a thread while it is held. A second writer is refused at once, naming the
 holder; a lease whose holder is a dead process of this host, or that was not
 renewed for :data:`LEASE_SECONDS`, is broken and taken over by the one writer
-whose conditional write of its break object (``ROOT/.lock-broken-DIGEST``) wins;
+whose conditional write of its break object (``ROOT/.lock-broken-DIGEST-N``) wins
+(a breaker that dies in turn is seen dead by its break object, and the next
+writer claims generation ``N + 1``);
 a lease that vanished is created anew, never deleted: a live writer's lease is
 never taken over.
 
@@ -57,6 +59,8 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 # Tries of one call before a transient error is raised, and the first wait (doubled each time).
 ATTEMPTS = 6
 _FIRST_WAIT = 0.05
+# Breakers of one dead lease that may die in turn before one finishes (each generation one claim).
+_BREAK_GENERATIONS = 64
 # A lease not renewed for this long is a dead writer's (renewed every third of it while held).
 LEASE_SECONDS = 60.0
 # Bytes of one ranged GET of a whole-file read (the buffer is filled in these steps).
@@ -492,18 +496,35 @@ class ObjectStore:
                 )
                 raise CheckpointError(msg)
             if self.exclusive:
-                seen = new_hash(BLAKE3)
-                seen.update(raw)
-                mark = self.join(root, LEASE_BREAK + seen.hexdigest()[:32])
-                try:
-                    self._upload(mark, [memoryview(token.encode())], create=True)
-                except FileExistsError:
+                if not self._claim_break(root, raw, token):
                     continue  # another writer breaks this dead lease: see what it holds next
                 if self._lease_raw(key) != raw:
                     continue  # not the lease judged dead any more
             self.delete(key)  # a dead writer's lease
         msg = f"{self.display(key)}: the lease could not be taken (other writers keep taking it)"
         raise CheckpointError(msg)
+
+    def _claim_break(self, root: str, raw: bytes, token: str) -> bool:
+        """Whether this writer won the right to break the dead lease ``raw``: the conditional
+        creation of a break object named by the lease's digest and a generation.
+
+        The break object is lease-shaped (this host, this pid, the time), so a breaker that died
+        before it deleted the dead lease is itself seen dead, and the next generation is claimed
+        instead: one dead breaker never locks the root for good. A live breaker's claim stands.
+        """
+        seen = new_hash(BLAKE3)
+        seen.update(raw)
+        digest = seen.hexdigest()[:32]
+        for generation in range(_BREAK_GENERATIONS):
+            mark = self.join(root, f"{LEASE_BREAK}{digest}-{generation}")
+            try:
+                self._upload(mark, [memoryview(self._lease_bytes(token))], create=True)
+                return True
+            except FileExistsError:
+                breaker = self._holder(mark)
+                if breaker and not _stale(breaker):
+                    return False  # a live writer is breaking it
+        return False
 
     def _renew(self, key: str, token: str, stop: threading.Event) -> None:
         while not stop.wait(LEASE_SECONDS / 3):
