@@ -206,6 +206,8 @@ def test_a_writer_killed_while_breaking_a_dead_lease_does_not_lock_the_root_fore
     faccel.checkpoint(dist, _state(3), root)
     assert faccel.latest_checkpoint(root) == f"{root}/step-000000000003"
     assert not fs.exists(key)  # released after the write, as always
+    fs.invalidate_cache()
+    assert not [name for name in fs.ls(spot.key) if ".lock-broken-" in name]  # claims tidied
 
 
 def test_a_check_failing_after_the_manifest_was_written_says_the_checkpoint_is_committed(

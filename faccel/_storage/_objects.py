@@ -428,8 +428,16 @@ class ObjectStore:
         self.retire(folder, committed=True)
 
     def leftovers(self, root: str, *, counts: Callable[[str], bool]) -> None:
-        """Nothing here: an uncommitted checkpoint is a step prefix without a manifest, which the
-        caller recognises and deletes (``_checkpoint/_folders.remove_leftovers``)."""
+        """The break objects of leases broken before (the caller holds the root's lease now). An
+        uncommitted checkpoint is a step prefix without a manifest, which the caller recognises
+        and deletes (``_checkpoint/_folders.remove_leftovers``).
+
+        A break object is only a claim on a dead lease; with this writer's lease in place, a
+        contender that claims one again re-reads the lease, finds it live, and is refused.
+        """
+        for entry in self.list(root):
+            if not entry.folder and entry.name.startswith(LEASE_BREAK):
+                self.delete(self.join(root, entry.name))
 
     @contextlib.contextmanager
     def lock(self, root: str) -> Iterator[Lease]:
