@@ -54,20 +54,20 @@ _LAUNCHER = {
 }
 
 
-def _launcher(name: str) -> bool:
-    return name in _LAUNCHER or name.startswith(("OMPI_", "SLURM_", "DS_"))
-
-
-def test_one_plain_process_trains_under_deepspeed_without_mpi4py() -> None:
+def _plain_process(script: str, *args: str) -> dict:
+    """``script`` in a fresh interpreter without launcher variables; its last stdout line, as JSON."""
     env = {
         k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith(("OMPI_", "SLURM_"))
     }
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=400, env=env, check=False
-    )
+    command = [sys.executable, "-c", script, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_one_plain_process_trains_under_deepspeed_without_mpi4py() -> None:
+    result = _plain_process(_SCRIPT)
     assert result == {"clip": 1.0, "group": False, "accelerator": "cpu", "mpi4py": False}
 
 
@@ -99,20 +99,7 @@ def test_a_torch_optimizer_with_the_configs_scheduler_section_in_one_plain_proce
     """DeepSpeed's schedule from the config over the torch optimizer prepared with it: stepped by the
     engine once per optimizer step (WarmupLR, linear: iteration i sets 0.1 * i / 4, the engine's first
     step being iteration 0)."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith(("OMPI_", "SLURM_"))
-    }
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
-        [sys.executable, "-c", _TORCH_OPTIMIZER_CONFIG_SCHEDULE],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _plain_process(_TORCH_OPTIMIZER_CONFIG_SCHEDULE)
     assert result["scheduler"] == "DeepSpeedScheduler(WarmupLR)" and result["optimizer"] == "SGD"
     assert result["lrs"] == pytest.approx([0.0, 0.025, 0.05, 0.075])  # warmup_max_lr: the optimizer's 0.1
 
@@ -159,18 +146,5 @@ def test_a_checkpoint_naming_the_deepspeed_classes_by_their_former_module_restor
     """The DeepSpeed optimizer and scheduler moved module; ``state.json`` written before the move
     names them ``faccel._loop._deepspeed.*``, and restore accepts those names (it refused them as
     another class before)."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCHER and not k.startswith(("OMPI_", "SLURM_"))
-    }
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
-        [sys.executable, "-c", _FORMER_NAMES, str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _plain_process(_FORMER_NAMES, str(tmp_path / "run"))
     assert result == {"step": 2, "same": True, "lr": pytest.approx(0.025)}  # two warmup steps of four
