@@ -63,18 +63,24 @@ def test_sleeping_workers_and_no_workers_settle_at_once() -> None:
 
 
 def test_a_worker_that_never_sleeps_ends_the_wait_at_the_limit() -> None:
-    stop = threading.Event()
-    data = b"x" * (16 << 20)
+    # Each hash runs without the lock for longer than the limit (256 MB: over 0.1 s at any speed
+    # sha256 reaches, slower on a busy machine), so the wait sees the worker running throughout.
+    # With short hashes it queued for the lock between two, asleep in the kernel's eyes, and a
+    # busy machine once let the wait see that three checks in a row (a CI failure, 2026-12-06).
+    stop, started = threading.Event(), threading.Event()
+    data = b"x" * (256 << 20)
 
     def spinner() -> None:
         _name_this_thread(NAME)
+        started.set()
         while not stop.is_set():
             hashlib.sha256(data).digest()
 
     thread = threading.Thread(target=spinner)
     thread.start()
+    started.wait()
     try:
-        assert not settle_gloo_workers(limit=0.2, names=(NAME,))
+        assert not settle_gloo_workers(limit=0.05, names=(NAME,))
     finally:
         stop.set()
         thread.join()

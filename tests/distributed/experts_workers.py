@@ -251,13 +251,16 @@ class MoeStage(torch.nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-def experts_beside(*, layout: str | None, root: str | None = None, steps: int = 3) -> dict[str, Any]:
+def experts_beside(
+    *, layout: str | None, root: str | None = None, steps: int = 3, strategy: str | None = None
+) -> dict[str, Any]:
     """``steps`` AdamW steps of :class:`MoeNet` through ``forward_backward`` under ``layout`` (experts
     split over the expert ranks beside pipeline stages, tensor parallelism or replicas), or in one
     process without one; the losses, every whole weight by name, each rank's rows of each expert
     tensor; checkpointed into ``root``.
     """
-    dist = faccel.detect(None if layout else {}, layout=layout)
+    chosen = {} if strategy is None else {"strategy": strategy}
+    dist = faccel.detect(None if layout else {}, layout=layout, **chosen)
     torch.manual_seed(0)
     model = MoeNet()
     names = [n for n, m in model.named_modules() if isinstance(m, Experts)]

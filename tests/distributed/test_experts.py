@@ -115,9 +115,17 @@ def test_experts_beside_shards_train_as_one_process_and_restore_in_one(tmp_path:
 
 
 @expert_moves
-@pytest.mark.parametrize("layout", ["pipeline=2,expert=2", "tensor=2,expert=2", "replicate=2,expert=2"])
+@pytest.mark.parametrize(
+    ("layout", "world", "strategy"),
+    [
+        ("pipeline=2,expert=2", 4, None),
+        ("tensor=2,expert=2", 4, None),
+        ("replicate=2,expert=2", 4, None),
+        ("expert=2", 2, "fsdp"),  # FSDP2 asked for: the experts their own one-rank units
+    ],
+)
 def test_experts_beside_stages_tensor_ranks_or_replicas_train_as_one_process_and_restore_in_one(
-    layout: str, tmp_path: Path
+    layout: str, world: int, strategy: str | None, tmp_path: Path
 ) -> None:
     # 4 ranks, 2 experts of the 4 on each. pipeline=2: each stage's block splits its experts over
     # the stage's 2 ranks (an all-to-all inside the stage, between the schedule's sends), the rest
@@ -127,7 +135,12 @@ def test_experts_beside_stages_tensor_ranks_or_replicas_train_as_one_process_and
     root = tmp_path / "ckpt"
     one = experts_workers.experts_beside(layout=None)
     ranks = harness.run(
-        experts_workers.experts_beside, world_size=4, timeout=300, layout=layout, root=str(root)
+        experts_workers.experts_beside,
+        world_size=world,
+        timeout=300,
+        layout=layout,
+        root=str(root),
+        strategy=strategy,
     )
     names: set[str] = set()
     for r in ranks:
