@@ -132,20 +132,13 @@ _MODULE_FILE = re.compile(r"(?<![\w/.])((?:faccel/)?(?:_[A-Za-z0-9_]+/)*_[A-Za-z
 
 
 def _resolves(dotted: str) -> bool:
-    import importlib
+    import pkgutil
 
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            found: object = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            if not hasattr(found, attr):
-                return False
-            found = getattr(found, attr)
-        return True
-    return False
+    try:
+        pkgutil.resolve_name(dotted)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return True
 
 
 def _prose() -> list[Path]:

@@ -27,7 +27,8 @@ __all__ = [
 # The file a root's writer holds (an OS lock on a disk, a lease object on an object store).
 LOCK = ".lock"
 # On an object store, the object whose conditional creation wins the right to break a dead
-# writer's lease (followed by that lease's token): of two that saw one stale lease, one breaks it.
+# writer's lease (followed by that lease's digest and a generation): of two that saw one stale
+# lease, one breaks it; a breaker that died is passed by the next generation.
 LEASE_BREAK = ".lock-broken-"
 # The manifest: written last, it commits a checkpoint folder.
 MANIFEST = "manifest.json"

@@ -428,16 +428,9 @@ class ObjectStore:
         self.retire(folder, committed=True)
 
     def leftovers(self, root: str, *, counts: Callable[[str], bool]) -> None:
-        """The break objects of leases broken before (the caller holds the root's lease now). An
-        uncommitted checkpoint is a step prefix without a manifest, which the caller recognises
-        and deletes (``_checkpoint/_folders.remove_leftovers``).
-
-        A break object is only a claim on a dead lease; with this writer's lease in place, a
-        contender that claims one again re-reads the lease, finds it live, and is refused.
-        """
-        for entry in self.list(root):
-            if not entry.folder and entry.name.startswith(LEASE_BREAK):
-                self.delete(self.join(root, entry.name))
+        """Nothing here: an uncommitted checkpoint is a step prefix without a manifest, which the
+        caller recognises and deletes (``_checkpoint/_folders.remove_leftovers``); the break
+        objects of a dead lease go when its breaker's own lease stands (``_acquire``)."""
 
     @contextlib.contextmanager
     def lock(self, root: str) -> Iterator[Lease]:
@@ -479,10 +472,15 @@ class ObjectStore:
         """Create the lease; a live holder's is never touched: a lease that vanished is created anew
         (its holder released it), and a dead holder's is broken only by the one writer that wins the
         conditional creation of its break object (two that saw one dead lease never both break it,
-        so neither deletes the lease the other has just taken)."""
+        so neither deletes the lease the other has just taken). Once this writer's lease stands, the
+        break objects it won its way through are deleted: a contender that claims one again re-reads
+        the lease, finds it live, and is refused."""
+        claims: list[str] = []  # the break objects of the dead leases this writer broke
         for _ in range(6):
             try:
                 self._upload(key, [memoryview(self._lease_bytes(token))], create=self.exclusive)
+                for claim in claims:
+                    self.delete(claim)
                 return
             except FileExistsError:
                 pass
@@ -504,17 +502,20 @@ class ObjectStore:
                 )
                 raise CheckpointError(msg)
             if self.exclusive:
-                if not self._claim_break(root, raw, token):
+                won = self._claim_break(root, raw, token)
+                if not won:
                     continue  # another writer breaks this dead lease: see what it holds next
+                claims.extend(won)
                 if self._lease_raw(key) != raw:
                     continue  # not the lease judged dead any more
             self.delete(key)  # a dead writer's lease
         msg = f"{self.display(key)}: the lease could not be taken (other writers keep taking it)"
         raise CheckpointError(msg)
 
-    def _claim_break(self, root: str, raw: bytes, token: str) -> bool:
-        """Whether this writer won the right to break the dead lease ``raw``: the conditional
-        creation of a break object named by the lease's digest and a generation.
+    def _claim_break(self, root: str, raw: bytes, token: str) -> Sequence[str]:
+        """The break objects of the dead lease ``raw`` up to the one this writer won (empty if it
+        lost): the right to break it is the conditional creation of a break object named by the
+        lease's digest and a generation.
 
         The break object is lease-shaped (this host, this pid, the time), so a breaker that died
         before it deleted the dead lease is itself seen dead, and the next generation is claimed
@@ -523,16 +524,16 @@ class ObjectStore:
         seen = new_hash(BLAKE3)
         seen.update(raw)
         digest = seen.hexdigest()[:32]
-        for generation in range(_BREAK_GENERATIONS):
-            mark = self.join(root, f"{LEASE_BREAK}{digest}-{generation}")
+        marks = [self.join(root, f"{LEASE_BREAK}{digest}-{n}") for n in range(_BREAK_GENERATIONS)]
+        for generation, mark in enumerate(marks):
             try:
                 self._upload(mark, [memoryview(self._lease_bytes(token))], create=True)
-                return True
+                return marks[: generation + 1]
             except FileExistsError:
                 breaker = self._holder(mark)
                 if breaker and not _stale(breaker):
-                    return False  # a live writer is breaking it
-        return False
+                    return []  # a live writer is breaking it
+        return []
 
     def _renew(self, key: str, token: str, stop: threading.Event) -> None:
         while not stop.wait(LEASE_SECONDS / 3):
