@@ -5,8 +5,9 @@ Two measures (docs/fault-tolerance.md):
 * **The step when nothing fails.** Three gloo processes train the small MLP on their own
   batches: blocks of faccel's DDP step (``prepare``, ``backward``) alternate with blocks of
   the fault-tolerant step (``replica_quorum``, forward and backward, ``replica_commit``:
-  torchft's quorum and commit round trips, the gradients gathered and combined in rank
-  order), the order rotating. The ratio is the fault-tolerant step over the DDP step.
+  torchft's quorum, the gradients gathered and combined in rank order, the commit vote),
+  with a quorum at every step (the default) and with ``quorum_every=16``, the order
+  rotating. Each has its own lighthouse. The ratios are each over the DDP step.
 * **A kill.** From the SIGKILL of one of three replicas to the restarted replica's first
   committed step after healing from a live peer (the survivors never stop), against the
   same kill in a DDP job: every rank restarted (as torchrun's agent does), each restoring
@@ -28,8 +29,10 @@ from pathlib import Path
 from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows, run_ranks
 
 DDP = "faccel DDP"
-FT = FACCEL  # the fault-tolerant step: the subject whose target applies
 SIZES = (32, 64, 64, 1)
+EVERY = 16  # the quorum_every of the second fault-tolerant subject
+FT = "faccel, a quorum every step"
+FT_EVERY = f"faccel, a quorum every {EVERY} steps"
 BATCH = 32
 WORLD = 3
 # Samples in an epoch of the fault-tolerant loop: 1000 steps of the full quorum, so that a run
@@ -54,7 +57,7 @@ def unavailable() -> str | None:
     return None
 
 
-def _step_worker(rank: int, port: int, plan: tuple[int, int, str], out: str) -> None:
+def _step_worker(rank: int, port: int, plan: tuple[int, int, tuple[str, str]], out: str) -> None:
     os.environ.update(rank_env(rank, port, WORLD))
     import torch
     import torch.distributed as tdist
@@ -64,7 +67,7 @@ def _step_worker(rank: int, port: int, plan: tuple[int, int, str], out: str) -> 
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    rounds, steps, lighthouse = plan
+    rounds, steps, lighthouses = plan
     dist = faccel.detect()
     pool = batches(SIZES, BATCH, classes=False, seed=1 + rank)
     loss_fn = torch.nn.functional.mse_loss
@@ -79,25 +82,32 @@ def _step_worker(rank: int, port: int, plan: tuple[int, int, str], out: str) -> 
         optimizer.step()
         scheduler.step()
 
-    ft_model, ft_optimizer, ft_scheduler = _parts(SIZES)
-    state = faccel.TrainState.create(model=ft_model, optimizer=ft_optimizer, scheduler=ft_scheduler)
-    ft_dist = faccel.DistState(seed=0)
-    ft = faccel.fault_tolerant(
-        ft_dist,
-        state,
-        replica=rank,
-        lighthouse=lighthouse,
-        dataset_size=EPOCH,
-        batch_size=BATCH,
-        host="127.0.0.1",
-    )
-    held = {"state": state}
+    handles = []
 
-    def ft_step() -> None:
-        inputs, targets = next(data)
-        quorum = faccel.replica_quorum(ft, held["state"])
-        loss_fn(ft_model(inputs), targets).backward()
-        held["state"] = faccel.replica_commit(ft, quorum)
+    def ft_subject(every: int, lighthouse: str):  # type: ignore[no-untyped-def]
+        ft_model, ft_optimizer, ft_scheduler = _parts(SIZES)
+        state = faccel.TrainState.create(model=ft_model, optimizer=ft_optimizer, scheduler=ft_scheduler)
+        ft_dist = faccel.DistState(seed=0)
+        handles.append(ft_dist)
+        ft = faccel.fault_tolerant(
+            ft_dist,
+            state,
+            replica=rank,
+            lighthouse=lighthouse,
+            dataset_size=EPOCH,
+            batch_size=BATCH,
+            host="127.0.0.1",
+            quorum_every=every,
+        )
+        held = {"state": state}
+
+        def ft_step() -> None:
+            inputs, targets = next(data)
+            quorum = faccel.replica_quorum(ft, held["state"])
+            loss_fn(ft_model(inputs), targets).backward()
+            held["state"] = faccel.replica_commit(ft, quorum)
+
+        return ft_step
 
     def block(step):  # type: ignore[no-untyped-def]
         def timed() -> float:
@@ -106,34 +116,49 @@ def _step_worker(rank: int, port: int, plan: tuple[int, int, str], out: str) -> 
 
         return timed
 
-    samples = interleave({DDP: block(ddp_step), FT: block(ft_step)}, rounds=rounds)
+    subjects = {
+        DDP: block(ddp_step),
+        FT: block(ft_subject(1, lighthouses[0])),
+        FT_EVERY: block(ft_subject(EVERY, lighthouses[1])),
+    }
+    samples = interleave(subjects, rounds=rounds)
     if rank == 0:
         Path(out).write_text(json.dumps(samples))
-    faccel.shutdown(ft_dist)
+    for ft_dist in handles:
+        faccel.shutdown(ft_dist)
     faccel.shutdown(dist)
 
 
 def _step_rows(quick: bool) -> list[Row]:
     from torchft._torchft import LighthouseServer
 
-    plan = (8, 30) if quick else (30, 100)
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=WORLD)
+    plan = (8, 32) if quick else (30, 96)  # steps a block: a multiple of EVERY
+    lighthouses = [LighthouseServer(bind="127.0.0.1:0", min_replicas=WORLD) for _ in range(2)]
     try:
-        address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+        addresses = tuple("http://127.0.0.1:" + lh.address().rsplit(":", 1)[1] for lh in lighthouses)
         samples = run_ranks(
-            _step_worker, (*plan, address), what="fault-tolerance benchmark", world_size=WORLD
+            _step_worker, (*plan, addresses), what="fault-tolerance benchmark", world_size=WORLD
         )
     finally:
-        lighthouse.shutdown()
-    return rows(
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()
+    setting = (
         f"small MLP {'-'.join(map(str, SIZES))}, batch {BATCH} per replica, {WORLD} gloo processes "
-        f"({plan[1]} steps a block)",
-        samples,
-        baseline=DDP,
-        unit="us/step",
-        scale=1e6,
-        goals="ft_step",
+        f"({plan[1]} steps a block)"
     )
+    # One row pair per cadence, each against the same DDP blocks: the target applies to both.
+    return [
+        row
+        for subject, cadence in ((FT, "a quorum every step"), (FT_EVERY, f"quorum_every={EVERY}"))
+        for row in rows(
+            f"{setting}, {cadence}",
+            {DDP: samples[DDP], FACCEL: samples[subject]},
+            baseline=DDP,
+            unit="us/step",
+            scale=1e6,
+            goals="ft_step",
+        )
+    ]
 
 
 def _heal_seconds(kills: int) -> list[float]:

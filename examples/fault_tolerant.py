@@ -1,6 +1,7 @@
 """Three replicas that keep training while one is killed and restarted: healed from a live peer.
 
-python examples/fault_tolerant.py                 # the demonstration: lighthouse, 3 replicas, a kill
+python examples/fault_tolerant.py                   # the demonstration: lighthouse, 3 replicas, a kill
+python examples/fault_tolerant.py --quorum-every 8  # the same, asking for a quorum every 8 steps
 
 The demonstration starts torchft's lighthouse and three replicas of this script
 (``--replica R``), each its own process running the same fault-tolerant loop; it
@@ -30,7 +31,7 @@ import faccel
 SAMPLES, BATCH = 512, 16
 
 
-def replica(number: int, lighthouse: str, steps: int) -> None:
+def replica(number: int, lighthouse: str, steps: int, quorum_every: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     state = faccel.TrainState.create(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -39,7 +40,13 @@ def replica(number: int, lighthouse: str, steps: int) -> None:
     targets = inputs.sum(dim=1, keepdim=True).sin()
     dist = faccel.detect(seed=0)
     ft = faccel.fault_tolerant(
-        dist, state, replica=number, lighthouse=lighthouse, dataset_size=SAMPLES, batch_size=BATCH
+        dist,
+        state,
+        replica=number,
+        lighthouse=lighthouse,
+        dataset_size=SAMPLES,
+        batch_size=BATCH,
+        quorum_every=quorum_every,  # 1: a quorum every step; more: every that many steps
     )
     while state.step < steps:
         quorum = faccel.replica_quorum(ft, state)  # a replica behind heals here
@@ -57,16 +64,22 @@ def replica(number: int, lighthouse: str, steps: int) -> None:
     faccel.shutdown(dist)
 
 
-def demonstrate(steps: int) -> None:
+def demonstrate(steps: int, quorum_every: int) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: warnings only
     from torchft._torchft import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1000)
+    # A join timeout as torchft_lighthouse's default (60 s; this server's own is 100 ms): with
+    # --quorum-every, a restarted replica waits for the others' next quorum, and a short join
+    # timeout would let the first of them form a quorum without the rest.
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=60_000
+    )
     address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
 
     def start(number: int, **options: object) -> subprocess.Popen[str]:
         command = [sys.executable, __file__, "--replica", str(number), "--lighthouse", address]
-        return subprocess.Popen([*command, "--steps", str(steps)], text=True, **options)  # type: ignore[call-overload]
+        command += ["--steps", str(steps), "--quorum-every", str(quorum_every)]
+        return subprocess.Popen(command, text=True, **options)  # type: ignore[call-overload]
 
     procs = [start(0), start(1), start(2, stdout=subprocess.PIPE)]
     for line in procs[2].stdout or ():  # replica 2 trains a while (its own lines), then dies
@@ -88,8 +101,9 @@ if __name__ == "__main__":
     parser.add_argument("--replica", type=int)
     parser.add_argument("--lighthouse")
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--quorum-every", type=int, default=1)
     args = parser.parse_args()
     if args.replica is None:
-        demonstrate(args.steps)
+        demonstrate(args.steps, args.quorum_every)
     else:
-        replica(args.replica, args.lighthouse, args.steps)
+        replica(args.replica, args.lighthouse, args.steps, args.quorum_every)

@@ -1,13 +1,19 @@
 """Replica groups that come and go between steps, on torchft's quorum (docs/fault-tolerance.md).
 
-Each step begins with a quorum (:func:`replica_quorum`): torchft's lighthouse names the
+A step begins with a quorum (:func:`replica_quorum`): torchft's lighthouse names the
 replicas alive now, the process group is rebuilt when that set changed, and a replica
 behind the others (just restarted, or one that discarded a step they committed) receives
 the live state from a peer, pickle-free (``_transport.py``), before it computes anything.
 The step ends with :func:`replica_commit`: the replicas' gradients gathered and combined in
-one fixed order (``_combine.py``), then torchft's ``should_commit`` decides; a step in which
+one fixed order (``_combine.py``), then the commit vote (``_manager.py``); a step in which
 the collective failed is discarded (no optimizer step, the data position stays), and the
-next quorum goes on with whoever is left.
+next step begins with a quorum of whoever is left.
+
+With ``quorum_every=K`` a quorum begins every K-th committed step instead, and at once after
+a discarded step (:func:`quorum_due`); between quorums the participants are those of the
+last one. Every replica of a quorum counts from the same step, so all of them ask for the
+next quorum at the same step: what changes is only how long a restarted replica waits
+to be let in (up to K steps).
 """
 
 from __future__ import annotations
@@ -23,11 +29,19 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from faccel._dist._state import DistState
 from faccel._ft._combine import combine, flat_grads, set_flat_grads
+from faccel._ft._manager import commit_alone, forget_quorum, quorum_id
 from faccel._ft._rows import ReplicaRows, epoch_order, replica_rows, sample_counts
 from faccel._train_state import TrainState
 from faccel.errors import ArgumentValueError, DistributedError, MissingExtraError, UsageError
 
-__all__ = ["FaultTolerance", "ReplicaQuorum", "fault_tolerant", "replica_commit", "replica_quorum"]
+__all__ = [
+    "FaultTolerance",
+    "ReplicaQuorum",
+    "fault_tolerant",
+    "quorum_due",
+    "replica_commit",
+    "replica_quorum",
+]
 
 _HOOK = "fault_tolerance"
 
@@ -51,6 +65,8 @@ class ReplicaQuorum:
         failed: Whether the quorum itself failed here (the step will be discarded).
         retries: Quorums this replica asked for again before this one formed (each
             did not form within the ``quorum_timeout`` of :func:`fault_tolerant`).
+        fresh: Whether this step asked torchft for a quorum; false between the quorums
+            of ``quorum_every`` (the participants are the last quorum's).
 
     Example:
         >>> import torch
@@ -73,6 +89,24 @@ class ReplicaQuorum:
     healed: bool
     failed: bool
     retries: int = 0
+    fresh: bool = True
+
+
+def quorum_due(*, step: int, quorum_at: int | None, every: int) -> bool:
+    """Whether the step that starts at ``step`` begins with a quorum.
+
+    ``quorum_at`` is the step the last quorum began at, or None when there is none to go
+    on from (the first step, or the step after a discarded one). Every replica of a
+    quorum is at the same step when it forms and commits the same steps after it, so
+    all of them find a quorum due at the same step.
+
+    Example:
+        >>> [quorum_due(step=s, quorum_at=4, every=3) for s in (4, 5, 6, 7)]
+        [False, False, False, True]
+        >>> quorum_due(step=5, quorum_at=None, every=3)
+        True
+    """
+    return quorum_at is None or step - quorum_at >= every
 
 
 class FaultTolerance:
@@ -84,8 +118,8 @@ class FaultTolerance:
 
     Example:
         >>> ft = FaultTolerance(manager=None, pg=None, store=None, dataset_size=96, batch_size=4, seed=0)
-        >>> ft.live is None, ft.closed, ft.quorum_retries
-        (True, False, 5)
+        >>> ft.live is None, ft.closed, ft.quorum_retries, ft.quorum_every
+        (True, False, 5, 1)
     """
 
     def __init__(
@@ -99,6 +133,7 @@ class FaultTolerance:
         seed: int,
         replica: int = 0,
         quorum_retries: int = 5,
+        quorum_every: int = 1,
     ) -> None:
         self.manager = manager
         self.pg = pg
@@ -108,6 +143,9 @@ class FaultTolerance:
         self.seed = seed
         self.replica = replica
         self.quorum_retries = quorum_retries
+        self.quorum_every = quorum_every
+        # The step the last quorum began at; None when the next step must ask for one.
+        self.quorum_at: int | None = None
         self.live: TrainState | None = None
         self.healed = False
         self.closed = False
@@ -191,6 +229,7 @@ def fault_tolerant(
     timeout: datetime.timedelta = datetime.timedelta(seconds=30),
     quorum_timeout: datetime.timedelta | None = None,
     quorum_retries: int = 5,
+    quorum_every: int = 1,
 ) -> FaultTolerance:
     """Join the fault-tolerant data-parallel dimension as replica ``replica``.
 
@@ -218,6 +257,13 @@ def fault_tolerant(
             others can each be held for a timeout in the step it died in (the collective,
             the rebuild of the process group, a transfer to it), and the lighthouse waits
             for them: the default rides out several such timeouts in a row.
+        quorum_every: Begin a quorum every this many committed steps (and at once after
+            a discarded one). 1, the default, asks at every step; more saves torchft's
+            round trip to the lighthouse on the steps between (a few milliseconds each,
+            docs/fault-tolerance.md) at the price of a restarted replica waiting up to
+            this many steps to join. A death is noticed at the step it happens either
+            way. Give every replica the same value, and the lighthouse a join timeout
+            longer than this many steps (docs/fault-tolerance.md).
 
     Returns:
         The handle the loop passes to :func:`replica_quorum` and :func:`replica_commit`.
@@ -237,13 +283,14 @@ def fault_tolerant(
         ...
         faccel.errors.ArgumentValueError: fault_tolerant needs dataset_size >= 1, got 0: ...
     """
-    for name, value in (
-        ("dataset_size", dataset_size),
-        ("batch_size", batch_size),
-        ("min_replicas", min_replicas),
+    for name, value, unit in (
+        ("dataset_size", dataset_size, "samples"),
+        ("batch_size", batch_size, "samples"),
+        ("min_replicas", min_replicas, "replicas"),
+        ("quorum_every", quorum_every, "steps"),
     ):
         if value < 1:
-            msg = f"fault_tolerant needs {name} >= 1, got {value}: pass a count of samples (of replicas)"
+            msg = f"fault_tolerant needs {name} >= 1, got {value}: pass a count of {unit}"
             raise ArgumentValueError(msg)
     if replica < 0:
         msg = f"fault_tolerant needs replica >= 0, got {replica}: number the replicas 0, 1, ..."
@@ -293,6 +340,7 @@ def fault_tolerant(
         seed=dist.seed,
         replica=replica,
         quorum_retries=quorum_retries,
+        quorum_every=quorum_every,
     )
     manager.register_state_dict_fn("faccel", ft.load, ft.capture)
     # A state restored from a checkpoint starts at its step: a replica behind it heals from it.
@@ -311,7 +359,9 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
     """Begin a step: agree on the replicas alive now, heal this one if it is behind.
 
     Call it before the forward pass; read ``quorum.indices`` and step from ``quorum.state``.
-    Gradients are cleared here (a discarded step's must not leak into the next).
+    Gradients are cleared here (a discarded step's must not leak into the next). With
+    ``quorum_every`` above 1, a step between quorums goes on with the last quorum's
+    participants without asking torchft (``quorum.fresh`` is false).
 
     Raises:
         DistributedError: No quorum formed within the timeout (the lighthouse is
@@ -335,8 +385,12 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
     ft.live = state
     ft.healed = False
     _zero(state)
-    retries = _start_quorum(ft)
-    state = ft.live
+    fresh = quorum_due(step=state.step, quorum_at=ft.quorum_at, every=ft.quorum_every)
+    retries = 0
+    if fresh:
+        retries = _start_quorum(ft)
+        state = ft.live
+        ft.quorum_at = state.step
     failed = manager.errored() is not None
     participants = max(manager.num_participants(), 1)
     rank = manager.participating_rank() if not failed else 0
@@ -358,7 +412,7 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
     order = ft.order(state.epoch)
     return ReplicaQuorum(
         state=state,
-        quorum_id=int(getattr(manager, "_quorum_id", -1)),
+        quorum_id=quorum_id(manager),
         replica_rank=rank,
         participants=participants,
         rows=rows,
@@ -367,6 +421,7 @@ def replica_quorum(ft: FaultTolerance, state: TrainState) -> ReplicaQuorum:
         healed=ft.healed,
         failed=failed,
         retries=retries,
+        fresh=fresh,
     )
 
 
@@ -389,9 +444,7 @@ def _start_quorum(ft: FaultTolerance) -> int:
             manager.start_quorum()
             return attempt
         except Exception as error:  # torchft raises whatever its RPC raised
-            # torchft keeps the failed request's future and raises it again at the next
-            # start_quorum: forget it, so that the next request is a new one.
-            manager._quorum_future = None
+            forget_quorum(manager)
             if attempt == ft.quorum_retries:
                 msg = (
                     f"replica {ft.replica}: no quorum formed in {attempt + 1} tries of quorum_timeout each "
@@ -453,12 +506,13 @@ def replica_commit(ft: FaultTolerance, quorum: ReplicaQuorum) -> TrainState:
 
     Call it after ``backward`` (with no optimizer step of your own). The gradients of
     the participants are gathered and combined as the mean over the step's samples
-    (with full batches: their sum divided by ``quorum.participants``); torchft's
-    ``should_commit`` then decides. Committed: the optimizer (and scheduler) step,
-    and the returned state has ``step + 1`` and the data position moved past the
-    step's samples. Discarded (a replica failed in the step): gradients cleared,
-    the state returned unchanged; the next :func:`replica_quorum` goes on with the
-    replicas left, and the same samples are read again.
+    (with full batches: their sum divided by ``quorum.participants``); the commit vote
+    (torchft's ``should_commit``, decided in this process: ``_manager.py``) then
+    decides. Committed: the optimizer (and scheduler) step, and the returned state has
+    ``step + 1`` and the data position moved past the step's samples. Discarded (a
+    replica failed in the step): gradients cleared, the state returned unchanged; the
+    next :func:`replica_quorum` asks for a quorum (whatever ``quorum_every`` says) and
+    goes on with the replicas left, and the same samples are read again.
 
     Example:
         >>> import torch
@@ -488,9 +542,10 @@ def replica_commit(ft: FaultTolerance, quorum: ReplicaQuorum) -> TrainState:
             ft.pg.allgather([gathered], [flat], AllgatherOptions()).wait()
         except Exception as error:  # a peer died in the collective: gloo raises what the socket said
             manager.report_error(error)
-    if not manager.should_commit():
+    if not commit_alone(manager):
         _zero(state)
         ft.live = state
+        ft.quorum_at = None  # the next step asks for a quorum, whatever quorum_every says
         return state
     apply_step(state, gathered, quorum.counts)
     state = advance(state, quorum.rows.taken, ft.dataset_size)

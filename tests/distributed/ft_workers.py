@@ -64,7 +64,9 @@ def write_gate(out: str, step: int, *, stop: bool = False) -> None:
     tmp.replace(path)
 
 
-def replica_main(*, replica: int, lighthouse: str, out: str, dataset_size: int, batch_size: int) -> None:
+def replica_main(
+    *, replica: int, lighthouse: str, out: str, dataset_size: int, batch_size: int, quorum_every: int = 1
+) -> None:
     """One replica's whole run; restarted as is after a kill (it heals from a live peer).
 
     The replicas step until the parent's gate says stop; the gate (a step number the parent
@@ -88,6 +90,7 @@ def replica_main(*, replica: int, lighthouse: str, out: str, dataset_size: int, 
         dataset_size=dataset_size,
         batch_size=batch_size,
         host="127.0.0.1",
+        quorum_every=quorum_every,
     )
     log = Path(out) / f"replica-{replica}.jsonl"
     (Path(out) / f"ready-{replica}").write_text(str(os.getpid()))
@@ -100,6 +103,9 @@ def replica_main(*, replica: int, lighthouse: str, out: str, dataset_size: int, 
             if state.step >= gate:
                 break
             quorum = replica_quorum(ft, state)
+            if quorum.fresh and os.environ.get("FT_DEBUG"):
+                print("QUORUM", replica, quorum.state.step, quorum.quorum_id, quorum.participants,
+                      quorum.failed, time.time(), flush=True)
             before = digest(model)
             if quorum.healed:
                 lines.write(
@@ -115,6 +121,7 @@ def replica_main(*, replica: int, lighthouse: str, out: str, dataset_size: int, 
                     "step": quorum.state.step,
                     "participants": quorum.participants,
                     "rank": quorum.replica_rank,
+                    "fresh": quorum.fresh,
                     "epoch": quorum.rows.epoch,
                     "consumed": quorum.state.consumed,
                     "indices": list(quorum.indices),
@@ -193,6 +200,7 @@ def kill_run(
     dataset_size: int = 96,
     batch_size: int = 4,
     timeout: float = 300,
+    quorum_every: int = 1,
 ) -> dict[str, Any]:
     """Run ``replicas`` replicas, SIGKILL one at a random step ``kills`` times and restart it, then stop.
 
@@ -211,11 +219,23 @@ def kill_run(
     from torchft._torchft import LighthouseServer
 
     rng = random.Random(seed)
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1000)
+    # join_timeout_ms as torchft_lighthouse's own default (60 s; the Python server's is 100 ms): a
+    # restarted replica waits at the lighthouse for the others' next quorum (up to quorum_every
+    # steps), and with 100 ms the first of them to come would form a quorum without the rest.
+    # A dead replica is not waited for: it stops heartbeating (1 s here) and no longer counts.
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=60_000
+    )
     address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "faccel", "torchft", "tests.distributed.ft_workers"])
-    kwargs = {"lighthouse": address, "out": out, "dataset_size": dataset_size, "batch_size": batch_size}
+    kwargs = {
+        "lighthouse": address,
+        "out": out,
+        "dataset_size": dataset_size,
+        "batch_size": batch_size,
+        "quorum_every": quorum_every,
+    }
     write_gate(out, 0)
 
     def top() -> int:
@@ -285,7 +305,13 @@ def kill_run(
 
 
 def check_run(
-    out: str, run: dict[str, Any], *, replicas: int = 3, dataset_size: int = 96, batch_size: int = 4
+    out: str,
+    run: dict[str, Any],
+    *,
+    replicas: int = 3,
+    dataset_size: int = 96,
+    batch_size: int = 4,
+    quorum_every: int = 1,
 ) -> dict[str, Any]:
     """The run's laws, checked; returns figures for a report. Raises AssertionError on a broken one."""
     from safetensors.torch import load_file
@@ -300,10 +326,15 @@ def check_run(
         for line in replica_lines:
             if "step" not in line:
                 continue
-            key = {k: line[k] for k in ("participants", "epoch", "consumed", "weights")}
+            key = {k: line[k] for k in ("participants", "epoch", "consumed", "weights", "fresh")}
             seen = by_step.setdefault(line["step"], key)
             assert seen == key, f"step {line['step']}: replicas disagree: {seen} vs {key}"
     assert sorted(by_step) == list(range(steps)), f"committed steps {sorted(by_step)}"
+    # A quorum began at most every quorum_every committed steps: no longer run of steps without.
+    fresh = [s for s in range(steps) if by_step[s]["fresh"]]
+    assert fresh and fresh[0] == 0, f"the first step asked for no quorum: {fresh[:3]}"
+    gaps = [b - a for a, b in zip(fresh, [*fresh[1:], steps], strict=True)]
+    assert max(gaps) <= quorum_every, f"{max(gaps)} steps without a quorum, quorum_every={quorum_every}"
     # Survivors never stopped: a replica never killed committed every step, in one process.
     killed = {kill["replica"] for kill in run["kills"]}
     for replica in set(range(replicas)) - killed:
@@ -367,6 +398,7 @@ def check_run(
         "kills": len(run["kills"]),
         "heals": len(healed_later),
         "quorum_sizes": sorted({by_step[s]["participants"] for s in by_step}),
+        "quorums": len(fresh),
         "epochs_complete": last_epoch,
         "steps": steps,
     }
