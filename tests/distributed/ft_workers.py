@@ -104,8 +104,16 @@ def replica_main(
                 break
             quorum = replica_quorum(ft, state)
             if quorum.fresh and os.environ.get("FT_DEBUG"):
-                print("QUORUM", replica, quorum.state.step, quorum.quorum_id, quorum.participants,
-                      quorum.failed, time.time(), flush=True)
+                print(
+                    "QUORUM",
+                    replica,
+                    quorum.state.step,
+                    quorum.quorum_id,
+                    quorum.participants,
+                    quorum.failed,
+                    time.time(),
+                    flush=True,
+                )
             before = digest(model)
             if quorum.healed:
                 lines.write(
