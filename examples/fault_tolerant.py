@@ -28,7 +28,7 @@ from torch import nn
 
 import faccel
 
-SAMPLES, BATCH = 512, 16
+SAMPLES, BATCH, REPLICAS = 512, 16, 3
 
 
 def replica(number: int, lighthouse: str, steps: int, quorum_every: int) -> None:
@@ -48,7 +48,12 @@ def replica(number: int, lighthouse: str, steps: int, quorum_every: int) -> None
         batch_size=BATCH,
         quorum_every=quorum_every,  # 1: a quorum every step; more: every that many steps
     )
-    while state.step < steps:
+    # A job ends at `steps`. This demonstration goes on past it until all three replicas are in
+    # the quorum again, so that it ends with all three (the survivors can reach `steps` before the
+    # restarted replica is back): the members of a quorum see the same count at the same step,
+    # so they stop together.
+    participants = 0
+    while state.step < steps or participants < REPLICAS:
         quorum = faccel.replica_quorum(ft, state)  # a replica behind heals here
         if quorum.healed:
             print(f"replica {number}: healed from a live peer at step {quorum.state.step}", flush=True)
@@ -57,6 +62,7 @@ def replica(number: int, lighthouse: str, steps: int, quorum_every: int) -> None
             loss = nn.functional.mse_loss(model(inputs[rows]), targets[rows])
             loss.backward()
         state = faccel.replica_commit(ft, quorum)  # the step, or nothing if a replica failed in it
+        participants = quorum.participants
         if state.step % 100 == 0 and state.step > quorum.state.step:
             print(f"replica {number}: step {state.step}, {quorum.participants} replicas", flush=True)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))

@@ -217,8 +217,11 @@ def test_the_fault_tolerant_example_ends_with_equal_weights_on_every_replica(quo
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    digests = set(re.findall(r"done at step 600, weights (\w+)", done.stdout))
-    assert len(digests) == 1 and done.stdout.count("done at step 600") == 3, done.stdout[-3000:]
+    # All three end at one step (600, or later when the restarted one came back after the others
+    # reached it: the example goes on until all three are in the quorum) with equal weights.
+    ends = set(re.findall(r"done at step (\d+), weights (\w+)", done.stdout))
+    assert done.stdout.count("done at step") == 3 and len(ends) == 1, done.stdout[-3000:]
+    assert int(ends.pop()[0]) >= 600, done.stdout[-3000:]
     # Healed after the kill (a heal at step 0 is the start's own sync from replica 0).
     assert re.search(r"replica 2: healed from a live peer at step [1-9]", done.stdout), done.stdout[-3000:]
 
