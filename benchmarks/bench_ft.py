@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import FACCEL, Row, interleave, per_call, rank_env, rows, run_ranks
 
@@ -57,6 +58,27 @@ def unavailable() -> str | None:
     return None
 
 
+def replica(rank: int, every: int, lighthouse: str) -> tuple[Any, Any, Any, Any]:
+    """One fault-tolerant replica of the small MLP: its own DistState, handle, model and state."""
+    import faccel
+    from benchmarks.bench_step import _parts
+
+    model, optimizer, scheduler = _parts(SIZES)
+    state = faccel.TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler)
+    dist = faccel.DistState(seed=0)
+    ft = faccel.fault_tolerant(
+        dist,
+        state,
+        replica=rank,
+        lighthouse=lighthouse,
+        dataset_size=EPOCH,
+        batch_size=BATCH,
+        host="127.0.0.1",
+        quorum_every=every,
+    )
+    return dist, ft, model, state
+
+
 def _step_worker(rank: int, port: int, plan: tuple[int, int, tuple[str, str]], out: str) -> None:
     os.environ.update(rank_env(rank, port, WORLD))
     import torch
@@ -85,20 +107,8 @@ def _step_worker(rank: int, port: int, plan: tuple[int, int, tuple[str, str]], o
     handles = []
 
     def ft_subject(every: int, lighthouse: str):  # type: ignore[no-untyped-def]
-        ft_model, ft_optimizer, ft_scheduler = _parts(SIZES)
-        state = faccel.TrainState.create(model=ft_model, optimizer=ft_optimizer, scheduler=ft_scheduler)
-        ft_dist = faccel.DistState(seed=0)
+        ft_dist, ft, ft_model, state = replica(rank, every, lighthouse)
         handles.append(ft_dist)
-        ft = faccel.fault_tolerant(
-            ft_dist,
-            state,
-            replica=rank,
-            lighthouse=lighthouse,
-            dataset_size=EPOCH,
-            batch_size=BATCH,
-            host="127.0.0.1",
-            quorum_every=every,
-        )
         held = {"state": state}
 
         def ft_step() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `python benchmarks/...py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_ft import BATCH, EPOCH, EVERY, SIZES, WORLD
+from benchmarks.bench_ft import BATCH, EVERY, SIZES, WORLD, replica
 from benchmarks.common import rank_env, run_ranks
 
 
@@ -54,19 +54,8 @@ def _worker(rank: int, port: int, plan: tuple[int, tuple[str, str]], out: str) -
     handles = []
     loops: dict[str, Any] = {}
     for every, lighthouse in zip((1, EVERY), lighthouses, strict=True):
-        ft_model, ft_optimizer, ft_scheduler = _parts(SIZES)
-        state = faccel.TrainState.create(model=ft_model, optimizer=ft_optimizer, scheduler=ft_scheduler)
-        handles.append(faccel.DistState(seed=0))
-        ft = faccel.fault_tolerant(
-            handles[-1],
-            state,
-            replica=rank,
-            lighthouse=lighthouse,
-            dataset_size=EPOCH,
-            batch_size=BATCH,
-            host="127.0.0.1",
-            quorum_every=every,
-        )
+        ft_dist, ft, ft_model, state = replica(rank, every, lighthouse)
+        handles.append(ft_dist)
         loops[f"quorum_every={every}"] = (ft, ft_model, {"state": state})
 
     for _ in range(3):
